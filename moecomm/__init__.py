@@ -1,0 +1,31 @@
+"""moecomm: variable-length collectives for Mixture-of-Experts models.
+
+Quick start::
+
+    import moecomm
+    comm = moecomm.init()                       # mpirun / torchrun / single process
+    out, recv_splits = comm.all_to_all_v(x, send_splits)
+"""
+
+from ._version import __version__
+from .communicator import SUPPORTED_DTYPES, Communicator, Work
+from .errors import CommunicatorClosedError, CountMismatchError, MoeCommError
+from .init import BACKENDS, default_communicator, init, set_default_communicator
+from .layout import Layout
+from .pool import PoolStats
+
+__all__ = [
+    "__version__",
+    "init",
+    "default_communicator",
+    "set_default_communicator",
+    "Communicator",
+    "Work",
+    "Layout",
+    "PoolStats",
+    "BACKENDS",
+    "SUPPORTED_DTYPES",
+    "MoeCommError",
+    "CommunicatorClosedError",
+    "CountMismatchError",
+]

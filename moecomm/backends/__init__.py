@@ -1,0 +1,1 @@
+"""Transports under a Communicator: mpi (mpi4py), nccl (nccl4py), torch (torch.distributed)."""

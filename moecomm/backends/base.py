@@ -1,0 +1,101 @@
+"""What every backend provides: byte-level collectives that return a pollable request."""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["Request", "DoneRequest", "Backend", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "max", "min", "prod")
+
+
+class Request(abc.ABC):
+    """One operation in flight. ``test`` never blocks."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """True once the operation has completed (on the host for CPU, on the GPU for NCCL)."""
+
+    def join(self) -> None:
+        """Order the caller's current CUDA stream after the operation (no-op on CPU)."""
+
+
+class DoneRequest(Request):
+    """A request that completed when it was made (for example, nothing to send)."""
+
+    def test(self) -> bool:
+        return True
+
+
+class Backend(abc.ABC):
+    """The transport under a :class:`moecomm.Communicator`.
+
+    Tensors handed to a backend are contiguous and already validated. Row counts are in
+    rows of ``row_bytes`` bytes each. A backend must keep every tensor of a request alive
+    until the request completes.
+    """
+
+    name: str
+    rank: int
+    size: int
+    device: torch.device
+    stream_ordered: bool = False
+    """True where completion is ordered on a CUDA stream (NCCL): ``join`` suffices to use results."""
+
+    @abc.abstractmethod
+    def alltoallv(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv: torch.Tensor,
+        recv_counts: Sequence[int],
+        row_bytes: int,
+    ) -> Request:
+        """Send ``send_counts[p]`` rows to each peer ``p``, receive ``recv_counts[p]`` from each."""
+
+    @abc.abstractmethod
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Request:
+        """Equal blocks of ``send.numel() // size`` elements to each peer (used for counts)."""
+
+    @abc.abstractmethod
+    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, recv_counts: Sequence[int], row_bytes: int) -> Request:
+        """``recv`` holds every rank's ``send`` rows in rank order, ``recv_counts[p]`` rows from ``p``."""
+
+    def copy_to_host(self, src: torch.Tensor, dst: torch.Tensor) -> Request:
+        """Copy ``src`` (on :attr:`device`) into host tensor ``dst`` after the operations issued so far."""
+        dst.copy_(src)
+        return DoneRequest()
+
+    @abc.abstractmethod
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Request:
+        """``recv`` holds ``size`` copies of ``send``'s shape, in rank order."""
+
+    @abc.abstractmethod
+    def allreduce(self, tensor: torch.Tensor, op: str) -> Request:
+        """In-place reduction over all ranks; ``op`` is one of :data:`REDUCE_OPS`."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Request:
+        """In-place broadcast from ``root``."""
+
+    @abc.abstractmethod
+    def barrier(self) -> Request:
+        """Completes once every rank has entered the barrier."""
+
+    @abc.abstractmethod
+    def split(self, color: Optional[int], key: int) -> Optional["Backend"]:
+        """Collective: a backend over the ranks that passed the same ``color`` (None: no group)."""
+
+    def check_health(self) -> None:
+        """Raise if the backend has failed asynchronously (a watchdog timeout, say)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources; the caller guarantees nothing is in flight."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Tear down at once, abandoning operations in flight (their buffers stay referenced)."""

@@ -1,0 +1,149 @@
+"""The CPU backend: MPI through mpi4py, on CPU tensors, without copies.
+
+Tensors are handed to MPI as byte views of their own storage. Rows travel as one MPI
+contiguous datatype of ``row_bytes`` bytes, so counts stay in rows (no 2**31-byte limit)
+and every torch dtype (bfloat16, float8, bool) moves bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..splits import split_offsets
+from .base import Backend, Request
+
+__all__ = ["MpiBackend", "byte_view"]
+
+
+def byte_view(t: torch.Tensor) -> np.ndarray:
+    """A writable uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class _MpiRequest(Request):
+    __slots__ = ("_req", "_keep")
+
+    def __init__(self, req: Any, keep: tuple) -> None:
+        self._req = req
+        self._keep = keep
+
+    def test(self) -> bool:
+        if self._req is None:
+            return True
+        if self._req.Test():
+            self._req = None
+            self._keep = ()
+            return True
+        return False
+
+
+class MpiBackend(Backend):
+    name = "mpi"
+
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = comm.Dup()
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+        self.device = torch.device("cpu")
+        self._row_types: dict[int, Any] = {}  # explicit cache: row_bytes -> committed datatype
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The backend's own duplicate of the MPI communicator."""
+        return self._comm
+
+    def _row_type(self, row_bytes: int) -> Any:
+        dt = self._row_types.get(row_bytes)
+        if dt is None:
+            dt = self._MPI.BYTE.Create_contiguous(row_bytes).Commit()
+            self._row_types[row_bytes] = dt
+        return dt
+
+    def _mpi_type(self, dtype: torch.dtype) -> Any:
+        MPI = self._MPI
+        table = {
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+            torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T, torch.int16: MPI.INT16_T,
+            torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
+        }
+        if dtype not in table:
+            raise TypeError(f"the MPI backend cannot reduce dtype {dtype}")
+        return table[dtype]
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes) -> Request:
+        rt = self._row_type(row_bytes)
+        sd = split_offsets(list(send_counts))
+        rd = split_offsets(list(recv_counts))
+        sb, rb = byte_view(send), byte_view(recv)
+        req = self._comm.Ialltoallv([sb, (list(send_counts), sd), rt], [rb, (list(recv_counts), rd), rt])
+        return _MpiRequest(req, (send, recv, sb, rb))
+
+    def alltoall(self, send, recv) -> Request:
+        n = send.numel() * send.element_size() // self.size
+        rt = self._row_type(max(n, 1))
+        cnt = 1 if n else 0
+        sb, rb = byte_view(send), byte_view(recv)
+        req = self._comm.Ialltoall([sb, cnt, rt], [rb, cnt, rt])
+        return _MpiRequest(req, (send, recv, sb, rb))
+
+    def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
+        rt = self._row_type(row_bytes)
+        sb, rb = byte_view(send), byte_view(recv)
+        counts = list(recv_counts)
+        req = self._comm.Iallgatherv([sb, counts[self.rank], rt], [rb, (counts, split_offsets(counts)), rt])
+        return _MpiRequest(req, (send, recv, sb, rb))
+
+    def allgather(self, send, recv) -> Request:
+        n = send.numel() * send.element_size()
+        rt = self._row_type(max(n, 1))
+        cnt = 1 if n else 0
+        sb, rb = byte_view(send), byte_view(recv)
+        req = self._comm.Iallgather([sb, cnt, rt], [rb, cnt, rt])
+        return _MpiRequest(req, (send, recv, sb, rb))
+
+    def allreduce(self, tensor, op) -> Request:
+        MPI = self._MPI
+        mop = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}[op]
+        if tensor.dtype == torch.bool:
+            mop = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "prod": MPI.LAND}[op]
+        mt = self._mpi_type(tensor.dtype)
+        buf = byte_view(tensor)
+        req = self._comm.Iallreduce(MPI.IN_PLACE, [buf, tensor.numel(), mt], mop)
+        return _MpiRequest(req, (tensor, buf))
+
+    def broadcast(self, tensor, root) -> Request:
+        buf = byte_view(tensor)
+        req = self._comm.Ibcast([buf, buf.size, self._MPI.BYTE], root=root)
+        return _MpiRequest(req, (tensor, buf))
+
+    def barrier(self) -> Request:
+        return _MpiRequest(self._comm.Ibarrier(), ())
+
+    def split(self, color: Optional[int], key: int) -> Optional["MpiBackend"]:
+        sub = self._comm.Split(self._MPI.UNDEFINED if color is None else color, key)
+        if sub == self._MPI.COMM_NULL:
+            return None
+        backend = MpiBackend(sub)
+        sub.Free()
+        return backend
+
+    def close(self) -> None:
+        for dt in self._row_types.values():
+            dt.Free()
+        self._row_types.clear()
+        if self._comm != self._MPI.COMM_NULL:
+            self._comm.Free()
+            self._comm = self._MPI.COMM_NULL
+
+    def abort(self) -> None:
+        # MPI cannot cancel a collective in flight: the communicator is left allocated and
+        # its buffers referenced (by the requests the caller abandoned), so that late peers
+        # never write into freed memory.
+        self._comm = self._MPI.COMM_NULL
+

@@ -1,0 +1,267 @@
+"""The GPU backend: NCCL through nccl4py, on the communicator's own CUDA streams.
+
+Every operation runs on a dedicated high-priority stream that first waits for the caller's
+current stream; tensors used there are protected with ``record_stream``. Grouped
+send/recv are issued through nccl4py's raw Cython bindings (``nccl.bindings.nccl``), not
+its Python layer, which costs several microseconds per call. A watchdog thread aborts the
+NCCL communicator when an operation outlives the timeout, so that no GPU wait hangs forever.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+
+from .base import Backend, Request
+
+__all__ = ["NcclBackend", "nccl_available"]
+
+_UINT8 = 1
+_NCCL_DTYPES = {
+    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
+    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
+}
+_NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+
+
+def nccl_available() -> bool:
+    """True when CUDA is usable and nccl4py imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import nccl.core  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+class _EventRequest(Request):
+    __slots__ = ("event", "_device")
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event = event
+        self._device = device
+
+    def test(self) -> bool:
+        return self.event.query()
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self.event)
+
+
+class _Watchdog:
+    """Polls the events of operations in flight; aborts the communicator past a deadline."""
+
+    def __init__(self, backend: "NcclBackend", period_s: float = 0.05) -> None:
+        self._backend = backend
+        self._period = period_s
+        self._pending: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.failure: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="moecomm-nccl-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, event: torch.cuda.Event, op: str, timeout_s: float) -> None:
+        with self._lock:
+            self._pending.append((event, time.monotonic() + timeout_s, op, timeout_s))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            with self._lock:
+                while self._pending and self._pending[0][0].query():
+                    self._pending.popleft()
+                head = self._pending[0] if self._pending else None
+            if head is not None and time.monotonic() > head[1]:
+                self.failure = TimeoutError(
+                    f"moecomm: {head[2]} did not complete on the GPU within {head[3]:g} s on rank "
+                    f"{self._backend.rank}; the NCCL communicator was aborted"
+                )
+                self._backend.abort()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+
+class NcclBackend(Backend):
+    name = "nccl"
+    stream_ordered = True
+
+    def __init__(self, nccl_comm: Any, device: torch.device, timeout_s: float) -> None:
+        from nccl.bindings import nccl as raw
+
+        self._comm = nccl_comm
+        self._raw = raw
+        self._handle = raw.Comm(nccl_comm.ptr)
+        self.rank = int(nccl_comm.rank)
+        self.size = int(nccl_comm.nranks)
+        self.device = device
+        self.timeout_s = timeout_s
+        self.stream = torch.cuda.Stream(device, priority=-1)
+        self.copy_stream = torch.cuda.Stream(device, priority=-1)
+        self._watchdog = _Watchdog(self)
+        self._aborted = False
+
+    @classmethod
+    def create(cls, size: int, rank: int, unique_id: bytes, device: torch.device, timeout_s: float) -> "NcclBackend":
+        import nccl.core as nc
+
+        torch.cuda.set_device(device)
+        comm = nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(unique_id))
+        return cls(comm, device, timeout_s)
+
+    @staticmethod
+    def new_unique_id() -> bytes:
+        import nccl.core as nc
+
+        return bytes(nc.get_unique_id())
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._watchdog.failure is not None:
+            raise self._watchdog.failure
+
+    def _begin(self, *tensors: torch.Tensor) -> int:
+        self.check_health()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in tensors:
+            t.record_stream(self.stream)
+        return self.stream.cuda_stream
+
+    def _end(self, op: str) -> _EventRequest:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self._watchdog.watch(event, op, self.timeout_s)
+        return _EventRequest(event, self.device)
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes) -> Request:
+        h = self._begin(send, recv)
+        raw, comm, me = self._raw, self._handle, self.rank
+        sp, rp = send.data_ptr(), recv.data_ptr()
+        so = ro = 0
+        self_copy = None
+        raw.group_start()
+        try:
+            for peer in range(self.size):
+                sc = send_counts[peer] * row_bytes
+                rc = recv_counts[peer] * row_bytes
+                if peer == me:
+                    self_copy = (so, ro, sc)
+                else:
+                    if sc:
+                        raw.send(sp + so, sc, _UINT8, peer, comm, h)
+                    if rc:
+                        raw.recv(rp + ro, rc, _UINT8, peer, comm, h)
+                so += sc
+                ro += rc
+        finally:
+            raw.group_end()
+        if self_copy is not None and self_copy[2]:
+            # The rank's own block moves by a device copy on a second stream, beside NCCL.
+            s_off, r_off, n = self_copy
+            cs = self.copy_stream
+            cs.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(cs):
+                recv.reshape(-1).view(torch.uint8)[r_off:r_off + n].copy_(
+                    send.reshape(-1).view(torch.uint8)[s_off:s_off + n], non_blocking=True
+                )
+            send.record_stream(cs)
+            recv.record_stream(cs)
+            self.stream.wait_stream(cs)
+        return self._end("all_to_all_v")
+
+    def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
+        h = self._begin(send, recv)
+        raw, comm, me = self._raw, self._handle, self.rank
+        sp, rp = send.data_ptr(), recv.data_ptr()
+        mine = recv_counts[me] * row_bytes
+        offset = 0
+        raw.group_start()
+        try:
+            for peer in range(self.size):
+                n = recv_counts[peer] * row_bytes
+                if peer != me:
+                    if mine:
+                        raw.send(sp, mine, _UINT8, peer, comm, h)
+                    if n:
+                        raw.recv(rp + offset, n, _UINT8, peer, comm, h)
+                else:
+                    my_offset = offset
+                offset += n
+        finally:
+            raw.group_end()
+        if mine:
+            with torch.cuda.stream(self.stream):
+                recv.reshape(-1).view(torch.uint8)[my_offset:my_offset + mine].copy_(send.reshape(-1).view(torch.uint8))
+        return self._end("all_gather_v")
+
+    def copy_to_host(self, src, dst) -> Request:
+        dst.record_stream(self.stream) if dst.is_cuda else None
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        return self._end("copy of counts to the host")
+
+    def alltoall(self, send, recv) -> Request:
+        h = self._begin(send, recv)
+        n = send.numel() * send.element_size() // self.size
+        if n:
+            self._raw.allto_all(send.data_ptr(), recv.data_ptr(), n, _UINT8, self._handle, h)
+        return self._end("alltoall")
+
+    def allgather(self, send, recv) -> Request:
+        h = self._begin(send, recv)
+        n = send.numel() * send.element_size()
+        if n:
+            self._raw.all_gather(send.data_ptr(), recv.data_ptr(), n, _UINT8, self._handle, h)
+        return self._end("all_gather")
+
+    def allreduce(self, tensor, op) -> Request:
+        if tensor.dtype not in _NCCL_DTYPES:
+            raise TypeError(f"the NCCL backend cannot reduce dtype {tensor.dtype}")
+        h = self._begin(tensor)
+        if tensor.numel():
+            p = tensor.data_ptr()
+            self._raw.all_reduce(p, p, tensor.numel(), _NCCL_DTYPES[tensor.dtype], _NCCL_OPS[op], self._handle, h)
+        return self._end("allreduce")
+
+    def broadcast(self, tensor, root) -> Request:
+        h = self._begin(tensor)
+        n = tensor.numel() * tensor.element_size()
+        if n:
+            p = tensor.data_ptr()
+            self._raw.broadcast(p, p, n, _UINT8, root, self._handle, h)
+        return self._end("broadcast")
+
+    def barrier(self) -> Request:
+        token = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return self.allreduce(token, "sum")
+
+    def split(self, color: Optional[int], key: int) -> Optional["NcclBackend"]:
+        self.check_health()
+        torch.cuda.current_stream(self.device).synchronize()
+        sub = self._comm.split(color, key)
+        if color is None or not sub.ptr:
+            return None
+        return NcclBackend(sub, self.device, self.timeout_s)
+
+    def close(self) -> None:
+        self._watchdog.stop()
+        if not self._aborted:
+            self._comm.destroy()
+
+    def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        self._watchdog.stop()
+        self._comm.abort()

@@ -1,0 +1,583 @@
+"""The :class:`Communicator`: variable-length collectives over one backend."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from .backends.base import REDUCE_OPS, Backend, DoneRequest, Request
+from .errors import CommunicatorClosedError, CountMismatchError
+from .layout import Layout
+from .pool import PoolStats, StagingPool
+from .splits import Splits, check_split_total, normalize_splits
+
+__all__ = ["Communicator", "Work", "SUPPORTED_DTYPES"]
+
+
+def _float8_dtypes() -> tuple:
+    names = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    return tuple(getattr(torch, n) for n in names if hasattr(torch, n))
+
+
+SUPPORTED_DTYPES: frozenset = frozenset(
+    (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool) + _float8_dtypes()
+)
+"""Dtypes every collective moves (as raw bytes, so bit for bit)."""
+
+_DTYPE_CODES = {dt: i for i, dt in enumerate(sorted(SUPPORTED_DTYPES, key=str))}
+
+
+class Work:
+    """A collective in flight, returned by ``async_op=True``.
+
+    ``wait()`` returns the operation's result. On a GPU it orders the caller's current
+    stream after the collective without blocking the host (torch.distributed's semantics);
+    on the CPU it blocks until the data has arrived, at most ``timeout`` seconds.
+    """
+
+    __slots__ = ("_comm", "_request", "_op", "_result", "_done")
+
+    def __init__(self, comm: "Communicator", request: Request, op: str, result: Any) -> None:
+        self._comm = comm
+        self._request = request
+        self._op = op
+        self._result = result
+        self._done = False
+
+    def is_completed(self) -> bool:
+        """True once the data has arrived (never blocks)."""
+        return self._request.test()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Make the result usable and return it; ``timeout`` in seconds (default: the communicator's)."""
+        if not self._done:
+            self._comm._complete(self._request, self._op, timeout)
+            self._done = True
+        return self._result
+
+    def synchronize(self, timeout: Optional[float] = None) -> Any:
+        """Block the host until the data has arrived, on any backend; then as :meth:`wait`."""
+        self._comm._wait_host(self._request, self._op, timeout)
+        return self.wait(timeout)
+
+
+class Communicator:
+    """Variable-length collectives among ``size`` ranks, over MPI, NCCL or torch.distributed.
+
+    Made by :func:`moecomm.init` (or :meth:`split`); not constructed directly. Every method
+    is collective: all ranks of the communicator call it in the same order.
+
+    Attributes:
+        rank, size: this rank and the number of ranks.
+        backend: ``"mpi"``, ``"nccl"`` or ``"torch"``.
+        device: where tensors must live (``cpu`` or this rank's ``cuda:N``).
+        local_rank, local_size, node_rank, num_nodes: the node layout (from host names, or
+            from the ``local_size=`` override).
+        timeout: seconds any wait may last before the communicator is aborted.
+        validate: cross-check counts, dtypes and row shapes between ranks on every exchange.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        layout: Layout,
+        *,
+        timeout: float,
+        validate: bool,
+        pool: StagingPool,
+    ) -> None:
+        self._backend = backend
+        self.layout = layout
+        self.timeout = float(timeout)
+        self.validate = bool(validate)
+        self._pool = pool
+        self._closed: Optional[str] = None
+        self._abandoned: list[Request] = []
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._backend.rank
+
+    @property
+    def size(self) -> int:
+        return self._backend.size
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def device(self) -> torch.device:
+        return self._backend.device
+
+    @property
+    def local_rank(self) -> int:
+        return self.layout.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.layout.local_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.layout.node_rank
+
+    @property
+    def num_nodes(self) -> int:
+        return self.layout.num_nodes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def __repr__(self) -> str:
+        state = f", closed ({self._closed})" if self._closed else ""
+        return (
+            f"<moecomm.Communicator rank={self.rank}/{self.size} backend={self.backend} "
+            f"device={self.device} nodes={self.num_nodes}x{self.local_size}{state}>"
+        )
+
+    def pool_stats(self) -> PoolStats:
+        """Counters of the staging-buffer pool (bytes and hits/misses)."""
+        return self._pool.stats()
+
+    # -- the variable-length all-to-all -----------------------------------------------------
+
+    def all_to_all_v(
+        self,
+        input: torch.Tensor,
+        send_splits: Splits,
+        recv_splits: Optional[Splits] = None,
+        *,
+        async_op: bool = False,
+    ) -> Union[tuple[torch.Tensor, list[int]], Work]:
+        """Send rows of ``input`` to every rank, ``send_splits[p]`` rows to rank ``p``.
+
+        Args:
+            input: ``[N, *row_shape]`` on :attr:`device`, contiguous; rows grouped by
+                destination rank in rank order.
+            send_splits: ``size`` row counts summing to ``N``: a sequence of ints or a 1-D
+                integer tensor (on the CPU or on the GPU, as MoE code has them).
+            recv_splits: the ``size`` row counts this rank receives, if known; otherwise they
+                are exchanged first (one small all-to-all, the call then blocks the host
+                until the counts have arrived).
+            async_op: return a :class:`Work` whose ``wait()`` gives the result.
+
+        Returns:
+            ``(output, recv_splits)``: ``output`` is ``[sum(recv_splits), *row_shape]`` with
+            the rows from rank ``p`` in block ``p``; ``recv_splits`` a list of ints.
+        """
+        out, _, recv, request = self._start_all_to_all_v(input, send_splits, recv_splits)
+        return self._finish(request, "all_to_all_v", (out, recv), async_op)
+
+    def _start_all_to_all_v(
+        self, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits]
+    ) -> tuple[torch.Tensor, list[int], list[int], Request]:
+        """Validate, learn the counts and issue the exchange: (output, send, recv, request)."""
+        op = "all_to_all_v"
+        self._check_open(op)
+        x = self._check_tensor(input, "input", min_dim=1)
+        rows, row_shape = x.shape[0], tuple(x.shape[1:])
+        problem: Optional[str] = None
+        device_counts = (
+            recv_splits is None and isinstance(send_splits, torch.Tensor) and send_splits.device.type != "cpu"
+        )
+        if device_counts:
+            send, recv = self._exchange_counts(send_splits, "send_splits")
+            try:
+                check_split_total(send, rows, "send_splits", "input")
+                for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
+                    if any(v < 0 for v in vals):
+                        raise ValueError(f"{name} must be >= 0, got {vals}")
+            except ValueError as exc:
+                if not self.validate:
+                    self.abort()
+                    raise ValueError(f"{exc} (the communicator was aborted: peers had received the counts)") from None
+                problem = str(exc)
+        else:
+            send = normalize_splits(send_splits, "send_splits", self.size)
+            check_split_total(send, rows, "send_splits", "input")
+            if recv_splits is None:
+                send, recv = self._exchange_counts(send, "send_splits")
+            else:
+                recv = normalize_splits(recv_splits, "recv_splits", self.size)
+        if self.validate:
+            self._cross_check(op, send, recv, x.dtype, row_shape, problem)
+        out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+        request = self._alltoallv(x, send, out, recv)
+        return out, send, recv, request
+
+    def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int]) -> Request:
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        if row_bytes == 0 or (not any(send) and not any(recv)):
+            return self._backend.barrier() if self.size > 1 else DoneRequest()
+        return self._backend.alltoallv(x, send, out, recv, row_bytes)
+
+    # -- torch.distributed-compatible all-to-all --------------------------------------------
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Optional[Splits] = None,
+        input_split_sizes: Optional[Splits] = None,
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """``torch.distributed.all_to_all_single`` with its arguments and semantics.
+
+        ``output`` is filled in place; split sizes of ``None`` mean equal blocks along dim 0.
+        Returns a :class:`Work` (whose ``wait()`` returns True) when ``async_op``, else None.
+        """
+        op = "all_to_all_single"
+        self._check_open(op)
+        x = self._check_tensor(input, "input", min_dim=1)
+        y = self._check_tensor(output, "output", min_dim=1)
+        if y.dtype != x.dtype:
+            raise TypeError(f"output must have input's dtype {x.dtype}, got {y.dtype}")
+        if math.prod(y.shape[1:]) != math.prod(x.shape[1:]):
+            raise ValueError(
+                f"output rows must hold as many elements as input rows ({math.prod(x.shape[1:])}, "
+                f"input shape {tuple(x.shape)}), got output shape {tuple(y.shape)}"
+            )
+        send = self._split_sizes(input_split_sizes, x, "input_split_sizes", "input")
+        recv = self._split_sizes(output_split_sizes, y, "output_split_sizes", "output")
+        if self.validate:
+            self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
+        request = self._alltoallv(x, send, y, recv)
+        return self._finish(request, op, True, async_op) if async_op else self._finish(request, op, None, False)
+
+    def all_to_all(
+        self,
+        output_tensor_list: Sequence[torch.Tensor],
+        input_tensor_list: Sequence[torch.Tensor],
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """``torch.distributed.all_to_all``: ``input_tensor_list[p]`` goes to rank ``p``,
+        ``output_tensor_list[p]`` is filled from rank ``p``; any shapes, one dtype."""
+        op = "all_to_all"
+        self._check_open(op)
+        for name, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
+            if not isinstance(lst, (list, tuple)) or len(lst) != self.size:
+                raise ValueError(f"{name} must be a list of {self.size} tensors (one per rank), got {type(lst).__name__}"
+                                 + (f" of length {len(lst)}" if isinstance(lst, (list, tuple)) else ""))
+        ins = [self._check_tensor(t, f"input_tensor_list[{i}]", min_dim=0) for i, t in enumerate(input_tensor_list)]
+        outs = [self._check_tensor(t, f"output_tensor_list[{i}]", min_dim=0) for i, t in enumerate(output_tensor_list)]
+        dtype = ins[0].dtype
+        for i, t in enumerate(ins + outs):
+            if t.dtype != dtype:
+                name = f"input_tensor_list[{i}]" if i < self.size else f"output_tensor_list[{i - self.size}]"
+                raise TypeError(f"{name} must have dtype {dtype} like input_tensor_list[0], got {t.dtype}")
+        esize = ins[0].element_size()
+        send = [t.numel() * esize for t in ins]
+        recv = [t.numel() * esize for t in outs]
+        if self.validate:
+            self._cross_check(op, send, recv, torch.uint8, (1,), None)
+        packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
+            torch.empty(0, dtype=torch.uint8, device=self.device)
+        landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
+        request = self._alltoallv(packed, send, landing, recv)
+
+        def unpack() -> None:
+            offset = 0
+            for t, n in zip(outs, recv):
+                t.reshape(-1).view(torch.uint8).copy_(landing[offset:offset + n])
+                offset += n
+
+        return self._finish(request, op, True if async_op else None, async_op, then=unpack)
+
+    # -- other collectives ------------------------------------------------------------------
+
+    def all_gather_v(self, input: torch.Tensor, *, async_op: bool = False) -> Union[tuple[torch.Tensor, list[int]], Work]:
+        """Concatenate every rank's ``input`` (``[N_r, *row_shape]``, ``N_r`` may differ) in rank order.
+
+        Returns ``(output, sizes)`` with ``output`` of ``[sum(sizes), *row_shape]`` and
+        ``sizes[r] = N_r``. The row counts are gathered first (the call blocks the host for them).
+        """
+        op = "all_gather_v"
+        self._check_open(op)
+        x = self._check_tensor(input, "input", min_dim=1)
+        row_shape = tuple(x.shape[1:])
+        sizes = self._gather_ints([x.shape[0], _DTYPE_CODES[x.dtype], hash(row_shape) & 0x7FFFFFFF], op)
+        for r, (_, code, shape_hash) in enumerate(sizes):
+            if code != _DTYPE_CODES[x.dtype] or shape_hash != hash(row_shape) & 0x7FFFFFFF:
+                raise CountMismatchError(
+                    f"all_gather_v: rank {r} passed a different dtype or row shape than rank {self.rank} "
+                    f"({x.dtype}, rows of {row_shape})"
+                )
+        counts = [s[0] for s in sizes]
+        out = torch.empty((sum(counts),) + row_shape, dtype=x.dtype, device=x.device)
+        row_bytes = math.prod(row_shape) * x.element_size()
+        if row_bytes == 0 or not any(counts):
+            request: Request = DoneRequest()
+        else:
+            request = self._backend.allgatherv(x, out, counts, row_bytes)
+        return self._finish(request, op, (out, counts), async_op)
+
+    def allreduce(self, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False) -> Optional[Work]:
+        """In-place reduction over all ranks (``op``: "sum", "max", "min", "prod" or a
+        ``torch.distributed.ReduceOp``). float16/bfloat16 are reduced in float32 on MPI."""
+        name = "allreduce"
+        self._check_open(name)
+        t = self._check_tensor(tensor, "tensor", min_dim=0)
+        op_name = _reduce_op_name(op)
+        work_tensor = t
+        if self.backend == "mpi" and t.dtype in (torch.float16, torch.bfloat16):
+            work_tensor = t.float()
+        if t.dtype.is_complex or t.dtype in _float8_dtypes():
+            raise TypeError(f"tensor: allreduce does not support dtype {t.dtype}")
+        request = self._backend.allreduce(work_tensor, op_name)
+        then = (lambda: t.copy_(work_tensor)) if work_tensor is not t else None
+        return self._finish(request, name, True if async_op else None, async_op, then=then)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
+        """In-place broadcast of ``tensor`` from rank ``src``."""
+        name = "broadcast"
+        self._check_open(name)
+        t = self._check_tensor(tensor, "tensor", min_dim=0)
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.size:
+            raise ValueError(f"src must be a rank in [0, {self.size}), got {src!r}")
+        request = self._backend.broadcast(t, src)
+        return self._finish(request, name, True if async_op else None, async_op)
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier (at most ``timeout`` seconds)."""
+        self._check_open("barrier")
+        self._wait_host(self._backend.barrier(), "barrier", None)
+
+    def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
+        """Collective: a sub-communicator of the ranks that pass the same ``color``.
+
+        Ranks are ordered by ``key``, then by rank here. ``color=None`` joins no group and
+        returns None. The sub-communicator keeps this one's timeout, validation and pool.
+        """
+        self._check_open("split")
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
+            raise ValueError(f"color must be a non-negative int or None, got {color!r}")
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise TypeError(f"key must be an int, got {key!r}")
+        table = self._gather_ints([-1 if color is None else color, key], "split")
+        sub_backend = self._backend.split(color, key)
+        if color is None:
+            return None
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
+        layout = self.layout.subset(members.index(self.rank), members)
+        return Communicator(sub_backend, layout, timeout=self.timeout, validate=self.validate, pool=self._pool)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the communicator (collective on NCCL). Idempotent."""
+        if self._closed is None:
+            self._closed = "closed"
+            self._backend.close()
+
+    def abort(self) -> None:
+        """Tear the communicator down at once; collectives in flight are abandoned."""
+        if self._closed is None or self._closed == "closed":
+            self._closed = "aborted"
+            self._backend.abort()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_open(self, op: str) -> None:
+        if self._closed is not None:
+            raise CommunicatorClosedError(f"moecomm: cannot run {op}: the communicator is {self._closed}")
+        try:
+            self._backend.check_health()
+        except TimeoutError:
+            self._closed = "aborted"
+            raise
+
+    def _check_tensor(self, t: Any, name: str, *, min_dim: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has unsupported dtype {t.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
+        if t.dim() < min_dim:
+            raise ValueError(f"{name} must have at least {min_dim} dimension(s) (rows along dim 0), got shape {tuple(t.shape)}")
+        dev = self.device
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
+            raise ValueError(f"{name} must be on {dev} (the communicator's device), got a tensor on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()} for shape {tuple(t.shape)}")
+        return t
+
+    def _split_sizes(self, splits: Optional[Splits], t: torch.Tensor, name: str, tensor_name: str) -> list[int]:
+        if splits is None:
+            if t.shape[0] % self.size:
+                raise ValueError(
+                    f"{name} is None, so {tensor_name} must split into {self.size} equal blocks, "
+                    f"but its dim 0 is {t.shape[0]}"
+                )
+            return [t.shape[0] // self.size] * self.size
+        values = normalize_splits(splits, name, self.size)
+        check_split_total(values, t.shape[0], name, tensor_name)
+        return values
+
+    def _staging(self, count: int, dtype: torch.dtype, *, host: bool) -> torch.Tensor:
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        dev = torch.device("cpu") if host else self.device
+        pinned = host and self.device.type == "cuda"
+        return self._pool.take(nbytes, dev, id(self._backend), pinned=pinned).view(dtype)
+
+    def _unstage(self, buf: torch.Tensor, *, host: bool) -> None:
+        dev = torch.device("cpu") if host else self.device
+        self._pool.give(buf, dev, id(self._backend), pinned=host and self.device.type == "cuda")
+
+    def _exchange_counts(self, send_splits: Union[torch.Tensor, list[int]], name: str) -> tuple[list[int], list[int]]:
+        """One all-to-all of row counts; returns (send, recv) as host lists."""
+        w = self.size
+        dev = self._staging(2 * w, torch.int64, host=False)
+        if isinstance(send_splits, torch.Tensor):
+            if send_splits.dtype.is_floating_point or send_splits.dtype == torch.bool or send_splits.dtype.is_complex:
+                raise TypeError(f"{name} must be an integer tensor, got dtype {send_splits.dtype}")
+            if send_splits.shape != (w,):
+                raise ValueError(f"{name} must be 1-D with {w} entries, got shape {tuple(send_splits.shape)}")
+            dev[:w].copy_(send_splits, non_blocking=True)
+        else:
+            dev[:w].copy_(torch.tensor(send_splits, dtype=torch.int64), non_blocking=False)
+        if w == 1:
+            dev[w:].copy_(dev[:w])
+            request: Request = DoneRequest()
+        else:
+            request = self._backend.alltoall(dev[:w], dev[w:])
+        if self.device.type == "cuda":
+            host = self._staging(2 * w, torch.int64, host=True)
+            request = self._backend.copy_to_host(dev, host)
+        else:
+            host = dev
+        self._wait_host(request, "all_to_all_v (count exchange)", None)
+        values = host.tolist()
+        if host is not dev:
+            self._unstage(host, host=True)
+        self._unstage(dev, host=False)
+        return values[:w], values[w:]
+
+    def _gather_ints(self, values: list[int], op: str) -> list[list[int]]:
+        """All-gather a short list of ints from every rank (blocks the host)."""
+        n = len(values)
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        table = torch.empty(self.size * n, dtype=torch.int64, device=self.device)
+        self._wait_host(self._backend.allgather(mine, table), f"{op} (metadata)", None)
+        flat = table.tolist()
+        return [flat[r * n:(r + 1) * n] for r in range(self.size)]
+
+    def _cross_check(self, op: str, send: list[int], recv: list[int], dtype: torch.dtype,
+                     row_shape: tuple, problem: Optional[str]) -> None:
+        """validate=True: every rank compares its counts with its peers' and all raise together."""
+        w = self.size
+        shape_code = hash(tuple(row_shape)) & 0x7FFFFFFF
+        table = self._gather_ints(
+            [0 if problem is None else 1, _DTYPE_CODES.get(dtype, -1), shape_code] + list(send) + list(recv), op
+        )
+        issues: list[str] = []
+        for r, row in enumerate(table):
+            if row[0]:
+                issues.append(f"rank {r} passed invalid arguments" + (f": {problem}" if r == self.rank else ""))
+        ref = table[0]
+        for r, row in enumerate(table):
+            if row[1] != ref[1] or row[2] != ref[2]:
+                issues.append(f"rank {r} passed a different dtype or row shape than rank 0 (rank {self.rank} has {dtype}, rows {tuple(row_shape)})")
+        for src in range(w):
+            for dst in range(w):
+                sent = table[src][3 + dst]
+                expected = table[dst][3 + w + src]
+                if sent != expected:
+                    issues.append(f"rank {src} sends {sent} rows to rank {dst}, which expects {expected}")
+        if issues:
+            shown = "; ".join(issues[:8]) + (f"; and {len(issues) - 8} more" if len(issues) > 8 else "")
+            raise CountMismatchError(f"moecomm: {op} (validate=True) found ranks that disagree: {shown}")
+
+    def _finish(self, request: Request, op: str, result: Any, async_op: bool,
+                then: Optional[Callable[[], Any]] = None) -> Any:
+        if then is not None:
+            request = _ThenRequest(request, then, self._backend.stream_ordered)
+        if async_op:
+            return Work(self, request, op, result)
+        self._complete(request, op, None)
+        return result
+
+    def _complete(self, request: Request, op: str, timeout: Optional[float]) -> None:
+        """Make the results usable: on a GPU order the current stream, else wait on the host."""
+        if self._backend.stream_ordered:
+            request.join()
+        else:
+            self._wait_host(request, op, timeout)
+
+    def _wait_host(self, request: Request, op: str, timeout: Optional[float]) -> None:
+        limit = self.timeout if timeout is None else float(timeout)
+        if request.test():
+            return
+        start = time.monotonic()
+        deadline = start + limit
+        pause = 0.0
+        while not request.test():
+            now = time.monotonic()
+            if now > deadline:
+                self._abandoned.append(request)
+                self.abort()
+                raise TimeoutError(
+                    f"moecomm: {op} did not complete within {limit:g} s on rank {self.rank} "
+                    f"(backend {self.backend}); the communicator was aborted"
+                )
+            self._check_open(op)
+            # Spin for the first 100 us, then back off to 1 ms sleeps so that
+            # oversubscribed ranks leave the cores to their peers.
+            if now - start > 1e-4:
+                pause = min(1e-3, pause * 2 if pause else 1e-5)
+                time.sleep(pause)
+
+
+class _ThenRequest(Request):
+    """Runs ``then`` once the inner request is usable (for unpacking into user tensors)."""
+
+    __slots__ = ("_inner", "_then", "_stream_ordered")
+
+    def __init__(self, inner: Request, then: Callable[[], Any], stream_ordered: bool) -> None:
+        self._inner = inner
+        self._then = then
+        self._stream_ordered = stream_ordered
+
+    def _run_then(self) -> None:
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+    def test(self) -> bool:
+        done = self._inner.test()
+        if done and not self._stream_ordered:
+            self._run_then()
+        return done
+
+    def join(self) -> None:
+        self._inner.join()
+        self._run_then()
+
+
+def _reduce_op_name(op: Any) -> str:
+    if isinstance(op, str):
+        if op.lower() in REDUCE_OPS:
+            return op.lower()
+        raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")
+    import torch.distributed as dist
+
+    table = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "prod"}
+    for k, v in table.items():
+        if op == k:
+            return v
+    raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")

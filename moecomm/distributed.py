@@ -1,0 +1,65 @@
+"""Drop-in replacements for ``torch.distributed``'s all-to-all calls.
+
+Swap ``import torch.distributed as dist`` for ``import moecomm.distributed as dist`` for
+these calls: the arguments, their order, and ``async_op`` mean exactly what they mean there.
+``group`` may be None (the default communicator of :func:`moecomm.init`), a
+:class:`moecomm.Communicator`, or a torch ``ProcessGroup``; a communicator bound to a
+process group is made on first use (a collective call on that group) and kept.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .communicator import Communicator, Work
+from .init import default_communicator, init
+from .splits import Splits
+
+__all__ = ["all_to_all_single", "all_to_all", "communicator_for"]
+
+_bound: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
+"""Explicit cache: the communicator made for each torch ProcessGroup."""
+
+
+def communicator_for(group: Any = None) -> Communicator:
+    """The communicator that ``group`` means (see the module docstring)."""
+    if group is None:
+        return default_communicator()
+    if isinstance(group, Communicator):
+        return group
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        comm = _bound.get(group)
+        if comm is None or comm.closed:
+            comm = init(process_group=group, set_default=False)
+            _bound[group] = comm
+        return comm
+    raise TypeError(f"group must be None, a moecomm.Communicator or a torch ProcessGroup, got {type(group).__name__}")
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Optional[Splits] = None,
+    input_split_sizes: Optional[Splits] = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """``torch.distributed.all_to_all_single``: same arguments, same semantics."""
+    return communicator_for(group).all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, async_op=async_op
+    )
+
+
+def all_to_all(
+    output_tensor_list: Sequence[torch.Tensor],
+    input_tensor_list: Sequence[torch.Tensor],
+    group: Any = None,
+    async_op: bool = False,
+) -> Optional[Work]:
+    """``torch.distributed.all_to_all``: same arguments, same semantics."""
+    return communicator_for(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)

@@ -1,0 +1,47 @@
+"""Differentiable collectives: gradients flow back along the reversed exchange."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .communicator import Communicator
+from .init import default_communicator
+from .splits import Splits
+
+__all__ = ["all_to_all_v"]
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, comm, send_splits, recv_splits, counts_out):  # type: ignore[override]
+        output, send, recv, request = comm._start_all_to_all_v(input, send_splits, recv_splits)
+        comm._complete(request, "all_to_all_v", None)
+        ctx.comm, ctx.send, ctx.recv = comm, send, recv
+        counts_out.append(recv)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        # What arrived goes back where it came from; both sides' counts are known already.
+        grad_input, _ = ctx.comm.all_to_all_v(grad_output.contiguous(), ctx.recv, ctx.send)
+        return grad_input, None, None, None, None
+
+
+def all_to_all_v(
+    input: torch.Tensor,
+    send_splits: Splits,
+    recv_splits: Optional[Splits] = None,
+    *,
+    comm: Optional[Communicator] = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Differentiable :meth:`Communicator.all_to_all_v` (the default communicator if ``comm`` is None).
+
+    Returns ``(output, recv_splits)``. The backward pass sends ``grad_output`` back along the
+    reversed splits (no count exchange), so each input row's gradient is that of the row it became.
+    """
+    comm = default_communicator() if comm is None else comm
+    counts: list[list[int]] = []
+    output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts)
+    return output, counts[0]

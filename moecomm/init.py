@@ -1,0 +1,186 @@
+"""``moecomm.init``: make a :class:`Communicator` for however this process was launched."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Optional, Union
+
+import torch
+
+from . import env
+from .communicator import Communicator
+from .launch import detect_launcher, host_name, mpi_exchange, mpi_world
+from .layout import Layout
+from .pool import StagingPool
+
+__all__ = ["init", "default_communicator", "set_default_communicator", "BACKENDS"]
+
+BACKENDS = ("auto", "mpi", "nccl", "torch")
+
+_default: dict[str, Communicator] = {}  # explicit registry: the communicator ``group=None`` means
+
+
+def default_communicator() -> Communicator:
+    """The communicator made by the last :func:`init` with ``set_default=True``."""
+    comm = _default.get("default")
+    if comm is None or comm.closed:
+        raise RuntimeError("moecomm: no default communicator: call moecomm.init() first (or pass one explicitly)")
+    return comm
+
+
+def set_default_communicator(comm: Optional[Communicator]) -> None:
+    """Make ``comm`` what ``group=None`` means in :mod:`moecomm.distributed` (None clears it)."""
+    if comm is None:
+        _default.pop("default", None)
+    elif not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a moecomm.Communicator or None, got {type(comm).__name__}")
+    else:
+        _default["default"] = comm
+
+
+def _seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
+    if timeout is None:
+        return env.default_timeout()
+    if isinstance(timeout, datetime.timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise TypeError(f"timeout must be seconds (float) or a datetime.timedelta, got {timeout!r}")
+    if not value > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {value}")
+    return value
+
+
+def init(
+    backend: Optional[str] = None,
+    *,
+    process_group: Any = None,
+    device: Union[None, int, str, torch.device] = None,
+    timeout: Union[None, float, datetime.timedelta] = None,
+    validate: Optional[bool] = None,
+    local_size: Optional[int] = None,
+    pool_bytes: Optional[int] = None,
+    set_default: bool = True,
+) -> Communicator:
+    """Create a communicator over every rank of this launch (or of ``process_group``).
+
+    Args:
+        backend: ``"auto"`` (NCCL where CUDA and nccl4py are available, else MPI under an
+            MPI launcher or a single process, else torch.distributed/gloo under torchrun),
+            ``"mpi"``, ``"nccl"`` or ``"torch"``. Default: ``$MOECOMM_BACKEND`` or "auto".
+        process_group: an initialized torch.distributed group to build on (same ranks). An
+            NCCL group gets an nccl4py communicator bootstrapped through it; any other group
+            runs the collectives through torch.distributed (``backend="torch"``).
+        device: the CUDA device for NCCL (default: ``cuda:local_rank``).
+        timeout: seconds (or a timedelta) any wait may last before the communicator is
+            aborted and ``TimeoutError`` raised. Default: ``$MOECOMM_TIMEOUT`` or 600.
+        validate: cross-check counts between ranks on every exchange. Default:
+            ``$MOECOMM_VALIDATE`` or False.
+        local_size: ranks per node, overriding host-name discovery (tests, simulations).
+        pool_bytes: staging-pool capacity in bytes. Default: ``$MOECOMM_POOL_BYTES`` or 256 MiB.
+        set_default: make it the communicator that ``group=None`` means.
+    """
+    backend = env.default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    timeout_s = _seconds(timeout)
+    validate = env.default_validate() if validate is None else bool(validate)
+    pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else int(pool_bytes))
+
+    if process_group is not None:
+        backend_obj, hosts, rank = _from_process_group(process_group, backend, device, timeout_s)
+    else:
+        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size)
+    layout = (
+        Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
+        else Layout.from_hosts(rank, hosts)
+    )
+    comm = Communicator(backend_obj, layout, timeout=timeout_s, validate=validate, pool=pool)
+    if set_default:
+        set_default_communicator(comm)
+    return comm
+
+
+def _cuda_device(device: Union[None, int, str, torch.device], local_rank: int) -> torch.device:
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("moecomm: backend 'nccl' needs a CUDA device, and none is available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cuda":
+        raise ValueError(f"device must be a CUDA device for backend 'nccl', got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    return dev
+
+
+def _local_rank(rank: int, hosts: list[str], local_size: Optional[int]) -> int:
+    if local_size is not None:
+        return rank % local_size
+    return Layout.from_hosts(rank, hosts).local_rank
+
+
+def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int]):
+    from .backends.nccl import NcclBackend, nccl_available
+
+    launcher = detect_launcher()
+    if backend == "auto":
+        if nccl_available():
+            backend = "nccl"
+        else:
+            backend = "torch" if launcher == "torchrun" else "mpi"
+    if launcher == "torchrun":
+        if backend == "mpi":
+            raise ValueError(
+                "backend='mpi' needs an MPI launcher (mpirun/mpiexec); under torchrun use 'torch' or 'nccl'"
+            )
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size)
+
+    world = mpi_world()
+    hosts = [h.decode() for h in mpi_exchange(world, host_name().encode(), root_only=False,
+                                              timeout_s=timeout_s, what="host-name exchange")]
+    rank = world.Get_rank()
+    if backend == "mpi":
+        from .backends.mpi import MpiBackend
+
+        return MpiBackend(world), hosts, rank
+    if backend == "torch":
+        raise ValueError("backend='torch' needs process_group= (or a torchrun launch)")
+    dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
+    uid = mpi_exchange(world, NcclBackend.new_unique_id() if rank == 0 else b"", root_only=True,
+                       timeout_s=timeout_s, what="NCCL unique-id broadcast")[0]
+    return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s), hosts, rank
+
+
+def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int] = None):
+    import torch.distributed as dist
+
+    from .backends.nccl import NcclBackend
+    from .backends.torch_dist import TorchBackend
+
+    if not dist.is_initialized():
+        raise RuntimeError("process_group given, but torch.distributed is not initialized")
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    hosts: list[Any] = [None] * size
+    dist.all_gather_object(hosts, host_name(), group=group)
+    pg_backend = str(dist.get_backend(group)).lower()
+    if backend == "auto":
+        backend = "nccl" if "nccl" in pg_backend else "torch"
+    if backend == "mpi":
+        raise ValueError("backend='mpi' cannot be built on a torch process_group; use 'torch' or 'nccl'")
+    if backend == "torch":
+        dev = torch.device("cpu") if "nccl" not in pg_backend else _cuda_device(device, _local_rank(rank, hosts, local_size))
+        return TorchBackend(group, dev), hosts, rank
+    dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
+    box = [NcclBackend.new_unique_id() if rank == 0 else None]
+    if "nccl" in pg_backend:
+        torch.cuda.set_device(dev)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return NcclBackend.create(size, rank, box[0], dev, timeout_s), hosts, rank
+
