@@ -1,0 +1,69 @@
+"""Launch real MPI ranks from pytest, and helpers for code running inside them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_ranks(nprocs: int, module: str, *args: str, timeout: float = 240, env: dict | None = None) -> str:
+    """Run ``python -m module args`` on ``nprocs`` MPI ranks; fail the test unless all exit 0.
+
+    Returns the ranks' combined output.
+    """
+    full_env = dict(os.environ)
+    full_env.setdefault("MOECOMM_TIMEOUT", "60")
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    if env:
+        full_env.update(env)
+    cmd = ["mpiexec", "-n", str(nprocs), sys.executable, "-m", module, *args]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n{out[-6000:]}")
+    if proc.returncode != 0:
+        pytest.fail(
+            f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-8000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    return proc.stdout
+
+
+def collective_assert(ok: bool, message: str = "") -> None:
+    """Inside MPI ranks: fail on every rank if any rank's ``ok`` is False (no hang)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    flags = world.allgather((bool(ok), message))
+    bad = [(r, m) for r, (f, m) in enumerate(flags) if not f]
+    if bad:
+        raise AssertionError("; ".join(f"rank {r}: {m}" for r, m in bad))
+
+
+def rank_main(checks: Sequence) -> None:
+    """Run ``checks`` (callables) in order on every rank; exit non-zero on any failure."""
+    import traceback
+
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    failed = False
+    for check in checks:
+        try:
+            check()
+        except BaseException:  # noqa: BLE001 - report and stop every rank
+            failed = True
+            print(f"[rank {world.rank}] FAILED {check.__name__}\n{traceback.format_exc()}", flush=True)
+            break
+    if failed:
+        world.Abort(1)
+    if world.rank == 0:
+        print(f"{len(checks)} checks passed on {world.size} ranks", flush=True)
