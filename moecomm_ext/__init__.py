@@ -1,0 +1,80 @@
+"""moecomm_ext: native row-gather kernels for MoE dispatch/combine, with torch references.
+
+Kernels (C++ for CPU tensors, CUDA for GPU tensors, built just in time with
+``torch.utils.cpp_extension.load`` and cached on disk):
+
+* :func:`gather_rows`        ``out[i] = x[index[i]] * scale[i]``            ``[M, D]``
+* :func:`gather_reduce_rows` ``out[t] = sum_j w[t, j] * y[index[t, j]]``    ``[T, D]``
+* :func:`gather_rowdot`      ``out[t, j] = dot(a[t], b[index[t, j]])``      ``[T, K]``
+
+An index entry of ``-1`` always means "no row".  Arithmetic is done in float32
+(float64 for float64 inputs) and rounded once to the output dtype.
+
+Autograd wrappers built only from those kernels: :func:`dispatch` and
+:func:`combine` (with the slot maps of :func:`invert_slots` /
+:func:`slot_positions`), and :func:`permute_blocks`, the block reordering of a
+2D hierarchical all-to-all.
+
+Every op has a pure-torch reference in :mod:`moecomm_ext.reference`.  When the
+native extension cannot be built (no compiler, failed build) one
+:class:`NativeBuildWarning` per device type and process names the extension and
+the reason, and the reference is used from then on.  :func:`implementation`
+reports which one is in use; :func:`load_native` builds explicitly.
+
+Environment variables (each only provides the default of an explicit argument):
+
+``MOECOMM_EXT_CACHE``
+    default of ``load_native(cache_dir=...)``: the directory of the build
+    cache.  Unset: ``~/.cache/moecomm_ext/<torch version>-<cpu|cuXY>``.
+``MOECOMM_EXT_DISABLE``
+    ``1`` (or ``true``/``yes``/``on``) makes ``use_native`` default to
+    ``False`` in every op, so the pure-torch reference runs and nothing is built.
+
+Module-level state: the only mutable state is the cache of loaded extension
+modules in ``moecomm_ext._loader._LOADED`` (device type -> module or failure),
+filled by the first load per device type and kept for the life of the process.
+"""
+
+from __future__ import annotations
+
+from . import reference
+from ._loader import (
+    ENV_CACHE,
+    ENV_DISABLE,
+    NativeBuildWarning,
+    default_cache_dir,
+    default_use_native,
+    implementation,
+    load_native,
+    native_available,
+)
+from ._ops import (
+    combine,
+    dispatch,
+    gather_reduce_rows,
+    gather_rowdot,
+    gather_rows,
+    invert_slots,
+    permute_blocks,
+    slot_positions,
+)
+
+__all__ = [
+    "gather_rows",
+    "gather_reduce_rows",
+    "gather_rowdot",
+    "dispatch",
+    "combine",
+    "invert_slots",
+    "slot_positions",
+    "permute_blocks",
+    "native_available",
+    "implementation",
+    "load_native",
+    "default_cache_dir",
+    "default_use_native",
+    "NativeBuildWarning",
+    "ENV_CACHE",
+    "ENV_DISABLE",
+    "reference",
+]

@@ -1,0 +1,29 @@
+// Python bindings of the CUDA row-gather kernels (rows_cuda.cu).  Kept in a
+// separate host-only translation unit so that nvcc never parses pybind11.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+
+namespace moecomm_ext {
+at::Tensor gather_rows_cuda(const at::Tensor& x, const at::Tensor& index,
+                            const std::optional<at::Tensor>& scale);
+at::Tensor gather_reduce_rows_cuda(const at::Tensor& y, const at::Tensor& index,
+                                   const std::optional<at::Tensor>& weight);
+at::Tensor gather_rowdot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index);
+}  // namespace moecomm_ext
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "moecomm_ext CUDA row-gather kernels";
+  m.def("gather_rows", &moecomm_ext::gather_rows_cuda,
+        "out[i] = x[index[i]] * scale[i]; -1 -> zero row", py::arg("x"), py::arg("index"),
+        py::arg("scale") = py::none());
+  m.def("gather_reduce_rows", &moecomm_ext::gather_reduce_rows_cuda,
+        "out[t] = sum_j weight[t,j] * y[index[t,j]]; -1 skipped", py::arg("y"), py::arg("index"),
+        py::arg("weight") = py::none());
+  m.def("gather_rowdot", &moecomm_ext::gather_rowdot_cuda,
+        "out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0", py::arg("a"), py::arg("b"),
+        py::arg("index"));
+  m.attr("device_type") = "cuda";
+}
