@@ -9,14 +9,18 @@ variable                   argument it defaults                        built-in 
 ``MOECOMM_TIMEOUT``        ``moecomm.init(timeout=...)``, seconds      ``600``
 ``MOECOMM_VALIDATE``       ``moecomm.init(validate=...)``, 0 or 1      ``0``
 ``MOECOMM_POOL_BYTES``     ``moecomm.init(pool_bytes=...)``            ``268435456``
+``MOECOMM_PROFILE_DIR``    the directory where ``moecomm.init``        ``~/.cache/moecomm/profiles``
+                           looks for ``<fingerprint>.json`` when
+                           ``profile=`` is not given
 =========================  ==========================================  =================
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-__all__ = ["default_backend", "default_timeout", "default_validate", "default_pool_bytes"]
+__all__ = ["default_backend", "default_timeout", "default_validate", "default_pool_bytes", "default_profile_dir"]
 
 
 def _read(name: str) -> str | None:
@@ -63,3 +67,10 @@ def default_pool_bytes() -> int:
     if value < 0:
         raise ValueError(f"MOECOMM_POOL_BYTES must be >= 0, got {raw!r}")
     return value
+
+
+def default_profile_dir() -> Path:
+    raw = _read("MOECOMM_PROFILE_DIR")
+    if raw is None:
+        return Path.home() / ".cache" / "moecomm" / "profiles"
+    return Path(raw).expanduser()

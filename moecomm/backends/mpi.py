@@ -20,7 +20,7 @@ __all__ = ["MpiBackend", "byte_view"]
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
     """A writable uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 class _MpiRequest(Request):

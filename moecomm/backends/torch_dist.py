@@ -16,6 +16,9 @@ from .base import Backend, Request
 __all__ = ["TorchBackend"]
 
 
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
@@ -76,7 +79,7 @@ class TorchBackend(Backend):
         return _WorkRequest(work, (send, recv, packed))
 
     def allgather(self, send, recv) -> Request:
-        work = dist.all_gather_into_tensor(_bytes(recv), _bytes(send), group=self.group, async_op=True)
+        work = _all_gather_single(_bytes(recv), _bytes(send), group=self.group, async_op=True)
         return _WorkRequest(work, (send, recv))
 
     def allreduce(self, tensor, op) -> Request:
@@ -94,7 +97,7 @@ class TorchBackend(Backend):
     def split(self, color: Optional[int], key: int) -> Optional["TorchBackend"]:
         mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64)
         table = torch.empty(self.size * 2, dtype=torch.int64)
-        dist.all_gather_into_tensor(table, mine, group=self.group)
+        _all_gather_single(table, mine, group=self.group)
         rows = table.view(self.size, 2).tolist()
         if color is None:
             return None

@@ -1,0 +1,123 @@
+"""The layer's view of the communicator: only the public :class:`moecomm.Communicator` API.
+
+Feature detection (``algorithm=``, ``scatter_compute_gather``) is done by introspection,
+so the layer runs on a core with or without them and says so when a caller asks for one
+that is missing (never silently ignoring it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional, Sequence
+
+import torch
+
+import moecomm
+
+__all__ = ["resolve_comm", "a2a_accepts_algorithm", "has_scatter_compute_gather", "AllToAll", "all_to_all",
+           "allreduce_max", "allreduce_sum_", "ALGORITHMS"]
+
+ALGORITHMS = ("flat", "2dh", "auto")
+
+
+def resolve_comm(comm: Any) -> "moecomm.Communicator":
+    """``None`` (the default communicator, made by :func:`moecomm.init` if there is none),
+    a :class:`moecomm.Communicator`, or a torch ``ProcessGroup``."""
+    if comm is None:
+        try:
+            return moecomm.default_communicator()
+        except RuntimeError:
+            return moecomm.init()
+    if isinstance(comm, moecomm.Communicator):
+        if comm.closed:
+            raise ValueError("comm: the communicator is closed")
+        return comm
+    try:
+        import torch.distributed as dist
+
+        is_pg = isinstance(comm, dist.ProcessGroup)
+    except Exception:  # noqa: BLE001 - torch without distributed
+        is_pg = False
+    if is_pg:
+        from moecomm.distributed import communicator_for
+
+        return communicator_for(comm)
+    raise TypeError(
+        f"comm (group) must be None, a moecomm.Communicator or a torch ProcessGroup, got {type(comm).__name__}"
+    )
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def a2a_accepts_algorithm(comm: "moecomm.Communicator") -> bool:
+    return _accepts(comm.all_to_all_v, "algorithm")
+
+
+def has_scatter_compute_gather(comm: "moecomm.Communicator") -> bool:
+    return callable(getattr(comm, "scatter_compute_gather", None))
+
+
+def _a2a_kwargs(comm: "moecomm.Communicator", algorithm: Optional[str]) -> dict:
+    if algorithm is None:
+        return {}
+    if a2a_accepts_algorithm(comm):
+        return {"algorithm": algorithm}
+    if algorithm == "flat":  # what every core does
+        return {}
+    raise ValueError(
+        f"algorithm={algorithm!r}: this moecomm core's Communicator.all_to_all_v has no 'algorithm' "
+        f"argument (only the flat all-to-all is available); pass algorithm=None or 'flat'"
+    )
+
+
+class AllToAll(torch.autograd.Function):
+    """Differentiable ``comm.all_to_all_v`` with both sides' counts known (no count exchange);
+    the backward sends the gradient back along the reversed splits."""
+
+    @staticmethod
+    def forward(ctx, x, comm, send, recv, algorithm):  # type: ignore[override]
+        ctx.comm, ctx.send, ctx.recv, ctx.algorithm = comm, send, recv, algorithm
+        out, _ = comm.all_to_all_v(x.contiguous(), send, recv, **_a2a_kwargs(comm, algorithm))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        comm = ctx.comm
+        out, _ = comm.all_to_all_v(grad.contiguous(), ctx.recv, ctx.send, **_a2a_kwargs(comm, ctx.algorithm))
+        return out, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, comm: "moecomm.Communicator", send: Sequence[int], recv: Sequence[int],
+               algorithm: Optional[str] = None) -> torch.Tensor:
+    """Differentiable all-to-all of rows (identity on one rank)."""
+    if comm.size == 1:
+        return x
+    return AllToAll.apply(x, comm, list(send), list(recv), algorithm)
+
+
+def all_to_all_nograd(x: torch.Tensor, comm: "moecomm.Communicator", send: Sequence[int], recv: Sequence[int],
+                      algorithm: Optional[str] = None) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    out, _ = comm.all_to_all_v(x.contiguous(), list(send), list(recv), **_a2a_kwargs(comm, algorithm))
+    return out
+
+
+def allreduce_max(comm: "moecomm.Communicator", values: Sequence[int]) -> list[int]:
+    """Element-wise max of small integer lists over all ranks (blocks the host)."""
+    t = torch.tensor(list(values), dtype=torch.int64, device=comm.device)
+    if comm.size > 1:
+        comm.allreduce(t, "max")
+    return [int(v) for v in t.tolist()]
+
+
+def allreduce_sum_(comm: "moecomm.Communicator", t: torch.Tensor) -> torch.Tensor:
+    if comm.size > 1:
+        comm.allreduce(t, "sum")
+    return t

@@ -1,0 +1,156 @@
+"""Single-process checks of the core: argument validation, layouts, pool, gradcheck."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moecomm
+import moecomm.functional as F
+from moecomm.layout import Layout
+from moecomm.pool import StagingPool
+from moecomm.splits import normalize_splits
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = moecomm.init(backend="mpi", timeout=30)
+    yield c
+
+
+def test_identity(comm):
+    assert (comm.rank, comm.size, comm.backend, comm.device.type) == (0, 1, "mpi", "cpu")
+    assert (comm.local_rank, comm.local_size, comm.node_rank, comm.num_nodes) == (0, 1, 0, 1)
+    assert moecomm.default_communicator() is comm
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(input=torch.zeros(4, 2), send_splits=[3]), ValueError, "send_splits must sum to the 4 rows of input"),
+        (dict(input=torch.zeros(4, 2), send_splits=[4, 0]), ValueError, "send_splits must have one entry per rank (1)"),
+        (dict(input=torch.zeros(4, 2), send_splits=[-4]), ValueError, "send_splits[0] must be >= 0"),
+        (dict(input=torch.zeros(4, 2), send_splits=[4.0]), TypeError, "send_splits[0] must be an int"),
+        (dict(input=torch.zeros(4, 2), send_splits=torch.tensor([4.0])), TypeError, "send_splits must be an integer tensor"),
+        (dict(input=torch.zeros(4, 2), send_splits=torch.tensor([[4]])), ValueError, "send_splits must be 1-D"),
+        (dict(input=torch.zeros(4, 2), send_splits="4"), TypeError, "send_splits must be a sequence of ints"),
+        (dict(input=torch.zeros(4, 2), send_splits=[4], recv_splits=[-1]), ValueError, "recv_splits[0] must be >= 0"),
+        (dict(input=torch.zeros(4, 2).t(), send_splits=[2]), ValueError, "input must be contiguous"),
+        (dict(input=torch.zeros(()), send_splits=[0]), ValueError, "input must have at least 1 dimension"),
+        (dict(input=[1, 2], send_splits=[2]), TypeError, "input must be a torch.Tensor"),
+        (dict(input=torch.zeros(2, dtype=torch.uint32) if hasattr(torch, "uint32") else None, send_splits=[2]),
+         TypeError, "input has unsupported dtype"),
+    ],
+)
+def test_all_to_all_v_bad_input(comm, kwargs, exc, words):
+    if kwargs["input"] is None:
+        pytest.skip("this torch has no uint32")
+    with pytest.raises(exc) as info:
+        comm.all_to_all_v(**kwargs)
+    assert words in str(info.value)
+
+
+def test_wrong_device(comm):
+    meta = torch.zeros(2, 2, device="meta")
+    with pytest.raises(ValueError, match="input must be on cpu"):
+        comm.all_to_all_v(meta, [2])
+
+
+def test_all_to_all_single_bad_input(comm):
+    with pytest.raises(TypeError, match="output must have input's dtype"):
+        comm.all_to_all_single(torch.zeros(2, dtype=torch.int32), torch.zeros(2))
+    with pytest.raises(ValueError, match="output rows must hold as many elements"):
+        comm.all_to_all_single(torch.zeros(2, 3), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="output_split_sizes must sum to the 2 rows of output"):
+        comm.all_to_all_single(torch.zeros(2, 2), torch.zeros(2, 2), [3], [2])
+    with pytest.raises(ValueError, match="input_tensor_list must be a list of 1 tensors"):
+        comm.all_to_all([torch.zeros(1)], [])
+    with pytest.raises(TypeError, match=r"output_tensor_list\[0\] must have dtype"):
+        comm.all_to_all([torch.zeros(1, dtype=torch.int64)], [torch.zeros(1)])
+
+
+def test_other_bad_input(comm):
+    with pytest.raises(ValueError, match="src must be a rank in"):
+        comm.broadcast(torch.zeros(2), src=1)
+    with pytest.raises(ValueError, match="op must be one of"):
+        comm.allreduce(torch.zeros(2), "mean")
+    with pytest.raises(ValueError, match="color must be a non-negative int"):
+        comm.split(-2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        moecomm.init(backend="gloo")
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        moecomm.init(backend="mpi", timeout=0)
+    with pytest.raises(ValueError, match="local_size=2 does not divide"):
+        moecomm.init(backend="mpi", local_size=2, set_default=False)
+
+
+def test_env_defaults(monkeypatch):
+    monkeypatch.setenv("MOECOMM_TIMEOUT", "12.5")
+    monkeypatch.setenv("MOECOMM_VALIDATE", "1")
+    c = moecomm.init(backend="mpi", set_default=False)
+    assert (c.timeout, c.validate) == (12.5, True)
+    assert moecomm.init(backend="mpi", timeout=3, validate=False, set_default=False).timeout == 3
+    monkeypatch.setenv("MOECOMM_VALIDATE", "maybe")
+    with pytest.raises(ValueError, match="MOECOMM_VALIDATE must be 0 or 1"):
+        moecomm.init(backend="mpi", set_default=False)
+
+
+def test_closed_communicator():
+    c = moecomm.init(backend="mpi", set_default=False)
+    with c:
+        c.all_to_all_v(torch.zeros(1), [1])
+    with pytest.raises(moecomm.CommunicatorClosedError, match="the communicator is closed"):
+        c.all_to_all_v(torch.zeros(1), [1])
+
+
+@settings(deadline=None, max_examples=30)
+@given(rows=st.integers(0, 6), cols=st.integers(1, 3))
+def test_gradcheck_single_rank(rows, cols):
+    comm = moecomm.init(backend="mpi", set_default=False)
+    x = torch.randn(rows, cols, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: F.all_to_all_v(t, [rows], comm=comm)[0], (x,))
+
+
+@settings(deadline=None, max_examples=60)
+@given(values=st.lists(st.integers(0, 10**9), min_size=1, max_size=6), kind=st.sampled_from(["list", "tensor", "numpy"]))
+def test_normalize_splits(values, kind):
+    arg = {"list": values, "tensor": torch.tensor(values), "numpy": np.array(values)}[kind]
+    assert normalize_splits(arg, "s", len(values)) == values
+    with pytest.raises(ValueError, match=f"s must have one entry per rank \\({len(values) + 1}\\)"):
+        normalize_splits(arg, "s", len(values) + 1)
+
+
+@settings(deadline=None, max_examples=60)
+@given(hosts=st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=9), data=st.data())
+def test_layout_from_hosts(hosts, data):
+    rank = data.draw(st.integers(0, len(hosts) - 1))
+    lay = Layout.from_hosts(rank, hosts)
+    same = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    assert lay.local_rank == same.index(rank) and lay.local_size == len(same)
+    assert lay.num_nodes == len(set(hosts))
+    assert sorted(r for m in lay.node_members for r in m) == list(range(len(hosts)))
+
+
+def test_layout_local_size_and_subset():
+    lay = Layout.from_local_size(5, 8, 4)
+    assert (lay.node_rank, lay.local_rank, lay.num_nodes, lay.local_size) == (1, 1, 2, 4)
+    sub = lay.subset(1, [1, 5])  # one rank from each node
+    assert (sub.num_nodes, sub.local_size, sub.node_rank) == (2, 1, 1)
+
+
+def test_pool_reuse_and_bound():
+    pool = StagingPool(capacity_bytes=4096)
+    dev = torch.device("cpu")
+    a = pool.take(1000, dev, "s")
+    assert a.numel() == 1000 and pool.stats().misses == 1
+    pool.give(a, dev, "s")
+    b = pool.take(700, dev, "s")
+    assert pool.stats().hits == 1 and b.data_ptr() == a.data_ptr()
+    pool.give(b, dev, "s")
+    big = pool.take(10000, dev, "s")
+    pool.give(big, dev, "s")
+    st_ = pool.stats()
+    assert st_.cached_bytes <= 4096 and st_.in_use_bytes == 0
