@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -183,18 +184,47 @@ def _spec_hash(spec: dict) -> str:
     return h.hexdigest()[:12]
 
 
-def _summarise(exc: BaseException, captured: list[str], limit: int = 1500) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    if captured:
-        text += " | torch warnings: " + " / ".join(captured)
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    # Keep the first line (the exception) and the tail (compiler errors).
-    if len(lines) > 12:
-        lines = lines[:1] + ["..."] + lines[-10:]
-    text = "\n".join(lines)
-    if len(text) > limit:
-        text = text[: limit // 2] + " ... " + text[-limit // 2 :]
-    return text
+_ERROR_LINE = re.compile(r"error|not found|no such file|fatal|undefined|cannot|permission denied", re.I)
+
+
+def _summarise(exc: BaseException, notes: list[str]) -> str:
+    """A few informative lines: the exception's first line and the compiler's
+    error lines (command lines are dropped), plus what torch warned."""
+    lines = [ln.rstrip() for ln in f"{type(exc).__name__}: {exc}".splitlines() if ln.strip()]
+    head = lines[0] if lines else type(exc).__name__
+    head = re.split(r": \[\d+/\d+\] ", head)[0]  # drop ninja's echoed command line
+    if len(head) > 200:
+        head = head[:200] + " ..."
+    errors = [ln.strip()[:300] for ln in lines[1:] if _ERROR_LINE.search(ln) and len(ln) < 400]
+    if not errors:
+        errors = [ln.strip()[:300] for ln in lines[1:][-4:]]
+    parts = [head, *errors[:8]]
+    parts += [f"(torch: {n[:300]})" for n in notes[:3]]
+    return "\n  ".join(parts)
+
+
+def _stacklevel() -> int:
+    """stacklevel that attributes a warning to the first frame outside this package."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == pkg:
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+class _CaptureLogs(logging.Handler):
+    """Collects torch.utils.cpp_extension's log records during a build."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = " ".join(record.getMessage().replace("!", " ").split())
+        if msg:
+            self.messages.append(msg)
 
 
 def _first_lines(records: list) -> list[str]:
@@ -229,6 +259,12 @@ def _attempt(device_type: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
         return _LoadOutcome(None, reason, None, time.perf_counter() - start)
 
     records: list = []
+    capture = _CaptureLogs()
+    torch_logger = logging.getLogger("torch.utils.cpp_extension")
+    old_propagate = torch_logger.propagate
+    if not verbose:  # keep torch's own log lines out of the user's way
+        torch_logger.addHandler(capture)
+        torch_logger.propagate = False
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings(record=True) as rec:
@@ -244,14 +280,18 @@ def _attempt(device_type: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
                 with_cuda=spec["with_cuda"],
                 verbose=verbose,
             )
-        for msg in _first_lines(records):
+        for msg in _first_lines(records) + capture.messages:
             logger.debug("torch.utils.cpp_extension warned while building %s: %s", spec["base"], msg)
         for fn in ("gather_rows", "gather_reduce_rows", "gather_rowdot"):
             if not hasattr(module, fn):
                 raise ImportError(f"loaded module {module!r} lacks function {fn!r}")
     except Exception as exc:
-        reason = _summarise(exc, _first_lines(records))
+        reason = _summarise(exc, _first_lines(records) + capture.messages)
         return _LoadOutcome(None, reason, str(build_dir), time.perf_counter() - start)
+    finally:
+        if not verbose:
+            torch_logger.removeHandler(capture)
+            torch_logger.propagate = old_propagate
     seconds = time.perf_counter() - start
     logger.info("moecomm_ext: loaded %s from %s in %.1f s", spec["base"], build_dir, seconds)
     return _LoadOutcome(module, None, str(build_dir), seconds)
@@ -298,7 +338,7 @@ def load_native(
                     f"pure-torch reference implementation (same results, slower). "
                     f"Reason: {outcome.reason}",
                     NativeBuildWarning,
-                    stacklevel=2,
+                    stacklevel=_stacklevel(),
                 )
     if outcome.module is None and strict:
         raise RuntimeError(
