@@ -97,6 +97,7 @@ class Communicator:
         self._pool = pool
         self._closed: Optional[str] = None
         self._abandoned: list[Request] = []
+        self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -156,6 +157,7 @@ class Communicator:
         recv_splits: Optional[Splits] = None,
         *,
         async_op: bool = False,
+        algorithm: str = "flat",
     ) -> Union[tuple[torch.Tensor, list[int]], Work]:
         """Send rows of ``input`` to every rank, ``send_splits[p]`` rows to rank ``p``.
 
@@ -168,18 +170,26 @@ class Communicator:
                 are exchanged first (one small all-to-all, the call then blocks the host
                 until the counts have arrived).
             async_op: return a :class:`Work` whose ``wait()`` gives the result.
+            algorithm: ``"flat"`` (one all-to-all), ``"2dh"`` (hierarchical: inside the
+                node, then along the rail; needs ``init(hierarchy=True)`` or a multi-node
+                layout) or ``"auto"`` (the topology profile's choice for this size); the
+                same result either way. See :mod:`moecomm.hierarchical`.
 
         Returns:
             ``(output, recv_splits)``: ``output`` is ``[sum(recv_splits), *row_shape]`` with
             the rows from rank ``p`` in block ``p``; ``recv_splits`` a list of ints.
         """
-        out, _, recv, request = self._start_all_to_all_v(input, send_splits, recv_splits)
+        out, _, recv, request = self._start_all_to_all_v(input, send_splits, recv_splits, algorithm=algorithm)
         return self._finish(request, "all_to_all_v", (out, recv), async_op)
 
     def _start_all_to_all_v(
-        self, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits]
+        self, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits], *, algorithm: str = "flat"
     ) -> tuple[torch.Tensor, list[int], list[int], Request]:
         """Validate, learn the counts and issue the exchange: (output, send, recv, request)."""
+        if algorithm != "flat":
+            from . import hierarchical
+
+            return hierarchical.start_all_to_all_v(self, input, send_splits, recv_splits, algorithm)
         op = "all_to_all_v"
         self._check_open(op)
         x = self._check_tensor(input, "input", min_dim=1)
@@ -375,12 +385,16 @@ class Communicator:
         """Release the communicator (collective on NCCL). Idempotent."""
         if self._closed is None:
             self._closed = "closed"
+            if self._hier is not None and self._hier.hierarchy is not None:
+                self._hier.hierarchy.close()
             self._backend.close()
 
     def abort(self) -> None:
         """Tear the communicator down at once; collectives in flight are abandoned."""
         if self._closed is None or self._closed == "closed":
             self._closed = "aborted"
+            if self._hier is not None and self._hier.hierarchy is not None:
+                self._hier.hierarchy.abort()
             self._backend.abort()
 
     def __enter__(self) -> "Communicator":

@@ -15,18 +15,23 @@ __all__ = ["all_to_all_v"]
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, comm, send_splits, recv_splits, counts_out):  # type: ignore[override]
-        output, send, recv, request = comm._start_all_to_all_v(input, send_splits, recv_splits)
+    def forward(ctx, input, comm, send_splits, recv_splits, counts_out, algorithm="flat"):  # type: ignore[override]
+        output, send, recv, request = comm._start_all_to_all_v(input, send_splits, recv_splits, algorithm=algorithm)
         comm._complete(request, "all_to_all_v", None)
         ctx.comm, ctx.send, ctx.recv = comm, send, recv
+        ctx.plan = getattr(request, "plan", None)  # a 2DH exchange: its backward runs the phases reversed
         counts_out.append(recv)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         # What arrived goes back where it came from; both sides' counts are known already.
+        if ctx.plan is not None:
+            from .hierarchical import reverse_all_to_all_v
+
+            return reverse_all_to_all_v(ctx.comm, ctx.plan, grad_output), None, None, None, None, None
         grad_input, _ = ctx.comm.all_to_all_v(grad_output.contiguous(), ctx.recv, ctx.send)
-        return grad_input, None, None, None, None
+        return grad_input, None, None, None, None, None
 
 
 def all_to_all_v(
@@ -35,13 +40,16 @@ def all_to_all_v(
     recv_splits: Optional[Splits] = None,
     *,
     comm: Optional[Communicator] = None,
+    algorithm: str = "flat",
 ) -> tuple[torch.Tensor, list[int]]:
     """Differentiable :meth:`Communicator.all_to_all_v` (the default communicator if ``comm`` is None).
 
     Returns ``(output, recv_splits)``. The backward pass sends ``grad_output`` back along the
     reversed splits (no count exchange), so each input row's gradient is that of the row it became.
+    ``algorithm`` as in :meth:`Communicator.all_to_all_v`; the backward of a 2DH exchange is
+    itself hierarchical (the forward's phases reversed).
     """
     comm = default_communicator() if comm is None else comm
     counts: list[list[int]] = []
-    output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts)
+    output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm)
     return output, counts[0]

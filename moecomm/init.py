@@ -62,6 +62,8 @@ def init(
     local_size: Optional[int] = None,
     pool_bytes: Optional[int] = None,
     set_default: bool = True,
+    hierarchy: Optional[bool] = None,
+    profile: Any = None,
 ) -> Communicator:
     """Create a communicator over every rank of this launch (or of ``process_group``).
 
@@ -80,6 +82,14 @@ def init(
         local_size: ranks per node, overriding host-name discovery (tests, simulations).
         pool_bytes: staging-pool capacity in bytes. Default: ``$MOECOMM_POOL_BYTES`` or 256 MiB.
         set_default: make it the communicator that ``group=None`` means.
+        hierarchy: build the intra-node and rail sub-communicators that
+            ``all_to_all_v(algorithm="2dh")`` needs (collective, once, here). Default: when
+            ``num_nodes > 1 and local_size > 1``, or when ``local_size`` is given. True with
+            nodes of unequal size raises ValueError naming the node sizes.
+        profile: the topology profile ``algorithm="auto"`` follows: a path or a
+            :class:`moecomm.profile.Profile`. Default: ``<dir>/<fingerprint>.json`` if it
+            exists, ``<dir>`` = ``$MOECOMM_PROFILE_DIR`` or ``~/.cache/moecomm/profiles``;
+            without one, "auto" follows the rule in :mod:`moecomm.hierarchical`.
     """
     backend = env.default_backend() if backend is None else backend
     if backend not in BACKENDS:
@@ -97,6 +107,13 @@ def init(
         else Layout.from_hosts(rank, hosts)
     )
     comm = Communicator(backend_obj, layout, timeout=timeout_s, validate=validate, pool=pool)
+    from .hierarchical import attach
+
+    try:
+        attach(comm, hierarchy=hierarchy, profile=profile, hosts=hosts, local_size_given=local_size is not None)
+    except BaseException:
+        comm.abort()
+        raise
     if set_default:
         set_default_communicator(comm)
     return comm
