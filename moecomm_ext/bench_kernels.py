@@ -1,0 +1,272 @@
+"""Benchmark of the moecomm_ext kernels against torch equivalents and a plain copy.
+
+Run ``python -m moecomm_ext.bench_kernels [--json PATH]``.  On the current
+device (CUDA when available) it times, for a top-k MoE layer (default 8192
+tokens, model_dim 2048, k=2, 16 experts, capacity 1024 per expert, bf16):
+
+* dispatch forward  = gather_rows          vs ``index_select``
+* dispatch backward = gather_reduce_rows   vs ``index_add_``
+* combine forward   = gather_reduce_rows (weighted) vs ``index_add_`` of scaled rows
+* combine backward  = gather_rows (scaled) + gather_rowdot vs ``index_select``·w and ``bmm``
+* whole dispatch / combine forward+backward through autograd
+
+Each result is the median of many runs (CUDA events on GPU, perf_counter on
+CPU; the L2 cache is flushed before each GPU run unless ``--no-flush``).
+Bandwidth counts the minimum bytes the operation must read and write (rows
+actually gathered, outputs, indices and weights).  Every op is also compared
+with a device-to-device copy of the same number of bytes (half read, half
+written) measured in the same run; ``vs copy`` is the ratio of bandwidths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+import moecomm_ext as me
+from moecomm_ext.testing import random_routing
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Result:
+    op: str
+    impl: str
+    median_ms: float
+    bytes: int
+    gbps: float
+    copy_gbps: float
+    vs_copy: float
+
+
+class Timer:
+    def __init__(self, device: torch.device, iters: int, warmup: int, flush: bool) -> None:
+        self.device = device
+        self.iters = iters
+        self.warmup = warmup
+        self.cuda = device.type == "cuda"
+        self.flush_buf = (
+            torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if (self.cuda and flush) else None
+        )
+
+    def median_ms(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            for _ in range(self.iters):
+                if self.flush_buf is not None:
+                    self.flush_buf.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        else:
+            for _ in range(self.iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> tuple[dict, list[Result]]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    es = torch.empty((), dtype=dtype).element_size()
+    T, D, K, E, C = args.tokens, args.dim, args.k, args.experts, args.capacity
+    M = E * C
+    gen = torch.Generator().manual_seed(0)
+    token_slots, slot_token = random_routing(T, K, E, C, generator=gen, device=device)
+    x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+    y = torch.randn(M, D, generator=gen).to(device=device, dtype=dtype)
+    w = torch.rand(T, K, generator=gen).to(device)
+    g_tok = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+    g_slot = torch.randn(M, D, generator=gen).to(device=device, dtype=dtype)
+    slot_w = me.gather_rows(w.reshape(-1, 1), me.slot_positions(token_slots, M)).reshape(M)
+    n_slot = int((slot_token >= 0).sum())  # filled slots = kept copies
+    timer = Timer(device, args.iters, args.warmup, not args.no_flush)
+    impl = me.implementation(device.type)
+
+    # torch baselines: -1 mapped to an extra zero row / a discarded row
+    x_pad = torch.cat([x, x.new_zeros(1, D)])
+    y_pad = torch.cat([y, y.new_zeros(1, D)])
+    st_pad = torch.where(slot_token >= 0, slot_token, T)
+    ts_pad = torch.where(token_slots >= 0, token_slots, M)
+    w_masked = torch.where(token_slots >= 0, w, 0.0)
+
+    copy_cache: dict[int, float] = {}
+
+    def copy_gbps(nbytes: int) -> float:
+        half = max(1, nbytes // 2)
+        if half not in copy_cache:
+            src = torch.empty(half, dtype=torch.uint8, device=device).random_(0, 255)
+            dst = torch.empty_like(src)
+            ms = timer.median_ms(lambda: dst.copy_(src))
+            copy_cache[half] = 2 * half / (ms * 1e-3) / 1e9
+            del src, dst
+        return copy_cache[half]
+
+    results: list[Result] = []
+
+    def record(op: str, which: str, fn: Callable[[], object], nbytes: int) -> None:
+        ms = timer.median_ms(fn)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        cg = copy_gbps(nbytes)
+        results.append(Result(op, which, ms, nbytes, gbps, cg, gbps / cg))
+
+    idx_b = 8
+    b_disp_fwd = n_slot * D * es + M * D * es + M * idx_b
+    b_disp_bwd = n_slot * D * es + T * D * es + T * K * idx_b
+    b_comb_fwd = n_slot * D * es + T * D * es + T * K * (idx_b + 4)
+    b_comb_bwd_y = n_slot * D * es + M * D * es + M * (idx_b + 4)
+    b_rowdot = T * D * es + n_slot * D * es + T * K * (idx_b + 4)
+
+    record("dispatch fwd: gather_rows", impl, lambda: me.gather_rows(x, slot_token, check=False), b_disp_fwd)
+    record("dispatch fwd: gather_rows", "torch index_select", lambda: x_pad.index_select(0, st_pad), b_disp_fwd)
+
+    record(
+        "dispatch bwd: gather_reduce_rows",
+        impl,
+        lambda: me.gather_reduce_rows(g_slot, token_slots, check=False),
+        b_disp_bwd,
+    )
+
+    def torch_disp_bwd():
+        gx = torch.zeros(T + 1, D, device=device, dtype=dtype)
+        return gx.index_add_(0, st_pad, g_slot)
+
+    record("dispatch bwd: gather_reduce_rows", "torch index_add_", torch_disp_bwd, b_disp_bwd)
+
+    record(
+        "combine fwd: gather_reduce_rows(w)",
+        impl,
+        lambda: me.gather_reduce_rows(y, token_slots, w, check=False),
+        b_comb_fwd,
+    )
+
+    def torch_comb_fwd():
+        out = torch.zeros(T + 1, D, device=device, dtype=dtype)
+        return out.index_add_(0, st_pad, y * slot_w.to(dtype).unsqueeze(1))
+
+    record("combine fwd: gather_reduce_rows(w)", "torch index_add_", torch_comb_fwd, b_comb_fwd)
+
+    record(
+        "combine bwd dy: gather_rows(scale)",
+        impl,
+        lambda: me.gather_rows(g_tok, slot_token, slot_w, check=False),
+        b_comb_bwd_y,
+    )
+    g_tok_pad = torch.cat([g_tok, g_tok.new_zeros(1, D)])
+    record(
+        "combine bwd dy: gather_rows(scale)",
+        "torch index_select*w",
+        lambda: g_tok_pad.index_select(0, st_pad) * slot_w.to(dtype).unsqueeze(1),
+        b_comb_bwd_y,
+    )
+    record("combine bwd dw: gather_rowdot", impl, lambda: me.gather_rowdot(g_tok, y, token_slots, check=False), b_rowdot)
+    record(
+        "combine bwd dw: gather_rowdot",
+        "torch bmm",
+        lambda: torch.bmm(y_pad.index_select(0, ts_pad.reshape(-1)).view(T, K, D), g_tok.unsqueeze(-1)),
+        b_rowdot,
+    )
+
+    # whole autograd round trips
+    xr = x.clone().requires_grad_()
+    yr = y.clone().requires_grad_()
+    wr = w.clone().requires_grad_()
+    x_pad_r = x_pad.clone().requires_grad_()
+    y_r2 = y.clone().requires_grad_()
+    w_r2 = w_masked.clone().requires_grad_()
+
+    def me_dispatch_fb():
+        out = me.dispatch(xr, slot_token, token_slots, check=False)
+        return torch.autograd.grad(out, [xr], g_slot)
+
+    def torch_dispatch_fb():
+        out = x_pad_r.index_select(0, st_pad)
+        return torch.autograd.grad(out, [x_pad_r], g_slot)
+
+    def me_combine_fb():
+        out = me.combine(yr, token_slots, wr, slot_token, check=False)
+        return torch.autograd.grad(out, [yr, wr], g_tok)
+
+    def torch_combine_fb():
+        rows = torch.cat([y_r2, y_r2.new_zeros(1, D)]).index_select(0, ts_pad.reshape(-1)).view(T, K, D)
+        out = torch.bmm(w_r2.to(dtype).unsqueeze(1), rows).squeeze(1)
+        return torch.autograd.grad(out, [y_r2, w_r2], g_tok)
+
+    record("dispatch fwd+bwd (autograd)", impl, me_dispatch_fb, b_disp_fwd + b_disp_bwd)
+    record("dispatch fwd+bwd (autograd)", "torch", torch_dispatch_fb, b_disp_fwd + b_disp_bwd)
+    record("combine fwd+bwd (autograd)", impl, me_combine_fb, b_comb_fwd + b_comb_bwd_y + b_rowdot)
+    record("combine fwd+bwd (autograd)", "torch", torch_combine_fb, b_comb_fwd + b_comb_bwd_y + b_rowdot)
+
+    meta = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        implementation=impl,
+        tokens=T,
+        dim=D,
+        k=K,
+        experts=E,
+        capacity=C,
+        dtype=args.dtype,
+        filled_slots=n_slot,
+        iters=args.iters,
+        flush_l2=device.type == "cuda" and not args.no_flush,
+    )
+    return meta, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--k", type=int, default=2)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--capacity", type=int, default=1024)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--iters", type=int, default=None, help="timed runs (default 100 on CUDA, 10 on CPU)")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--no-flush", action="store_true", help="do not flush the L2 cache between GPU runs")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    args.iters = args.iters or (100 if cuda else 10)
+    args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
+
+    meta, results = run(args)
+    print(
+        f"# {meta['device']} torch {meta['torch']} impl={meta['implementation']} T={meta['tokens']} "
+        f"D={meta['dim']} k={meta['k']} E={meta['experts']} C={meta['capacity']} {meta['dtype']} "
+        f"(filled slots {meta['filled_slots']}), median of {meta['iters']}"
+    )
+    header = f"{'operation':38s} {'implementation':22s} {'ms':>9s} {'MB':>8s} {'GB/s':>8s} {'copy GB/s':>10s} {'vs copy':>8s}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.op:38s} {r.impl:22s} {r.median_ms:9.4f} {r.bytes / 1e6:8.1f} {r.gbps:8.1f} "
+            f"{r.copy_gbps:10.1f} {r.vs_copy:8.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, results=[asdict(r) for r in results]), f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
