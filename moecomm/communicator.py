@@ -225,9 +225,36 @@ class Communicator:
 
     def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int]) -> Request:
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        if row_bytes == 0 or (not any(send) and not any(recv)):
+        # Only a row size of 0 (the same on every rank) may skip the exchange: a rank with
+        # no rows of its own must still join its peers' collective (MPI matches by order).
+        if row_bytes == 0:
             return self._backend.barrier() if self.size > 1 else DoneRequest()
         return self._backend.alltoallv(x, send, out, recv, row_bytes)
+
+    # -- all-to-all overlapped with compute -------------------------------------------------
+
+    def scatter_compute_gather(
+        self,
+        input: torch.Tensor,
+        send_splits: Splits,
+        fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        *,
+        degree: Union[int, str] = 2,
+        recv_splits: Optional[Splits] = None,
+        algorithm: Optional[str] = None,
+    ) -> torch.Tensor:
+        """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` chunks per peer.
+
+        ``fn(rows, chunk)`` runs on each chunk as it arrives (rows grouped by source rank,
+        ``chunk`` a :class:`moecomm.overlap.Chunk`) while later chunks are in flight; each
+        result is sent back as soon as it is ready. Returns ``[N, *fn_out_shape]`` in
+        ``input``'s row order, exactly the non-overlapped result; differentiable (the backward
+        is pipelined too). ``degree``: 1..16 or ``"auto"``. See :mod:`moecomm.overlap`.
+        """
+        from .overlap import scatter_compute_gather
+
+        return scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
+                                      algorithm=algorithm)
 
     # -- torch.distributed-compatible all-to-all --------------------------------------------
 

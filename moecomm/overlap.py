@@ -1,0 +1,652 @@
+"""Overlapped scatter/compute/gather: the MoE all-to-all pipelined with the experts' compute.
+
+:func:`scatter_compute_gather` computes exactly what
+
+    rows, recv = comm.all_to_all_v(input, send_splits)       # scatter to the experts' ranks
+    out_rows = fn(rows, Chunk.full(recv, ...))               # the experts
+    output, _ = comm.all_to_all_v(out_rows, recv, send_splits)  # gather back
+
+computes, but cuts the rows into ``degree`` chunks and pipelines them: the scatter of every
+chunk is issued first, ``fn`` runs on chunk ``c`` as soon as it has arrived (while the
+later chunks are still in flight), and chunk ``c``'s results are sent back as soon as
+``fn`` has produced them (while ``fn`` works on chunk ``c + 1``). The backward pass is
+pipelined the same way: the output gradient is scattered chunk by chunk, ``fn``'s backward
+runs per chunk, and each chunk's input gradient is sent back as soon as it is ready.
+
+Chunking
+--------
+The rows that rank ``p`` sends to rank ``q`` (``n`` rows, a contiguous block of ``p``'s
+input) are cut into ``k`` contiguous pieces, piece ``c`` being rows
+``[c * n // k, (c + 1) * n // k)`` of the block (sizes differ by at most one; zeros
+allowed). Piece ``c`` travels in stage ``c``; a pair cut into fewer pieces than there are
+stages sends nothing in the later stages. Both ends derive ``k`` and the piece sizes from
+``n`` alone, so no counts are exchanged beyond what ``all_to_all_v`` itself needs (none
+when ``recv_splits`` is given). With an integer ``degree`` every pair is cut into
+``degree`` pieces; with ``degree="auto"`` each pair gets as many pieces as its size
+warrants (:func:`auto_pieces`), in at most :func:`auto_stages` stages.
+
+In stage ``c`` ``fn`` receives the stage's rows grouped by source rank in rank order (the
+same layout as ``all_to_all_v``'s output, restricted to the stage), and a :class:`Chunk`
+describing them: per-source counts and offsets, per-row source ranks, the rows' positions
+in the non-overlapped layout, and per-expert grouping (:meth:`Chunk.group_order`). ``fn``
+must be row-wise in the sense that output row ``i`` belongs to input row ``i``: it returns
+``[rows, *out_shape]`` with the same ``out_shape`` and dtype in every call and on every
+rank. It is called once per stage, also with zero rows.
+
+Streams (CUDA, NCCL backend)
+----------------------------
+Every exchange runs on the backend's own communication stream, ordered after the caller's
+current stream at the moment it is issued; ``fn`` runs on the caller's current stream,
+which waits (``wait_event``, no host synchronisation) on the event of the exchange that
+brought its rows. The global current stream is never switched for the caller's code.
+Buffers handed to the communication stream are protected by ``record_stream`` (done by
+the backend), so the caching allocator never reuses a buffer a stream still reads. When
+the splits are host ints (or ``recv_splits`` is given) nothing in the pipeline blocks the
+host; a device tensor of ``send_splits`` is read once (one synchronisation), and without
+``recv_splits`` the counts are exchanged once up front (one blocking exchange).
+
+CPU (MPI backend)
+-----------------
+The exchanges are nonblocking ``MPI_Ialltoallv``: all scatters are issued before ``fn``
+runs on the first chunk, and each gather is issued before ``fn`` runs on the next chunk.
+MPI progresses the transfers while the host waits for a chunk; for progress while ``fn``
+itself computes, run MPICH with ``MPIR_CVAR_ASYNC_PROGRESS=1``.
+
+Failures
+--------
+If ``fn`` (or a check of its result) raises on a rank, that rank aborts the communicator
+(it would otherwise be out of step with its peers: later collectives would match the wrong
+exchange) and re-raises the exception; afterwards every call on that communicator raises
+:class:`moecomm.CommunicatorClosedError`. Its peers are then waiting for chunks that never
+come: their wait raises ``TimeoutError`` once the communicator's ``timeout`` has passed
+(on the GPU, the NCCL watchdog aborts the communicator), and their communicator is aborted
+too. Nothing hangs beyond the timeout. The same holds when ``fn``'s backward raises,
+except that the raising rank's communicator is not aborted by moecomm (the autograd engine
+raises past it): abort it (``comm.abort()``) before using it again.
+
+Requirements shared with every collective: all ranks call with the same ``degree``,
+``algorithm`` and row shape/dtype, and ``input.requires_grad`` agrees across ranks (the
+backward pass is collective too).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .errors import CommunicatorClosedError
+from .splits import Splits, check_split_total, normalize_splits
+
+__all__ = ["scatter_compute_gather", "Chunk", "GroupOrder", "auto_pieces", "auto_stages", "MAX_DEGREE",
+           "AUTO_RULES"]
+
+MAX_DEGREE = 16
+"""The largest ``degree`` (chunks per peer) accepted."""
+
+AUTO_RULES: dict[str, tuple[int, int]] = {
+    # backend: (at most this many stages, at least this many bytes per piece of a pair)
+    "nccl": (4, 8 << 20),
+    "mpi": (2, 1 << 20),
+    "torch": (2, 1 << 20),
+}
+"""``degree="auto"`` without a topology profile: per backend, ``(max_stages, min_piece_bytes)``.
+
+A pair's block of ``b`` bytes is cut into ``clamp(b // min_piece_bytes, 1, max_stages)``
+pieces: small exchanges are not chunked at all (chunking would only add per-message
+latency), large ones are cut into pieces of at least ``min_piece_bytes``.
+"""
+
+_ABANDONED: list = []
+"""Exchanges left in flight by a failed pipeline: kept referenced (buffers included) so
+that a peer's late transfer never lands in freed memory (the communicator is aborted)."""
+
+Fn = Callable[[torch.Tensor, "Chunk"], torch.Tensor]
+
+
+# -- degree -----------------------------------------------------------------------------------
+
+
+def _profile_of(comm: Any) -> Any:
+    prof = getattr(comm, "profile", None)
+    return prof if prof is not None and hasattr(prof, "entry_for") and hasattr(prof, "entries") else None
+
+
+def auto_stages(comm: Any) -> int:
+    """How many stages ``degree="auto"`` may use on ``comm`` (the same on every rank).
+
+    From the communicator's topology profile (``comm.profile``) when it has one with
+    measured degrees (their maximum), else from :data:`AUTO_RULES`; 1 on a single rank.
+    """
+    if comm.size == 1:
+        return 1
+    prof = _profile_of(comm)
+    if prof is not None:
+        degrees = [e.degree for e in prof.entries if e.degree]
+        if degrees:
+            return max(1, min(MAX_DEGREE, max(degrees)))
+    return AUTO_RULES.get(comm.backend, (1, 0))[0]
+
+
+def auto_pieces(comm: Any, pair_rows: Sequence[int], row_bytes: int) -> list[int]:
+    """How many pieces ``degree="auto"`` cuts each pair's block into (``pair_rows[p]`` rows).
+
+    A function of the pair's own size, so that both ends of a pair agree without talking:
+    with a profile, the degree of the entry nearest to ``rows * row_bytes * size`` bytes
+    per rank (what a rank would send if every pair looked like this one); else
+    ``clamp(rows * row_bytes // min_piece_bytes, 1, max_stages)`` from :data:`AUTO_RULES`.
+    Never more pieces than rows.
+    """
+    stages = auto_stages(comm)
+    prof = _profile_of(comm)
+    out = []
+    for n in pair_rows:
+        b = int(n) * row_bytes
+        if stages == 1 or n <= 1:
+            k = 1
+        elif prof is not None and any(e.degree for e in prof.entries):
+            k = prof.entry_for(b * comm.size).degree or 1
+        else:
+            min_piece = AUTO_RULES.get(comm.backend, (1, 1))[1]
+            k = b // max(min_piece, 1)
+        out.append(int(max(1, min(k, stages, n if n > 0 else 1))))
+    return out
+
+
+def _check_degree(degree: Any) -> Union[int, str]:
+    if isinstance(degree, str):
+        if degree != "auto":
+            raise ValueError(f"degree must be an int in [1, {MAX_DEGREE}] or 'auto', got {degree!r}")
+        return degree
+    if isinstance(degree, bool) or not isinstance(degree, numbers.Integral) or not 1 <= int(degree) <= MAX_DEGREE:
+        raise ValueError(f"degree must be an int in [1, {MAX_DEGREE}] or 'auto', got {degree!r}")
+    return int(degree)
+
+
+# -- the chunk plan ---------------------------------------------------------------------------
+
+
+def _bounds(counts: np.ndarray, pieces: np.ndarray, stages: int) -> np.ndarray:
+    """``[stages + 1, W]``: where piece ``c`` of each pair starts inside the pair's block."""
+    c = np.arange(stages + 1, dtype=np.int64)[:, None]
+    return (np.minimum(c, pieces[None, :]) * counts[None, :]) // pieces[None, :]
+
+
+def _block_rows(offsets: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(offsets + starts, offsets + starts + lengths)`` over blocks."""
+    lengths = lengths.ravel()
+    begin = (offsets + starts).ravel()
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    out_start = np.cumsum(lengths) - lengths
+    return np.repeat(begin - out_start, lengths) + np.arange(total, dtype=np.int64)
+
+
+class _Plan:
+    """Host-side chunking of one call: who sends how many rows in each stage."""
+
+    def __init__(self, send: list[int], recv: list[int], send_pieces: list[int], recv_pieces: list[int],
+                 stages: int, device: torch.device) -> None:
+        self.stages = stages
+        self.device = device
+        self.send = send
+        self.recv = recv
+        s = np.asarray(send, dtype=np.int64)
+        r = np.asarray(recv, dtype=np.int64)
+        self.send_bounds = _bounds(s, np.asarray(send_pieces, dtype=np.int64), stages)  # [S+1, W]
+        self.recv_bounds = _bounds(r, np.asarray(recv_pieces, dtype=np.int64), stages)
+        send_c = np.diff(self.send_bounds, axis=0)  # [S, W]
+        recv_c = np.diff(self.recv_bounds, axis=0)
+        self.send_counts = send_c.tolist()
+        self.recv_counts = recv_c.tolist()
+        self.send_offsets = np.cumsum(s) - s
+        self.recv_offsets = np.cumsum(r) - r
+        totals = send_c.sum(axis=1)
+        self.stage_rows = np.concatenate([[0], np.cumsum(totals)]).tolist()  # into the chunk-major order
+        self.identity = stages == 1
+        self._perm: Optional[torch.Tensor] = None
+        self._send_c = send_c
+
+    def perm(self) -> torch.Tensor:
+        """Input row of each row in stage-major order (stage 0's rows for every peer first)."""
+        if self._perm is None:
+            idx = _block_rows(self.send_offsets[None, :], self.send_bounds[:-1], self._send_c)
+            t = torch.from_numpy(idx)
+            if self.device.type == "cuda":
+                t = t.pin_memory().to(self.device, non_blocking=True)
+            self._perm = t
+        return self._perm
+
+    def pack(self, x: torch.Tensor, c: int) -> torch.Tensor:
+        """Stage ``c``'s rows of ``x`` (input order), grouped by destination."""
+        if self.identity:
+            return x
+        lo, hi = self.stage_rows[c], self.stage_rows[c + 1]
+        return x.index_select(0, self.perm()[lo:hi])
+
+    def unpack(self, parts: list[torch.Tensor], row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Put each stage's rows (grouped by destination) back at their input positions."""
+        if self.identity:
+            return parts[0]
+        out = torch.empty((self.stage_rows[-1],) + tuple(row_shape), dtype=dtype, device=self.device)
+        perm = self.perm()
+        for c, part in enumerate(parts):
+            lo, hi = self.stage_rows[c], self.stage_rows[c + 1]
+            if hi > lo:
+                out.index_copy_(0, perm[lo:hi], part)
+        return out
+
+
+# -- what fn is told --------------------------------------------------------------------------
+
+
+class GroupOrder:
+    """Rows of a chunk regrouped by group (local expert): ``rows[order]`` holds group 0's rows
+    (from every source, in source order), then group 1's, ...; ``sizes[g]`` rows each.
+
+    Undo with ``torch.empty_like(y).index_copy_(0, order, y)`` (or ``y[inverse]``)."""
+
+    __slots__ = ("order", "sizes", "_inverse")
+
+    def __init__(self, order: torch.Tensor, sizes: list[int]) -> None:
+        self.order = order
+        self.sizes = sizes
+        self._inverse: Optional[torch.Tensor] = None
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        if self._inverse is None:
+            inv = torch.empty_like(self.order)
+            inv[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+            self._inverse = inv
+        return self._inverse
+
+    def __iter__(self):
+        return iter((self.order, self.sizes))
+
+
+class Chunk:
+    """What ``fn`` is told about the rows of one stage.
+
+    Attributes:
+        index: the stage, ``0 <= index < degree``.
+        degree: the number of stages of this call.
+        source_splits: rows from each source rank in this chunk (``size`` ints); the chunk's
+            rows are grouped by source, in rank order.
+        source_offsets: where this chunk's rows from source ``p`` start inside everything
+            ``p`` sends here (its block of the non-overlapped ``all_to_all_v`` output).
+        recv_splits: the whole exchange's rows from each source (all stages together).
+        device: where the rows live.
+    """
+
+    __slots__ = ("index", "degree", "source_splits", "source_offsets", "recv_splits", "device", "_cache")
+
+    def __init__(self, index: int, degree: int, source_splits: list[int], source_offsets: list[int],
+                 recv_splits: list[int], device: torch.device) -> None:
+        self.index = index
+        self.degree = degree
+        self.source_splits = source_splits
+        self.source_offsets = source_offsets
+        self.recv_splits = recv_splits
+        self.device = device
+        self._cache: dict = {}
+
+    @classmethod
+    def full(cls, recv_splits: Sequence[int], device: Union[str, torch.device] = "cpu") -> "Chunk":
+        """The chunk that stands for a whole non-overlapped exchange (to call ``fn`` on the
+        output of a plain ``all_to_all_v``)."""
+        recv = [int(v) for v in recv_splits]
+        return cls(0, 1, recv, [0] * len(recv), recv, torch.device(device))
+
+    @property
+    def rows(self) -> int:
+        return sum(self.source_splits)
+
+    def __repr__(self) -> str:
+        return f"<moecomm.overlap.Chunk {self.index}/{self.degree} source_splits={self.source_splits}>"
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def source_ranks(self) -> torch.Tensor:
+        """``[rows]`` int64 on :attr:`device`: the source rank of each row (cached)."""
+        t = self._cache.get("src")
+        if t is None:
+            counts = np.asarray(self.source_splits, dtype=np.int64)
+            t = self._to_device(np.repeat(np.arange(len(counts), dtype=np.int64), counts))
+            self._cache["src"] = t
+        return t
+
+    def positions(self) -> torch.Tensor:
+        """``[rows]`` int64 on :attr:`device`: each row's index in the non-overlapped
+        ``all_to_all_v`` output (cached)."""
+        t = self._cache.get("pos")
+        if t is None:
+            r = np.asarray(self.recv_splits, dtype=np.int64)
+            offsets = np.cumsum(r) - r
+            t = self._to_device(_block_rows(offsets, np.asarray(self.source_offsets, dtype=np.int64),
+                                            np.asarray(self.source_splits, dtype=np.int64)))
+            self._cache["pos"] = t
+        return t
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The rows of ``full`` (laid out like the non-overlapped output) that belong to this chunk."""
+        if self.degree == 1 and full.shape[0] == self.rows:
+            return full
+        return full.index_select(0, self.positions().to(full.device))
+
+    def _group_table(self, counts: Any) -> np.ndarray:
+        m = np.asarray(counts.tolist() if isinstance(counts, torch.Tensor) else counts, dtype=np.int64)
+        if m.ndim != 2 or m.shape[0] != len(self.recv_splits):
+            raise ValueError(f"counts must be [{len(self.recv_splits)} sources][groups], got shape {m.shape}")
+        if (m < 0).any() or m.sum(axis=1).tolist() != list(self.recv_splits):
+            raise ValueError(f"counts rows must be >= 0 and sum to recv_splits {self.recv_splits}, "
+                             f"got sums {m.sum(axis=1).tolist()}")
+        return m
+
+    def group_splits(self, counts: Any) -> list[list[int]]:
+        """Per source, per group: this chunk's row counts.
+
+        ``counts[p][g]`` is how many of the rows from source ``p`` (all stages together)
+        belong to group ``g`` (e.g. local expert ``g``), rows of a source being sorted by
+        group, as MoE dispatch sends them. Host ints in, host ints out: no synchronisation.
+        """
+        m = self._group_table(counts)
+        gb = np.concatenate([np.zeros((m.shape[0], 1), dtype=np.int64), np.cumsum(m, axis=1)], axis=1)
+        lo = np.asarray(self.source_offsets, dtype=np.int64)[:, None]
+        hi = lo + np.asarray(self.source_splits, dtype=np.int64)[:, None]
+        part = np.clip(np.minimum(hi, gb[:, 1:]) - np.maximum(lo, gb[:, :-1]), 0, None)
+        return part.tolist()
+
+    def group_order(self, counts: Any) -> GroupOrder:
+        """How to regroup this chunk's rows by group across sources (see :class:`GroupOrder`).
+
+        ``counts`` as for :meth:`group_splits`. The index is built on the host and copied
+        to the device without synchronisation.
+        """
+        part = np.asarray(self.group_splits(counts), dtype=np.int64)  # [W, G]
+        w, g = part.shape
+        starts = (np.cumsum(part.ravel()) - part.ravel()).reshape(w, g)  # p-major layout in the chunk
+        order = _block_rows(np.zeros(1, dtype=np.int64), starts.T, part.T)
+        return GroupOrder(self._to_device(order), part.sum(axis=0).tolist())
+
+
+# -- the pipeline -----------------------------------------------------------------------------
+
+
+class _Run:
+    """One call: the plan, fn, and the exchanges in flight (forward and backward)."""
+
+    def __init__(self, comm: Any, plan: _Plan, fn: Fn, a2a_kwargs: dict) -> None:
+        self.comm = comm
+        self.plan = plan
+        self.fn = fn
+        self.kw = a2a_kwargs
+        s = plan.stages
+        self.scatter: list = [None] * s  # forward: input rows to the experts
+        self.gather: list = [None] * s  # forward: fn's rows back
+        self.grad_scatter: list = [None] * s  # backward: output gradient to the experts
+        self.grad_gather: list = [None] * s  # backward: input gradient back
+        self.out_shape: Optional[tuple] = None
+        self.out_dtype: Optional[torch.dtype] = None
+        self.in_shape: tuple = ()
+        self.in_dtype: Optional[torch.dtype] = None
+
+    def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> Any:
+        return self.comm.all_to_all_v(x, send, recv, async_op=True, **self.kw)
+
+    def token(self) -> torch.Tensor:
+        return torch.empty(0, device=self.plan.device)
+
+    def chunk(self, c: int) -> Chunk:
+        p = self.plan
+        return Chunk(c, p.stages, p.recv_counts[c], p.recv_bounds[c].tolist(), p.recv, p.device)
+
+    def abandon(self) -> None:
+        """Keep whatever is still in flight referenced, and abort the communicator."""
+        for works in (self.scatter, self.gather, self.grad_scatter, self.grad_gather):
+            for w in works:
+                if w is not None and not w.is_completed():
+                    _ABANDONED.append(w)
+        self.comm.abort()
+
+    # forward
+    def issue_scatter(self, x: torch.Tensor) -> None:
+        self.in_shape, self.in_dtype = tuple(x.shape[1:]), x.dtype
+        p = self.plan
+        for c in range(p.stages):
+            self.scatter[c] = self._a2a(p.pack(x, c), p.send_counts[c], p.recv_counts[c])
+
+    def wait_scatter(self, c: int) -> torch.Tensor:
+        rows, _ = self.scatter[c].wait()
+        self.scatter[c] = None
+        return rows
+
+    def check_result(self, c: int, y: Any, rows: int) -> torch.Tensor:
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"scatter_compute_gather: fn must return a torch.Tensor, got {type(y).__name__} "
+                            f"(stage {c})")
+        if y.dim() < 1 or y.shape[0] != rows:
+            raise ValueError(f"scatter_compute_gather: fn must return one row per input row ({rows} rows in "
+                             f"stage {c}), got shape {tuple(y.shape)}")
+        dev = self.plan.device
+        if y.device.type != dev.type or (dev.type == "cuda" and y.device.index != dev.index):
+            raise ValueError(f"scatter_compute_gather: fn returned a tensor on {y.device}, expected {dev}")
+        shape = tuple(y.shape[1:])
+        if self.out_shape is None:
+            self.out_shape, self.out_dtype = shape, y.dtype
+        elif shape != self.out_shape or y.dtype != self.out_dtype:
+            raise ValueError(f"scatter_compute_gather: fn returned rows of {shape} {y.dtype} in stage {c}, "
+                             f"but {self.out_shape} {self.out_dtype} in stage 0")
+        return y.contiguous()
+
+    def issue_gather(self, c: int, y: torch.Tensor) -> None:
+        p = self.plan
+        self.gather[c] = self._a2a(y, p.recv_counts[c], p.send_counts[c])
+
+    def collect(self) -> torch.Tensor:
+        parts = []
+        for c in range(self.plan.stages):
+            out, _ = self.gather[c].wait()
+            self.gather[c] = None
+            parts.append(out)
+        return self.plan.unpack(parts, self.out_shape, self.out_dtype)
+
+    # backward
+    def issue_grad_scatter(self, grad: torch.Tensor) -> None:
+        p = self.plan
+        for c in reversed(range(p.stages)):  # the autograd engine runs the last stage's backward first
+            self.grad_scatter[c] = self._a2a(p.pack(grad, c), p.send_counts[c], p.recv_counts[c])
+
+    def wait_grad_scatter(self, c: int) -> torch.Tensor:
+        g, _ = self.grad_scatter[c].wait()
+        self.grad_scatter[c] = None
+        return g
+
+    def issue_grad_gather(self, c: int, g: torch.Tensor) -> None:
+        p = self.plan
+        self.grad_gather[c] = self._a2a(g.contiguous(), p.recv_counts[c], p.send_counts[c])
+
+    def finish_backward(self) -> torch.Tensor:
+        p = self.plan
+        for c in reversed(range(p.stages)):
+            if self.grad_scatter[c] is not None:  # a stage whose output took no part in the loss
+                self.wait_grad_scatter(c)
+            if self.grad_gather[c] is None:  # fn's result did not depend on its rows: zeros
+                rows = sum(p.recv_counts[c])
+                zeros = torch.zeros((rows,) + self.in_shape, dtype=self.in_dtype, device=p.device)
+                self.issue_grad_gather(c, zeros)
+        parts = []
+        for c in range(p.stages):
+            g, _ = self.grad_gather[c].wait()
+            self.grad_gather[c] = None
+            parts.append(g)
+        return p.unpack(parts, self.in_shape, self.in_dtype)
+
+
+class _Scatter(torch.autograd.Function):
+    """Issues every stage's scatter; returns one token per stage (autograd edges only)."""
+
+    @staticmethod
+    def forward(ctx, x, run):  # type: ignore[override]
+        ctx.run = run
+        run.issue_scatter(x)
+        return tuple(run.token() for _ in range(run.plan.stages))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *tokens):  # type: ignore[override]
+        return ctx.run.finish_backward(), None
+
+
+class _Arrive(torch.autograd.Function):
+    """Stage ``c``'s rows, once they have arrived; backward sends their gradient home."""
+
+    @staticmethod
+    def forward(ctx, token, run, c):  # type: ignore[override]
+        ctx.run, ctx.c = run, c
+        return run.wait_scatter(c)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.run.issue_grad_gather(ctx.c, grad)
+        return ctx.run.token(), None, None
+
+
+class _Depart(torch.autograd.Function):
+    """Sends stage ``c``'s results home; backward waits for that stage's output gradient."""
+
+    @staticmethod
+    def forward(ctx, y, run, c):  # type: ignore[override]
+        ctx.run, ctx.c = run, c
+        run.issue_gather(c, y)
+        return run.token()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, token):  # type: ignore[override]
+        return ctx.run.wait_grad_scatter(ctx.c), None, None
+
+
+class _Collect(torch.autograd.Function):
+    """The output in input order; backward scatters its gradient, stage by stage."""
+
+    @staticmethod
+    def forward(ctx, run, *tokens):  # type: ignore[override]
+        ctx.run = run
+        return run.collect()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        run = ctx.run
+        run.issue_grad_scatter(grad.contiguous())
+        return (None,) + tuple(run.token() for _ in range(run.plan.stages))
+
+
+# -- the entry point --------------------------------------------------------------------------
+
+
+def _a2a_kwargs(comm: Any, algorithm: Optional[str]) -> dict:
+    if algorithm is None:
+        return {}
+    import inspect
+
+    try:
+        accepts = "algorithm" in inspect.signature(comm.all_to_all_v).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if accepts:
+        return {"algorithm": algorithm}
+    if algorithm == "flat":
+        return {}
+    raise ValueError(f"algorithm={algorithm!r}: this communicator's all_to_all_v has no 'algorithm' argument "
+                     f"(only the flat all-to-all exists); pass algorithm=None or 'flat'")
+
+
+def _exchange_counts(comm: Any, send: list[int]) -> list[int]:
+    w = comm.size
+    t = torch.tensor(send, dtype=torch.int64, device=comm.device).view(w, 1)
+    out, _ = comm.all_to_all_v(t, [1] * w, [1] * w)
+    return [int(v) for v in out.view(-1).tolist()]
+
+
+def scatter_compute_gather(
+    comm: Any,
+    input: torch.Tensor,
+    send_splits: Splits,
+    fn: Fn,
+    *,
+    degree: Union[int, str] = 2,
+    recv_splits: Optional[Splits] = None,
+    algorithm: Optional[str] = None,
+) -> torch.Tensor:
+    """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` stages.
+
+    Args:
+        comm: the :class:`moecomm.Communicator`.
+        input: ``[N, *row_shape]`` on ``comm.device``; rows grouped by destination rank.
+        send_splits: rows for each rank (``size`` ints, or a 1-D integer tensor).
+        fn: ``fn(rows, chunk) -> out_rows``: ``rows`` is ``[chunk.rows, *row_shape]``
+            grouped by source rank, ``chunk`` a :class:`Chunk`; returns
+            ``[chunk.rows, *out_shape]`` (row ``i`` computed from row ``i``). Called once
+            per stage, on the caller's current stream, possibly with zero rows.
+        degree: chunks per peer, 1 to :data:`MAX_DEGREE`, or ``"auto"``
+            (:func:`auto_pieces`). 1 is the non-overlapped computation.
+        recv_splits: rows from each rank, if known (else exchanged once, up front).
+        algorithm: passed to every ``all_to_all_v`` of the pipeline (e.g. ``"2dh"``), where
+            the communicator supports it; None: its default.
+
+    Returns:
+        ``[N, *out_shape]``: row ``i`` is ``fn``'s result for ``input`` row ``i``, exactly
+        as without overlap. Differentiable in ``input`` and in whatever ``fn`` uses
+        (parameters); the backward pass is pipelined the same way.
+    """
+    if comm.closed:
+        raise CommunicatorClosedError("moecomm: cannot run scatter_compute_gather: the communicator is closed")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dim() < 1:
+        raise ValueError(f"input must have at least 1 dimension (rows along dim 0), got shape {tuple(input.shape)}")
+    dev = comm.device
+    if input.device.type != dev.type or (dev.type == "cuda" and input.device.index != dev.index):
+        raise ValueError(f"input must be on {dev} (the communicator's device), got a tensor on {input.device}")
+    degree = _check_degree(degree)
+    kw = _a2a_kwargs(comm, algorithm)
+    w = comm.size
+    send = normalize_splits(send_splits, "send_splits", w)
+    check_split_total(send, input.shape[0], "send_splits", "input")
+    recv = _exchange_counts(comm, send) if recv_splits is None else normalize_splits(recv_splits, "recv_splits", w)
+
+    if degree == "auto":
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        stages = auto_stages(comm)
+        send_pieces, recv_pieces = auto_pieces(comm, send, row_bytes), auto_pieces(comm, recv, row_bytes)
+    else:
+        stages = degree
+        send_pieces = recv_pieces = [degree] * w
+    plan = _Plan(send, recv, send_pieces, recv_pieces, stages, dev)
+    run = _Run(comm, plan, fn, kw)
+
+    x = input.contiguous()
+    tokens = _Scatter.apply(x, run)
+    departed = []
+    try:
+        for c in range(stages):
+            rows = _Arrive.apply(tokens[c], run, c)
+            y = run.check_result(c, fn(rows, run.chunk(c)), rows.shape[0])
+            departed.append(_Depart.apply(y, run, c))
+    except BaseException:
+        run.abandon()
+        raise
+    return _Collect.apply(run, *departed)
