@@ -25,8 +25,9 @@ File format (``version`` 1)::
 ``bytes_per_rank`` is the size of the input of one rank (all destinations together);
 ``choice`` is ``"flat"`` or ``"2dh"``; ``degree`` is the overlap chunk count chosen for
 that size (null: none measured). ``links`` holds, per link kind (``"intra"``, ``"inter"``,
-``"copy"``), the fitted ``alpha_s`` (seconds per message) and ``beta_Bps`` (bytes per
-second) and the measured ``points`` ``[[bytes, seconds], ...]``.
+``"copy"``), the fitted ``alpha_s`` (seconds per call), ``msg_s`` (seconds per message) and
+``beta_Bps`` (bytes per second) and the measured ``points`` ``[[group size, bytes per peer,
+seconds], ...]`` (see ``topology.model``).
 
 The default location of a cluster's profile is ``<dir>/<fingerprint key>.json`` with
 ``<dir>`` = ``$MOECOMM_PROFILE_DIR`` or ``~/.cache/moecomm/profiles``.
@@ -212,7 +213,7 @@ class Profile:
         for name, fig in links.items():
             if not isinstance(fig, dict):
                 raise ProfileError(f"{where}: links[{name!r}] must be an object")
-            for k in ("alpha_s", "beta_Bps"):
+            for k in ("alpha_s", "msg_s", "beta_Bps"):
                 v = fig.get(k)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
                     raise ProfileError(f"{where}: links[{name!r}].{k} must be a number >= 0, got {v!r}")
