@@ -423,8 +423,8 @@ def _forward_steps(h: Hierarchy, p: Plan) -> list:
         if N > 1 and L > 1:
             steps.append(_Local(lambda x: _blocks.permute_blocks(x, p.sgrid), "pack"))
     else:
-        order = [h.members[m][k] for k in range(L) for m in range(N)]
-        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, p.send, order), "pack"))
+        pack = [h.members[m][k] for k in range(L) for m in range(N)]
+        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, p.send, pack), "pack"))
     if L > 1:
         steps.append(_Exchange(h.intra, [sum(p.sgrid[m][k] for m in range(N)) for k in range(L)],
                                [sum(row) for row in p.r1], "intra"))
@@ -434,9 +434,9 @@ def _forward_steps(h: Hierarchy, p: Plan) -> list:
         steps.append(_Exchange(h.rail, [sum(p.r1[l][m] for l in range(L)) for m in range(N)],
                                [sum(row) for row in p.rgrid], "rail"))
     if not h.contiguous:
-        order = _inverse_order([h.members[n][l] for n in range(N) for l in range(L)])
-        counts = [c for row in p.rgrid for c in row]
-        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, counts, order), "unpack"))
+        unpack = _inverse_order([h.members[n][l] for n in range(N) for l in range(L)])
+        arrived = [c for row in p.rgrid for c in row]
+        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, arrived, unpack), "unpack"))
     return steps
 
 
@@ -445,8 +445,8 @@ def _reverse_steps(h: Hierarchy, p: Plan) -> list:
     N, L = h.num_nodes, h.local_size
     steps: list = []
     if not h.contiguous:
-        order = [h.members[n][l] for n in range(N) for l in range(L)]
-        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, p.recv, order), "unpack back"))
+        unpack = [h.members[n][l] for n in range(N) for l in range(L)]
+        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, p.recv, unpack), "unpack back"))
     if N > 1:
         steps.append(_Exchange(h.rail, [sum(row) for row in p.rgrid],
                                [sum(p.r1[l][m] for l in range(L)) for m in range(N)], "rail back"))
@@ -459,9 +459,9 @@ def _reverse_steps(h: Hierarchy, p: Plan) -> list:
         if N > 1 and L > 1:
             steps.append(_Local(lambda x: _blocks.permute_blocks(x, p.sgrid, inverse=True), "pack back"))
     else:
-        pack = [h.members[m][k] for k in range(L) for m in range(N)]
-        counts = [p.sgrid[m][k] for k in range(L) for m in range(N)]
-        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, counts, _inverse_order(pack)), "pack back"))
+        unpack_pack = _inverse_order([h.members[m][k] for k in range(L) for m in range(N)])
+        packed = [p.sgrid[m][k] for k in range(L) for m in range(N)]
+        steps.append(_Local(lambda x: _blocks.reorder_blocks(x, packed, unpack_pack), "pack back"))
     return steps
 
 
