@@ -73,6 +73,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -99,6 +101,11 @@ A pair's block of ``b`` bytes is cut into ``clamp(b // min_piece_bytes, 1, max_s
 pieces: small exchanges are not chunked at all (chunking would only add per-message
 latency), large ones are cut into pieces of at least ``min_piece_bytes``.
 """
+
+SPIN_S = 0.2
+"""CPU backends: how long a wait for a chunk polls MPI (yielding the core between polls)
+before falling back to the communicator's own wait (which sleeps between polls). MPI moves
+a large message only while some call polls it, so sleeping waits slow the pipeline down."""
 
 _ABANDONED: list = []
 """Exchanges left in flight by a failed pipeline: kept referenced (buffers included) so
@@ -402,6 +409,14 @@ class _Run:
     def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> Any:
         return self.comm.all_to_all_v(x, send, recv, async_op=True, **self.kw)
 
+    def _wait(self, work: Any) -> Any:
+        """``work.wait()``; on the CPU, poll first (progress for MPI, see :data:`SPIN_S`)."""
+        if self.plan.device.type == "cpu" and not work.is_completed():
+            deadline = time.monotonic() + SPIN_S
+            while not work.is_completed() and time.monotonic() < deadline:
+                os.sched_yield()
+        return work.wait()
+
     def token(self) -> torch.Tensor:
         return torch.empty(0, device=self.plan.device)
 
@@ -425,7 +440,7 @@ class _Run:
             self.scatter[c] = self._a2a(p.pack(x, c), p.send_counts[c], p.recv_counts[c])
 
     def wait_scatter(self, c: int) -> torch.Tensor:
-        rows, _ = self.scatter[c].wait()
+        rows, _ = self._wait(self.scatter[c])
         self.scatter[c] = None
         return rows
 
@@ -454,7 +469,7 @@ class _Run:
     def collect(self) -> torch.Tensor:
         parts = []
         for c in range(self.plan.stages):
-            out, _ = self.gather[c].wait()
+            out, _ = self._wait(self.gather[c])
             self.gather[c] = None
             parts.append(out)
         return self.plan.unpack(parts, self.out_shape, self.out_dtype)
@@ -466,7 +481,7 @@ class _Run:
             self.grad_scatter[c] = self._a2a(p.pack(grad, c), p.send_counts[c], p.recv_counts[c])
 
     def wait_grad_scatter(self, c: int) -> torch.Tensor:
-        g, _ = self.grad_scatter[c].wait()
+        g, _ = self._wait(self.grad_scatter[c])
         self.grad_scatter[c] = None
         return g
 
@@ -485,7 +500,7 @@ class _Run:
                 self.issue_grad_gather(c, zeros)
         parts = []
         for c in range(p.stages):
-            g, _ = self.grad_gather[c].wait()
+            g, _ = self._wait(self.grad_gather[c])
             self.grad_gather[c] = None
             parts.append(g)
         return p.unpack(parts, self.in_shape, self.in_dtype)
