@@ -97,25 +97,45 @@ def _opmath(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 # unvalidated implementations (inputs already checked)
 
 
+def _native_result(fn: str, result, index: Tensor, upper: int) -> Tensor:
+    """The CPU kernels return ``(out, bad)`` instead of throwing from their
+    parallel loops (bad = flat position of an out-of-range entry, or -1)."""
+    if not isinstance(result, tuple):
+        return result  # CUDA kernels trap on a bad entry instead
+    out, bad = result
+    if bad >= 0:
+        value = int(index.reshape(-1)[bad])
+        raise IndexError(
+            f"{fn}: argument 'index' entry {bad} (flat position) = {value} is out of range [-1, {upper})"
+        )
+    return out
+
+
 def _gather_rows(x: Tensor, index: Tensor, scale: Tensor | None, use_native: bool | None) -> Tensor:
     mod = module_for(x.device.type, use_native)
     if mod is None:
         return reference.gather_rows(x, index, scale)
-    return mod.gather_rows(x.contiguous(), index.contiguous(), _opmath(scale, x.dtype))
+    index = index.contiguous()
+    res = mod.gather_rows(x.contiguous(), index, _opmath(scale, x.dtype))
+    return _native_result("gather_rows", res, index, x.shape[0])
 
 
 def _gather_reduce_rows(y: Tensor, index: Tensor, weight: Tensor | None, use_native: bool | None) -> Tensor:
     mod = module_for(y.device.type, use_native)
     if mod is None:
         return reference.gather_reduce_rows(y, index, weight)
-    return mod.gather_reduce_rows(y.contiguous(), index.contiguous(), _opmath(weight, y.dtype))
+    index = index.contiguous()
+    res = mod.gather_reduce_rows(y.contiguous(), index, _opmath(weight, y.dtype))
+    return _native_result("gather_reduce_rows", res, index, y.shape[0])
 
 
 def _gather_rowdot(a: Tensor, b: Tensor, index: Tensor, use_native: bool | None) -> Tensor:
     mod = module_for(a.device.type, use_native)
     if mod is None:
         return reference.gather_rowdot(a, b, index)
-    return mod.gather_rowdot(a.contiguous(), b.contiguous(), index.contiguous())
+    index = index.contiguous()
+    res = mod.gather_rowdot(a.contiguous(), b.contiguous(), index)
+    return _native_result("gather_rowdot", res, index, b.shape[0])
 
 
 # --------------------------------------------------------------------------

@@ -12,6 +12,9 @@ tokens, model_dim 2048, k=2, 16 experts, capacity 1024 per expert, bf16):
 
 Each result is the median of many runs (CUDA events on GPU, perf_counter on
 CPU; the L2 cache is flushed before each GPU run unless ``--no-flush``).
+Eager timings include Python and launch overhead, which dominates the
+autograd rows at this size; ``--graph`` adds the median of CUDA-graph replays
+of the same work (GPU time only).
 Bandwidth counts the minimum bytes the operation must read and write (rows
 actually gathered, outputs, indices and weights).  Every op is also compared
 with a device-to-device copy of the same number of bytes (half read, half
@@ -45,6 +48,8 @@ class Result:
     gbps: float
     copy_gbps: float
     vs_copy: float
+    graph_ms: float | None = None  # CUDA-graph replay: kernels without host overhead
+    graph_gbps: float | None = None
 
 
 class Timer:
@@ -57,7 +62,20 @@ class Timer:
             torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if (self.cuda and flush) else None
         )
 
-    def median_ms(self, fn: Callable[[], object]) -> float:
+    def median_ms(self, fn: Callable[[], object], graph: bool = False) -> float:
+        """Median time of ``fn()``; with ``graph=True`` (CUDA only) of the replay
+        of a CUDA graph capturing ``fn()``, i.e. without host launch overhead."""
+        if graph:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            fn = g.replay
         for _ in range(self.warmup):
             fn()
         times = []
@@ -124,7 +142,11 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Result]]:
         ms = timer.median_ms(fn)
         gbps = nbytes / (ms * 1e-3) / 1e9
         cg = copy_gbps(nbytes)
-        results.append(Result(op, which, ms, nbytes, gbps, cg, gbps / cg))
+        gms = ggbps = None
+        if args.graph and device.type == "cuda":
+            gms = timer.median_ms(fn, graph=True)
+            ggbps = nbytes / (gms * 1e-3) / 1e9
+        results.append(Result(op, which, ms, nbytes, gbps, cg, gbps / cg, gms, ggbps))
 
     idx_b = 8
     b_disp_fwd = n_slot * D * es + M * D * es + M * idx_b
@@ -243,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--no-flush", action="store_true", help="do not flush the L2 cache between GPU runs")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="also time each op as a CUDA-graph replay (kernel time without Python/launch overhead)",
+    )
     args = p.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args.iters = args.iters or (100 if cuda else 10)
@@ -254,14 +281,20 @@ def main(argv: list[str] | None = None) -> int:
         f"D={meta['dim']} k={meta['k']} E={meta['experts']} C={meta['capacity']} {meta['dtype']} "
         f"(filled slots {meta['filled_slots']}), median of {meta['iters']}"
     )
-    header = f"{'operation':38s} {'implementation':22s} {'ms':>9s} {'MB':>8s} {'GB/s':>8s} {'copy GB/s':>10s} {'vs copy':>8s}"
+    graph = any(r.graph_ms is not None for r in results)
+    header = f"{'operation':36s} {'implementation':21s} {'ms':>8s} {'MB':>7s} {'GB/s':>7s} {'copy GB/s':>9s} {'vs copy':>7s}"
+    if graph:
+        header += f" {'graph ms':>8s} {'graph GB/s':>10s}"
     print(header)
     print("-" * len(header))
     for r in results:
-        print(
-            f"{r.op:38s} {r.impl:22s} {r.median_ms:9.4f} {r.bytes / 1e6:8.1f} {r.gbps:8.1f} "
-            f"{r.copy_gbps:10.1f} {r.vs_copy:8.2f}"
+        line = (
+            f"{r.op:36s} {r.impl:21s} {r.median_ms:8.4f} {r.bytes / 1e6:7.1f} {r.gbps:7.1f} "
+            f"{r.copy_gbps:9.1f} {r.vs_copy:7.2f}"
         )
+        if graph and r.graph_ms is not None:
+            line += f" {r.graph_ms:8.4f} {r.graph_gbps:10.1f}"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=[asdict(r) for r in results]), f, indent=2)

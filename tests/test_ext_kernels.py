@@ -217,8 +217,12 @@ def test_out_of_range_message_details():
 def test_native_kernel_checks_range_even_without_host_check():
     with pytest.raises(IndexError, match="out of range"):
         me.gather_rows(torch.randn(5, 3), torch.tensor([0, 9]), check=False, use_native=True)
-    with pytest.raises(IndexError, match="out of range"):
+    with pytest.raises(IndexError, match="'index' entry 1 .* = 9 is out of range"):
         me.gather_reduce_rows(torch.randn(5, 3), torch.tensor([[0, 9]]), check=False, use_native=True)
+    with pytest.raises(IndexError, match="out of range"):
+        me.gather_rowdot(torch.randn(1, 3), torch.randn(5, 3), torch.tensor([[-3, 0]]), check=False, use_native=True)
+    with pytest.raises(IndexError, match="out of range"):
+        me.gather_rows(torch.randn(5, 3), torch.tensor([0, 5]), torch.ones(2), check=False, use_native=True)
 
 
 @pytest.mark.parametrize("use_native", [True, False])

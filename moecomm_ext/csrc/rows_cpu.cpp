@@ -1,12 +1,15 @@
 // CPU row-gather kernels of moecomm_ext.
 //
 // The Python wrappers (moecomm_ext/_ops.py) validate shapes, dtypes and index
-// ranges and hand over contiguous tensors; the checks here are a second line
-// of defence so that a bad call raises instead of reading out of bounds.
+// ranges and hand over contiguous tensors; the TORCH_CHECKs here only guard
+// direct calls of this module.  An out-of-range index entry (possible when the
+// wrapper's host check is turned off) never throws from inside the parallel
+// loop: its row is zero-filled and its flat position is returned as the
+// second result (-1 when every entry is in range); the wrapper raises.
 //
-//   gather_rows(x[N,D], index[M] int64, scale[M] opmath?)      -> [M,D]  x.dtype
-//   gather_reduce_rows(y[M,D], index[T,K] int64, weight[T,K]?) -> [T,D]  y.dtype
-//   gather_rowdot(a[T,D], b[M,D], index[T,K] int64)            -> [T,K]  opmath
+//   gather_rows(x[N,D], index[M] int64, scale[M] opmath?)      -> ([M,D] x.dtype, bad)
+//   gather_reduce_rows(y[M,D], index[T,K] int64, weight[T,K]?) -> ([T,D] y.dtype, bad)
+//   gather_rowdot(a[T,D], b[M,D], index[T,K] int64)            -> ([T,K] opmath, bad)
 //
 // opmath is float for float16/bfloat16/float32 and double for float64.
 // Index -1 means "no row": a zero row (gather_rows) or a skipped term.
@@ -19,7 +22,9 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <tuple>
 #include <optional>
 #include <vector>
 
@@ -54,19 +59,35 @@ void check_weight(const std::optional<at::Tensor>& w, const char* fn, const char
               w->scalar_type());
 }
 
-inline void check_row(int64_t r, int64_t n, int64_t pos, const char* fn) {
-  TORCH_CHECK_INDEX(r >= -1 && r < n, fn, ": index entry ", pos, " = ", r,
-                    " is out of range [-1, ", n, ")");
-}
+// Smallest flat position of an out-of-range index entry (-1: none).
+class BadIndex {
+ public:
+  // true when r is usable; otherwise records pos and returns false
+  bool ok(int64_t r, int64_t n, int64_t pos) {
+    if (r >= -1 && r < n) return true;
+    int64_t cur = first_.load(std::memory_order_relaxed);
+    while ((cur < 0 || pos < cur) &&
+           !first_.compare_exchange_weak(cur, pos, std::memory_order_relaxed)) {
+    }
+    return false;
+  }
+  int64_t get() const { return first_.load(); }
 
-at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index,
-                       const std::optional<at::Tensor>& scale) {
+ private:
+  std::atomic<int64_t> first_{-1};
+};
+
+using Result = std::tuple<at::Tensor, int64_t>;
+
+Result gather_rows(const at::Tensor& x, const at::Tensor& index,
+                   const std::optional<at::Tensor>& scale) {
   constexpr const char* fn = "gather_rows";
   check_common(x, fn, "x", 2);
   check_index(index, fn, 1);
   const int64_t N = x.size(0), D = x.size(1), M = index.size(0);
   at::Tensor out = at::empty({M, D}, x.options());
   const int64_t* idx = index.const_data_ptr<int64_t>();
+  BadIndex bad;
 
   if (!scale.has_value()) {
     // Any dtype: rows are copied as raw bytes.
@@ -76,17 +97,17 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index,
     at::parallel_for(0, M, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = idx[i];
-        check_row(r, N, i, fn);
+        const bool ok = bad.ok(r, N, i);
         if (row_bytes == 0) continue;
         char* d = dst + i * row_bytes;
-        if (r < 0) {
+        if (r < 0 || !ok) {
           std::memset(d, 0, row_bytes);
         } else {
           std::memcpy(d, src + r * row_bytes, row_bytes);
         }
       }
     });
-    return out;
+    return Result(out, bad.get());
   }
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gather_rows_cpu", [&] {
@@ -98,9 +119,9 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index,
     at::parallel_for(0, M, grain_for(D * static_cast<int64_t>(sizeof(scalar_t))), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = idx[i];
-        check_row(r, N, i, fn);
+        const bool ok = bad.ok(r, N, i);
         scalar_t* d = dst + i * D;
-        if (r < 0) {
+        if (r < 0 || !ok) {
           std::fill(d, d + D, scalar_t(0));
           continue;
         }
@@ -112,17 +133,18 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index,
       }
     });
   });
-  return out;
+  return Result(out, bad.get());
 }
 
-at::Tensor gather_reduce_rows(const at::Tensor& y, const at::Tensor& index,
-                              const std::optional<at::Tensor>& weight) {
+Result gather_reduce_rows(const at::Tensor& y, const at::Tensor& index,
+                          const std::optional<at::Tensor>& weight) {
   constexpr const char* fn = "gather_reduce_rows";
   check_common(y, fn, "y", 2);
   check_index(index, fn, 2);
   const int64_t M = y.size(0), D = y.size(1), T = index.size(0), K = index.size(1);
   at::Tensor out = at::empty({T, D}, y.options());
   const int64_t* idx = index.const_data_ptr<int64_t>();
+  BadIndex bad;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "gather_reduce_rows_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
@@ -137,8 +159,7 @@ at::Tensor gather_reduce_rows(const at::Tensor& y, const at::Tensor& index,
         std::fill(acc.begin(), acc.end(), opmath_t(0));
         for (int64_t j = 0; j < K; ++j) {
           const int64_t r = idx[t * K + j];
-          check_row(r, M, t * K + j, fn);
-          if (r < 0) continue;
+          if (!bad.ok(r, M, t * K + j) || r < 0) continue;
           const scalar_t* row = src + r * D;
           opmath_t* a = acc.data();
           if (w != nullptr) {
@@ -153,10 +174,10 @@ at::Tensor gather_reduce_rows(const at::Tensor& y, const at::Tensor& index,
       }
     });
   });
-  return out;
+  return Result(out, bad.get());
 }
 
-at::Tensor gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index) {
+Result gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index) {
   constexpr const char* fn = "gather_rowdot";
   check_common(a, fn, "a", 2);
   check_common(b, fn, "b", 2);
@@ -167,6 +188,7 @@ at::Tensor gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Ten
   TORCH_CHECK(index.size(0) == T, fn, ": 'index' must have ", T, " rows, got ", index.size(0));
   const int64_t* idx = index.const_data_ptr<int64_t>();
   at::Tensor out;
+  BadIndex bad;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "gather_rowdot_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
@@ -178,8 +200,7 @@ at::Tensor gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Ten
     at::parallel_for(0, T * K, grain_for(2 * D * static_cast<int64_t>(sizeof(scalar_t))), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t r = idx[p];
-        check_row(r, M, p, fn);
-        if (r < 0) {
+        if (!bad.ok(r, M, p) || r < 0) {
           dst[p] = opmath_t(0);
           continue;
         }
@@ -199,19 +220,20 @@ at::Tensor gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Ten
       }
     });
   });
-  return out;
+  return Result(out, bad.get());
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moecomm_ext CPU row-gather kernels";
-  m.def("gather_rows", &gather_rows, "out[i] = x[index[i]] * scale[i]; -1 -> zero row",
+  m.def("gather_rows", &gather_rows,
+        "(out, bad): out[i] = x[index[i]] * scale[i]; -1 -> zero row; bad = first out-of-range position or -1",
         py::arg("x"), py::arg("index"), py::arg("scale") = py::none());
   m.def("gather_reduce_rows", &gather_reduce_rows,
-        "out[t] = sum_j weight[t,j] * y[index[t,j]]; -1 skipped", py::arg("y"), py::arg("index"),
+        "(out, bad): out[t] = sum_j weight[t,j] * y[index[t,j]]; -1 skipped", py::arg("y"), py::arg("index"),
         py::arg("weight") = py::none());
-  m.def("gather_rowdot", &gather_rowdot, "out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0",
+  m.def("gather_rowdot", &gather_rowdot, "(out, bad): out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0",
         py::arg("a"), py::arg("b"), py::arg("index"));
   m.attr("device_type") = "cpu";
 }
