@@ -44,6 +44,8 @@ class Backend(abc.ABC):
     device: torch.device
     stream_ordered: bool = False
     """True where completion is ordered on a CUDA stream (NCCL): ``join`` suffices to use results."""
+    progress_on_test: bool = False
+    """True where operations advance only while the host polls them (MPI's progress engine)."""
 
     @abc.abstractmethod
     def alltoallv(

@@ -42,6 +42,7 @@ class _MpiRequest(Request):
 
 class MpiBackend(Backend):
     name = "mpi"
+    progress_on_test = True
 
     def __init__(self, comm: Any) -> None:
         from mpi4py import MPI

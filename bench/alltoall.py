@@ -1,0 +1,320 @@
+"""All-to-all bandwidth benchmark, read like nccl-tests' alltoall_perf.
+
+Run under MPI::
+
+    mpiexec -n 4 python -m bench.alltoall -b 1K -e 64M -f 4 --compare
+
+``size`` is the bytes each rank sends in one exchange (summed over its peers); ``algbw`` is
+size / time and ``busbw`` is algbw * (n-1)/n, as nccl-tests define them for alltoall. Times
+are per exchange, the slowest rank's, over ``--iters`` timed runs: median and p99.
+
+Methods (``--compare`` adds the last two):
+  moecomm        ``comm.all_to_all_v(x, send_counts)`` with the counts in a tensor on the
+                 communicator's device, as MoE code has them (counts exchanged each call)
+  moecomm-known  ``comm.all_to_all_v(x, send, recv)`` with both sides' counts known
+  torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
+                 all_to_all_single with splits (gloo on CPU, NCCL on GPU)
+  raw            the backend itself: mpi4py ``Alltoallv`` (CPU), nccl4py ``ncclAlltoAll``
+                 on uniform splits (GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+import moecomm
+
+__all__ = ["main", "parse_size", "count_matrix"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536 (binary units, like nccl-tests)."""
+    t = text.strip().upper().rstrip("B") or "0"
+    unit = t[-1] if t[-1] in _UNITS else ""
+    try:
+        value = float(t[:-1] if unit else t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like 1K, 16M or 1G, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def count_matrix(pattern: str, size: int, rows_per_rank: int, seed: int) -> np.ndarray:
+    """``m[src, dst]`` rows for ``size`` ranks, each sending ``rows_per_rank`` rows in all."""
+    rng = np.random.default_rng(seed)
+    if pattern == "uniform":
+        m = np.full((size, size), rows_per_rank // size)
+        m[:, : rows_per_rank % size] += 1
+        return m
+    if pattern == "random":
+        weights = rng.random((size, size))
+        weights[rng.random((size, size)) < 0.2] = 0.0  # some peers get nothing
+    elif pattern == "skewed":
+        # Expert imbalance: destination d is hot with a Zipf(1.2) weight, for every sender.
+        hot = 1.0 / (1.0 + rng.permutation(size)) ** 1.2
+        weights = np.tile(hot, (size, 1))
+    else:
+        raise ValueError(f"pattern must be uniform, random or skewed, got {pattern!r}")
+    weights[weights.sum(1) == 0, 0] = 1.0
+    m = np.stack([rng.multinomial(rows_per_rank, w / w.sum()) for w in weights])
+    return m
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    sys.stderr.flush()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from mpi4py import MPI
+
+        self.args = args
+        self.world = MPI.COMM_WORLD
+        self.comm = moecomm.init(backend=args.backend, timeout=args.timeout)
+        self.device = self.comm.device
+        self.cuda = self.device.type == "cuda"
+        self.dtype = _DTYPES[args.dtype]
+        self.pg = self._torch_group() if args.compare else None
+
+    def _torch_group(self):
+        import socket
+
+        import torch.distributed as dist
+
+        port = None
+        if self.world.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = self.world.bcast(port, root=0)
+        addr = self.world.bcast(socket.gethostbyname(socket.gethostname()) if self.world.rank == 0 else None, root=0)
+        if self.world.size > 1 and addr.startswith("127."):
+            addr = "127.0.0.1"
+        kw = {"device_id": self.device} if self.cuda else {}
+        dist.init_process_group("nccl" if self.cuda else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=self.world.rank, world_size=self.world.size, **kw)
+        return dist.group.WORLD
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time_method(self, fn: Callable[[], torch.Tensor]) -> tuple[list[float], torch.Tensor]:
+        out = None
+        for _ in range(self.args.warmup):
+            out = fn()
+        self.sync()
+        times = []
+        for _ in range(self.args.iters):
+            self.world.Barrier()
+            t0 = time.perf_counter()
+            out = fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        slowest = np.array(times)
+        self.world.Allreduce(_in_place(), slowest, op=_max_op())
+        return slowest.tolist(), out
+
+    def run_size(self, pattern: str, size_bytes: int) -> list[dict]:
+        W, R = self.comm.size, self.comm.rank
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        row_bytes = self.args.row_elems * esize
+        rows = max(size_bytes // row_bytes, 0)
+        m = count_matrix(pattern, W, rows, seed=size_bytes)
+        send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+        # Row values encode (source, destination): exact in every dtype for W <= 11.
+        tag = torch.tensor([R * W + d for d in range(W)], dtype=torch.float32)
+        x = tag.repeat_interleave(torch.tensor(send)).to(self.dtype)
+        x = x[:, None].expand(-1, self.args.row_elems).contiguous().to(self.device)
+        expect_tag = torch.tensor([s * W + R for s in range(W)], dtype=torch.float32)
+        expect = expect_tag.repeat_interleave(torch.tensor(recv)).to(self.dtype).to(self.device)
+        counts_dev = torch.tensor(send, dtype=torch.int64, device=self.device)
+
+        def check(out: torch.Tensor) -> bool:
+            ok = out.shape == (sum(recv), self.args.row_elems) and bool((out == expect[:, None]).all())
+            return bool(self.world.allreduce(ok, op=_land_op()))
+
+        methods: dict[str, Optional[Callable[[], torch.Tensor]]] = {
+            "moecomm": lambda: self.comm.all_to_all_v(x, counts_dev)[0],
+            "moecomm-known": lambda: self.comm.all_to_all_v(x, send, recv)[0],
+        }
+        if self.pg is not None:
+            methods["torch"] = lambda: self._torch_pattern(x, counts_dev)
+            methods["raw"] = self._raw_method(x, send, recv, pattern)
+        results = []
+        for name, fn in methods.items():
+            if fn is None:
+                continue
+            times, out = self.time_method(fn)
+            med = float(np.median(times))
+            p99 = float(np.percentile(times, 99))
+            algbw = size_bytes / med / 1e9 if med > 0 else 0.0
+            results.append(dict(pattern=pattern, size=rows * row_bytes, rows=rows, method=name, time_us=med * 1e6,
+                                p99_us=p99 * 1e6, algbw=algbw, busbw=algbw * (W - 1) / W, check=check(out)))
+        return results
+
+    def _torch_pattern(self, x: torch.Tensor, counts_dev: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        recv_counts = torch.empty_like(counts_dev)
+        dist.all_to_all_single(recv_counts, counts_dev, group=self.pg)
+        recv = recv_counts.tolist()
+        send = counts_dev.tolist()
+        out = torch.empty((sum(recv), x.shape[1]), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x, recv, send, group=self.pg)
+        return out
+
+    def _raw_method(self, x, send, recv, pattern) -> Optional[Callable[[], torch.Tensor]]:
+        if not self.cuda:
+            from mpi4py import MPI
+
+            from moecomm.backends.mpi import byte_view
+
+            row_type = MPI.BYTE.Create_contiguous(x.shape[1] * x.element_size()).Commit()
+            sd = np.concatenate([[0], np.cumsum(send)[:-1]]).tolist()
+            rd = np.concatenate([[0], np.cumsum(recv)[:-1]]).tolist()
+            world = self.world
+
+            def alltoallv() -> torch.Tensor:
+                out = torch.empty((sum(recv), x.shape[1]), dtype=x.dtype)
+                world.Alltoallv([byte_view(x), (send, sd), row_type], [byte_view(out), (recv, rd), row_type])
+                return out
+
+            return alltoallv
+        if pattern != "uniform" or len(set(send)) != 1 or x.numel() == 0:
+            return None
+        nccl_comm = self.comm._backend._comm  # the nccl4py Communicator under the backend
+        stream = torch.cuda.current_stream(self.device)
+
+        def ncclalltoall() -> torch.Tensor:
+            out = torch.empty_like(x)
+            nccl_comm.alltoall(x, out, stream=stream.cuda_stream)
+            return out
+
+        return ncclalltoall
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _in_place():
+    from mpi4py import MPI
+
+    return MPI.IN_PLACE
+
+
+def _land_op():
+    from mpi4py import MPI
+
+    return MPI.LAND
+
+
+def _fmt_size(n: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def format_table(results: list[dict], header: str) -> str:
+    lines = [header, f"{'size':>10} {'rows':>8} {'pattern':>8} {'method':>14} {'time(us)':>10} {'p99(us)':>10} "
+             f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'check':>6} {'vs torch':>9} {'vs raw':>7}"]
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        by_key.setdefault((r["pattern"], r["size"]), {})[r["method"]] = r
+    for r in results:
+        peers = by_key[(r["pattern"], r["size"])]
+        ratio = lambda other: f"{r['time_us'] / peers[other]['time_us']:.2f}x" if other in peers and peers[other]["time_us"] > 0 else "-"
+        lines.append(f"{_fmt_size(r['size']):>10} {r['rows']:>8} {r['pattern']:>8} {r['method']:>14} {r['time_us']:>10.1f} "
+                     f"{r['p99_us']:>10.1f} {r['algbw']:>12.3f} {r['busbw']:>12.3f} {'OK' if r['check'] else 'FAIL':>6} "
+                     f"{ratio('torch') if r['method'].startswith('moecomm') else '-':>9} "
+                     f"{ratio('raw') if r['method'].startswith('moecomm') else '-':>7}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.alltoall", description=__doc__.split("\n\n")[0])
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size per rank (1K)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"), help="largest size per rank (16M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (4)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed exchanges per size (20)")
+    p.add_argument("-w", "--warmup", type=int, default=3, help="untimed exchanges first (3)")
+    p.add_argument("-p", "--patterns", default="uniform,random,skewed", help="comma list of uniform, random, skewed")
+    p.add_argument("-d", "--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--row-elems", type=int, default=1024, help="elements per row (token); 1024")
+    p.add_argument("--backend", default=None, help="moecomm backend (default: auto)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
+    p.add_argument("--compare", action="store_true", help="also time torch's MoE pattern and the raw backend")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.row_elems < 1:
+        raise SystemExit("need -b <= -e, -f >= 2, -n >= 1 and --row-elems >= 1")
+    bench = Bench(args)
+    sizes = []
+    s = args.minbytes
+    while s <= args.maxbytes:
+        sizes.append(s)
+        s *= args.stepfactor
+    patterns = [p for p in args.patterns.split(",") if p]
+    rank0 = bench.comm.rank == 0
+    results: list[dict] = []
+    total = len(sizes) * len(patterns)
+    for i, (pattern, size) in enumerate((p, s) for p in patterns for s in sizes):
+        if rank0 and not args.no_progress:
+            _progress(i, total, f"{pattern} {_fmt_size(size)}")
+        results.extend(bench.run_size(pattern, size))
+    if rank0:
+        if not args.no_progress:
+            _progress(total, total, "done")
+            sys.stderr.write("\n")
+        name = torch.cuda.get_device_name(bench.device) if bench.cuda else "cpu"
+        header = (f"# moecomm all-to-all: {bench.comm.size} ranks, backend {bench.comm.backend}, {name}, "
+                  f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters, torch {torch.__version__}")
+        print(format_table(results, header), flush=True)
+        bad = [r for r in results if not r["check"]]
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"header": header, "results": results}, fh, indent=1)
+        if bad:
+            print(f"# {len(bad)} CHECK FAILURES", flush=True)
+    if any(not r["check"] for r in results):
+        sys.exit(1)
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException:  # one rank failing must not leave the others waiting forever
+        import traceback
+
+        from mpi4py import MPI
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
