@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0: equal splits; s > 0: Dirichlet(1/s) variable splits per rank")
     tu.add_argument("--known-counts", action="store_true", help="pass recv_splits (no count exchange timed)")
     tu.add_argument("--degrees", type=_ints, default=None,
-                    help="overlap chunk counts to sweep through comm.scatter_compute_gather (skipped until it exists)")
+                    help="overlap chunk counts to time through comm.scatter_compute_gather (identity compute) with each size's chosen algorithm; the best is stored as the entry's degree")
     tu.add_argument("--out", default=None, help="profile path (default: <profile dir>/<fingerprint>.json)")
     tu.set_defaults(func=cmd_tune)
 

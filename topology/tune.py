@@ -14,19 +14,19 @@ from .measure import Timing, alltoall_input, format_bytes, format_seconds, probe
 
 __all__ = ["tune", "set_overlap_hook", "overlap_runner"]
 
-OverlapHook = Callable[["moecomm.Communicator", torch.Tensor, list, int], Optional[Callable[[], object]]]
+OverlapHook = Callable[["moecomm.Communicator", torch.Tensor, list, int, str], Optional[Callable[[], object]]]
 
 
-def _default_overlap_hook(comm, x, send, degree):
-    """The overlapped exchange at chunk count ``degree``, once ``comm.scatter_compute_gather`` exists.
+def _default_overlap_hook(comm, x, send, degree, algorithm):
+    """One ``comm.scatter_compute_gather`` (identity compute) at chunk count ``degree``.
 
-    Returns a zero-argument callable that runs one overlapped scatter/identity-compute/gather,
-    or None where the communicator has no such method (the overlap sweep is then skipped).
+    Returns a zero-argument callable that runs it, or None where the communicator has no
+    such method (the overlap sweep is then skipped).
     """
     fn = getattr(comm, "scatter_compute_gather", None)
     if fn is None:
         return None
-    return lambda: fn(x, send, lambda rows: rows, degree=degree)
+    return lambda: fn(x, send, lambda rows, chunk: rows, degree=degree, algorithm=algorithm)
 
 
 _overlap_hook: list = [_default_overlap_hook]
@@ -37,8 +37,8 @@ def set_overlap_hook(hook: Optional[OverlapHook]) -> None:
     _overlap_hook[0] = hook or _default_overlap_hook
 
 
-def overlap_runner(comm, x, send, degree):
-    return _overlap_hook[0](comm, x, send, degree)
+def overlap_runner(comm, x, send, degree, algorithm="flat"):
+    return _overlap_hook[0](comm, x, send, degree, algorithm)
 
 
 def tune(
@@ -79,7 +79,7 @@ def tune(
         choice = "2dh" if timings["2dh"].median_s < timings["flat"].median_s else "flat"
         best_degree = None
         if degrees:
-            best_degree, overlap_note = _sweep_degrees(comm, x, send, degrees, iters, warmup, timings)
+            best_degree, overlap_note = _sweep_degrees(comm, x, send, degrees, iters, warmup, timings, choice)
         actual = x.numel() * x.element_size()
         entries.append(ProfileEntry(actual, choice, {k: v.to_json() for k, v in timings.items()}, best_degree))
         f, h = timings["flat"], timings["2dh"]
@@ -100,10 +100,11 @@ def tune(
     )
 
 
-def _sweep_degrees(comm, x, send, degrees, iters, warmup, timings) -> tuple[Optional[int], str]:
+def _sweep_degrees(comm, x, send, degrees, iters, warmup, timings, algorithm) -> tuple[Optional[int], str]:
+    """Time the overlapped scatter/compute/gather at each chunk count with the chosen algorithm."""
     best: Optional[tuple[float, int]] = None
     for d in degrees:
-        run = overlap_runner(comm, x, send, d)
+        run = overlap_runner(comm, x, send, d, algorithm)
         if run is None:
             return None, ("overlap degrees skipped: this communicator has no scatter_compute_gather yet "
                           "(topology.tune.set_overlap_hook can supply one)")

@@ -1,0 +1,170 @@
+"""The tuner's pieces without MPI ranks: PNG writer, plot, fits, model, CLI show/simulate."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from moecomm.profile import Fingerprint, Profile, ProfileEntry
+from topology import cli
+from topology.measure import fit_alpha_beta, fit_link, format_bytes, parse_bytes
+from topology.model import Link, Links, crossover, flat_time, hdh_time, model_error
+from topology.png import Canvas, encode_png, line_plot
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _decode_png(data: bytes) -> tuple[int, int, bytes]:
+    """A strict reader for what encode_png writes: checks signature, CRCs and filters."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    at, idat, header = 8, b"", None
+    kinds = []
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at:at + 4])
+        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + length]
+        (crc,) = struct.unpack(">I", data[at + 8 + length:at + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, f"bad CRC in {kind}"
+        kinds.append(kind)
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        at += 12 + length
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
+    w, h, depth, color, *_ = header
+    assert (depth, color) == (8, 2)
+    raw = zlib.decompress(idat)
+    assert len(raw) == h * (1 + 3 * w)
+    rows = [raw[y * (1 + 3 * w):(y + 1) * (1 + 3 * w)] for y in range(h)]
+    assert all(r[0] == 0 for r in rows)
+    return w, h, b"".join(r[1:] for r in rows)
+
+
+def test_png_roundtrip():
+    rgb = bytes(range(256))[:4 * 3 * 3] + bytes(4 * 3 * 3)
+    rgb = rgb[:4 * 6 * 3].ljust(4 * 6 * 3, b"\x07")
+    w, h, back = _decode_png(encode_png(4, 6, rgb))
+    assert (w, h, back) == (4, 6, rgb)
+    with pytest.raises(ValueError):
+        encode_png(4, 6, b"short")
+
+
+def test_canvas_draws():
+    c = Canvas(40, 20)
+    c.line(0, 0, 39, 19, (255, 0, 0))
+    c.rect(10, 10, 12, 12, (0, 0, 255))
+    width = c.text(0, 0, "2DH 1MS", (0, 128, 0), scale=1)
+    assert width == Canvas.text_width("2DH 1MS", 1) == 7 * 6 - 1
+    _, _, px = _decode_png(c.png())
+    pixel = lambda x, y: px[(y * 40 + x) * 3:(y * 40 + x) * 3 + 3]  # noqa: E731
+    assert pixel(39, 19) == b"\xff\x00\x00" and pixel(11, 11) == b"\x00\x00\xff"
+    assert b"\x00\x80\x00" in px  # some text was drawn
+
+
+def test_line_plot(tmp_path):
+    series = [("flat", [(4096, 1e-3), (65536, 2e-3), (1 << 20, 1e-2)]),
+              ("2dh", [(4096, 5e-4), (65536, 3e-3), (1 << 20, 3e-2)])]
+    canvas = line_plot(series, title="TEST", x_label="BYTES", y_label="TIME", x_format=str, y_format=str,
+                       marks=[(30000, "X")])
+    path = tmp_path / "plot.png"
+    canvas.save(str(path))
+    w, h, px = _decode_png(path.read_bytes())
+    assert (w, h) == (900, 560)
+    colors = {px[i:i + 3] for i in range(0, len(px), 3)}
+    assert bytes((31, 119, 180)) in colors and bytes((214, 39, 40)) in colors
+    assert line_plot([("a", [])], title="", x_label="", y_label="", x_format=str, y_format=str).png()
+
+
+def test_fits_recover_parameters():
+    alpha, msg, beta = 20e-6, 3e-6, 5e9
+    pts = [(p, m, alpha + (p - 1) * (msg + m / beta)) for p in (2, 8) for m in (256, 4096, 1 << 16, 1 << 20)]
+    a, o, b = fit_link(pts)
+    assert a == pytest.approx(alpha, rel=1e-6) and o == pytest.approx(msg, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+    a, o, b = fit_link([(p, m, t) for p, m, t in pts if p == 8])  # one group size: msg folds into alpha
+    assert o == 0 and b == pytest.approx(beta, rel=1e-3)
+    a, b = fit_alpha_beta([(m, 1e-5 + m / 2e9) for m in (1, 1000, 1 << 20)])
+    assert a == pytest.approx(1e-5, rel=1e-6) and b == pytest.approx(2e9, rel=1e-6)
+    assert fit_alpha_beta([(m, 1e-4) for m in (10, 100, 1000)])[1] == float("inf")  # flat: latency only
+
+
+def test_parse_and_format_bytes():
+    assert [parse_bytes(s) for s in ("4096", "64K", "16M", "1G", "1.5KiB", "2MB")] == \
+        [4096, 65536, 16 << 20, 1 << 30, 1536, 2 << 20]
+    with pytest.raises(ValueError, match="not a byte size"):
+        parse_bytes("lots")
+    assert format_bytes(1 << 20) == "1 MiB" and format_bytes(1536) == "1.5 KiB" and format_bytes(12) == "12 B"
+
+
+LINKS = Links(Link(10e-6, 150e9, 0.5e-6), Link(15e-6, 45e9, 2e-6), Link(5e-6, 1.5e12))
+
+
+def test_model_shapes():
+    # one node: 2DH is the intra-node exchange alone (no copies, no rail)
+    assert hdh_time(LINKS, 1, 8, 1 << 20, counts=False) == pytest.approx(LINKS.intra.call((1 << 20) / 8, 7))
+    assert flat_time(LINKS, 1, 8, 1 << 20, counts=False) == pytest.approx(LINKS.intra.call((1 << 20) / 8, 7))
+    # one rank per node: both are the rail exchange
+    assert hdh_time(LINKS, 16, 1, 1 << 20) == pytest.approx(flat_time(LINKS, 16, 1, 1 << 20))
+    # at scale 2DH wins small messages and loses huge ones; crossover lies between
+    small, big = 1 << 16, 1 << 36
+    assert hdh_time(LINKS, 64, 8, small) < flat_time(LINKS, 64, 8, small)
+    assert hdh_time(LINKS, 64, 8, big) > flat_time(LINKS, 64, 8, big)
+    x = crossover(LINKS, 64, 8)
+    assert small < x < big
+    assert hdh_time(LINKS, 64, 8, x) == pytest.approx(flat_time(LINKS, 64, 8, x), rel=1e-6)
+    assert crossover(LINKS, 16, 1) is None
+    err = model_error(LINKS, 2, 4, [(1 << 20, "flat", flat_time(LINKS, 2, 4, 1 << 20) * 2),
+                                    (1 << 20, "2dh", hdh_time(LINKS, 2, 4, 1 << 20))])
+    assert err["n"] == 2 and err["max_abs_rel"] == pytest.approx(0.5) and err["mean_abs_rel"] == pytest.approx(0.25)
+
+
+def _profile(tmp_path) -> str:
+    fp = Fingerprint(2, 4, "cpu", "mpi-1host-simulated", "mpi")
+    entries = []
+    for b in (4096, 65536, 1 << 20):
+        f, h = flat_time(LINKS, 2, 4, b) * 1.2, hdh_time(LINKS, 2, 4, b) * 0.9
+        entries.append(ProfileEntry(b, "2dh" if h < f else "flat",
+                                    {"flat": {"median_s": f, "p99_s": f * 1.5}, "2dh": {"median_s": h, "p99_s": h * 1.5}}))
+    links = {k: {"alpha_s": v.alpha_s, "msg_s": v.msg_s, "beta_Bps": v.beta_Bps}
+             for k, v in (("intra", LINKS.intra), ("inter", LINKS.inter), ("copy", LINKS.copy))}
+    return str(Profile(fp, tuple(entries), links).save(tmp_path / "prof.json"))
+
+
+def test_cli_show(tmp_path, capsys):
+    path = _profile(tmp_path)
+    png = tmp_path / "show.png"
+    assert cli.main(["show", path, "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "2 node(s) x 4 rank(s)" in out and "flat med" in out and "2dh p99" in out and f"plot: {png}" in out
+    assert out.count("KiB") >= 2 and "1 MiB" in out
+    w, h, _ = _decode_png(png.read_bytes())
+    assert (w, h) == (900, 560)
+
+
+def test_cli_simulate(tmp_path, capsys):
+    assert cli.main(["simulate", "--nodes", "8", "--local-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "crossover:" in out and "model error: not checked" in out
+    for g in (64, 128, 256, 512, 1024, 2048, 4096):
+        assert f"\n{g:6d} " in out
+    assert cli.main(["simulate", "--nodes", "2", "--local-size", "4", "--profile", _profile(tmp_path),
+                     "--flat-links", "concurrent"]) == 0
+    out = capsys.readouterr().out
+    # the synthetic timings are the model's own x1.2 (flat) and x0.9 (2dh)
+    assert "flat mean 17% max 17%" in out and "2dh mean 11% max 11%" in out
+    assert cli.main(["simulate", "--nodes", "4", "--local-size", "2", "--alpha-inter", "1e-3", "--gpus", "64,101"]) == 0
+    out = capsys.readouterr().out
+    assert "overridden by --alpha-inter" in out and "not a multiple of local size" in out
+
+
+def test_cli_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "moecomm.topology-profile", "version": 7}))
+    assert cli.main(["show", str(bad)]) == 2
+    assert "profile version 7 is not supported" in capsys.readouterr().err
+    assert cli.main(["simulate", "--nodes", "0", "--local-size", "2"]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--sizes", "lots"])
