@@ -121,3 +121,9 @@ def allreduce_sum_(comm: "moecomm.Communicator", t: torch.Tensor) -> torch.Tenso
     if comm.size > 1:
         comm.allreduce(t, "sum")
     return t
+
+
+def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algorithm):
+    """``comm.scatter_compute_gather`` (all-to-all, ``fn`` per chunk, all-to-all back, pipelined)."""
+    return comm.scatter_compute_gather(send, list(send_splits), fn, degree=degree, recv_splits=list(recv_splits),
+                                       algorithm=algorithm)

@@ -1,0 +1,407 @@
+"""Experts: the built-in feed-forward experts (a grouped GEMM over variable row counts) and
+adapters for user modules.
+
+The rows an expert rank receives are *blocks* (one per source rank, or one in data-parallel
+mode), each holding the local experts' rows one expert after the other:
+:class:`Segments` describes that layout, so the experts run straight on the received buffer
+without reordering it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Segments", "FFNExperts", "ACTIVATIONS", "resolve_activation", "BatchedExperts", "ExpertList",
+           "grouped_mm_available"]
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "swish": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "identity": lambda x: x,
+}
+
+
+def resolve_activation(act: Union[str, Callable[[Tensor], Tensor], None]) -> Callable[[Tensor], Tensor]:
+    if act is None:
+        return F.relu
+    if isinstance(act, str):
+        fn = ACTIVATIONS.get(act)
+        if fn is None:
+            raise ValueError(f"activation {act!r} is unknown; known: {sorted(ACTIVATIONS)} (or pass a callable)")
+        return fn
+    if callable(act):
+        return act
+    raise TypeError(f"activation must be a name ({sorted(ACTIVATIONS)}) or a callable, got {act!r}")
+
+
+@dataclass
+class Segments:
+    """Row layout of an expert input: ``len(counts)`` blocks, block ``b`` holding
+    ``counts[b][e]`` rows of local expert ``e`` for ``e = 0..num_local-1``, in that order."""
+
+    counts: list[list[int]]
+    num_local: int
+    uniform: Optional[int] = None
+    """Every count equals this (the padded capacity layout)."""
+    counts_dev: Optional[Tensor] = None
+    """The counts as an int64 ``[blocks, num_local]`` tensor on the rows' device, if at hand."""
+    rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = sum(sum(b) for b in self.counts)
+
+    @classmethod
+    def uniform_blocks(cls, blocks: int, num_local: int, capacity: int) -> "Segments":
+        return cls([[capacity] * num_local for _ in range(blocks)], num_local, uniform=capacity)
+
+    def block_rows(self) -> list[int]:
+        return [sum(b) for b in self.counts]
+
+    def items(self):
+        """``(expert, first_row, rows)`` of every non-empty segment, in row order."""
+        start = 0
+        for block in self.counts:
+            for e, n in enumerate(block):
+                if n:
+                    yield e, start, n
+                start += n
+
+    def per_expert(self) -> list[int]:
+        return [sum(b[e] for b in self.counts) for e in range(self.num_local)]
+
+    def row_expert(self, device: torch.device) -> Tensor:
+        """``[rows]`` int64 local expert of every row (on ``device``, no host sync)."""
+        if self.counts_dev is not None:
+            ids = torch.arange(self.num_local, device=device).repeat(self.counts_dev.shape[0])
+            return torch.repeat_interleave(ids, self.counts_dev.reshape(-1), output_size=self.rows)
+        flat = [e for block in self.counts for e in range(self.num_local) for _ in range(block[e])]
+        return torch.tensor(flat, dtype=torch.int64, device=device)
+
+
+# -- grouped GEMM over segments -------------------------------------------------------------
+
+_GROUPED_MM_OK: dict = {}
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs here for this dtype (tried once, then cached)."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    key = (device.index, dtype)
+    ok = _GROUPED_MM_OK.get(key)
+    if ok is None:
+        try:
+            a = torch.randn(32, 16, device=device, dtype=dtype)
+            w = torch.randn(2, 16, 16, device=device, dtype=dtype)
+            offs = torch.tensor([16, 32], device=device, dtype=torch.int32)
+            out = torch._grouped_mm(a, w, offs=offs)
+            ref = torch.cat([a[:16] @ w[0], a[16:] @ w[1]])
+            g = torch._grouped_mm(a.t(), a, offs=offs)
+            gref = torch.stack([a[:16].t() @ a[:16], a[16:].t() @ a[16:]])
+            ok = bool(torch.allclose(out.float(), ref.float(), atol=1e-1, rtol=5e-2)) and bool(
+                torch.allclose(g.float(), gref.float(), atol=1e-1, rtol=5e-2))
+        except Exception:  # noqa: BLE001 - any failure means "use the loop"
+            ok = False
+        _GROUPED_MM_OK[key] = ok
+    return ok
+
+
+def _block_views(t: Tensor, seg: Segments) -> list[Tensor]:
+    out, start = [], 0
+    for n in seg.block_rows():
+        out.append(t[start:start + n])
+        start += n
+    return out
+
+
+def _offsets(seg: Segments, b: int, device: torch.device) -> Tensor:
+    if seg.counts_dev is not None:
+        return torch.cumsum(seg.counts_dev[b], 0).to(torch.int32)
+    ends, acc = [], 0
+    for n in seg.counts[b]:
+        acc += n
+        ends.append(acc)
+    t = torch.tensor(ends, dtype=torch.int32)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, bias_scale: float = 1.0,
+           transpose_w: bool = False) -> Tensor:
+    """``out[rows of expert e] = x[rows] @ w[e] (+ bias[e] * bias_scale)``; ``w``: ``[El, A, B]``
+    (``[El, B, A]`` used transposed with ``transpose_w``)."""
+    wt = w.transpose(1, 2) if transpose_w else w
+    R = x.shape[0]
+    B = wt.shape[2]
+    if seg.uniform is not None and x.is_cuda:
+        C, El = seg.uniform, seg.num_local
+        out = torch.empty(R, B, dtype=x.dtype, device=x.device)
+        if C == 0:
+            return out
+        xb = x.view(-1, El, C, x.shape[1])
+        ob = out.view(-1, El, C, B)
+        for b in range(xb.shape[0]):
+            if bias is not None:
+                torch.baddbmm(bias.unsqueeze(1) * bias_scale if bias_scale != 1.0 else bias.unsqueeze(1),
+                              xb[b], wt, out=ob[b])
+            else:
+                torch.bmm(xb[b], wt, out=ob[b])
+        return out
+    if x.is_cuda and grouped_mm_available(x.device, x.dtype):
+        outs = []
+        for b, xb in enumerate(_block_views(x, seg)):
+            if xb.shape[0]:
+                outs.append(torch._grouped_mm(xb, wt, offs=_offsets(seg, b, x.device)))
+        out = torch.cat(outs) if len(outs) != 1 else outs[0]
+        if not outs:
+            out = x.new_empty(0, B)
+        if bias is not None:
+            out += bias.index_select(0, seg.row_expert(x.device)) * bias_scale
+        return out
+    out = torch.empty(R, B, dtype=x.dtype, device=x.device)
+    for e, s, n in seg.items():
+        if bias is not None:
+            torch.addmm(bias[e], x[s:s + n], wt[e], beta=bias_scale, out=out[s:s + n])
+        else:
+            torch.mm(x[s:s + n], wt[e], out=out[s:s + n])
+    return out
+
+
+def seg_wgrad(a: Tensor, g: Tensor, seg: Segments) -> Tensor:
+    """``out[e] = sum over segments of e of a[rows].T @ g[rows]``: ``[El, A, B]``."""
+    El, A, B = seg.num_local, a.shape[1], g.shape[1]
+    if seg.uniform is not None and a.is_cuda:
+        C = seg.uniform
+        if C == 0 or a.shape[0] == 0:
+            return torch.zeros(El, A, B, dtype=a.dtype, device=a.device)
+        ab = a.view(-1, El, C, A)
+        gb = g.view(-1, El, C, B)
+        out = torch.bmm(ab[0].transpose(1, 2), gb[0])
+        for b in range(1, ab.shape[0]):
+            out.baddbmm_(ab[b].transpose(1, 2), gb[b])
+        return out
+    if a.is_cuda and grouped_mm_available(a.device, a.dtype):
+        out = None
+        av, gv = _block_views(a, seg), _block_views(g, seg)
+        for b in range(len(av)):
+            if av[b].shape[0] == 0:
+                continue
+            part = torch._grouped_mm(av[b].t(), gv[b], offs=_offsets(seg, b, a.device))
+            out = part if out is None else out.add_(part)
+        return out if out is not None else torch.zeros(El, A, B, dtype=a.dtype, device=a.device)
+    out = torch.zeros(El, A, B, dtype=a.dtype, device=a.device)
+    for e, s, n in seg.items():
+        out[e].addmm_(a[s:s + n].t(), g[s:s + n])
+    return out
+
+
+def seg_sum(g: Tensor, seg: Segments) -> Tensor:
+    """``out[e] = sum of g's rows of expert e``: ``[El, B]`` (accumulated in float32 at least)."""
+    El, B = seg.num_local, g.shape[1]
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    if seg.uniform is not None:
+        C = seg.uniform
+        if C == 0 or g.shape[0] == 0:
+            return torch.zeros(El, B, dtype=g.dtype, device=g.device)
+        return g.view(-1, El, C, B).sum(dim=(0, 2), dtype=acc).to(g.dtype)
+    if g.is_cuda:
+        out = torch.zeros(El, B, dtype=acc, device=g.device)
+        out.index_add_(0, seg.row_expert(g.device), g.to(acc))
+        return out.to(g.dtype)
+    out = torch.zeros(El, B, dtype=acc, device=g.device)
+    for e, s, n in seg.items():
+        out[e] += g[s:s + n].sum(0, dtype=acc)
+    return out.to(g.dtype)
+
+
+class _GroupedFFN(torch.autograd.Function):
+    """``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e] * b2_scale`` per segment, with a
+    hand-written backward (the activation is recomputed from the saved pre-activation).
+
+    ``b2``'s gradient is *not* multiplied by ``b2_scale``: with an expert sharded over S
+    ranks each shard adds ``b2 / S`` and every shard's copy gets the full gradient, so the
+    copies stay equal and the layer equals the unsharded expert exactly.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, seg, act, b2_scale):  # type: ignore[override]
+        h = seg_mm(x, w1, seg, b1)
+        a = act(h)
+        y = seg_mm(a, w2, seg, b2, b2_scale)
+        ctx.seg, ctx.act = seg, act
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.save_for_backward(x, h, w1, w2)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):  # type: ignore[override]
+        x, h, w1, w2 = ctx.saved_tensors
+        seg = ctx.seg
+        gy = gy.contiguous()
+        with torch.enable_grad():
+            hh = h.detach().requires_grad_(True)
+            a = ctx.act(hh)
+        need = ctx.needs_input_grad
+        gw2 = seg_wgrad(a.detach(), gy, seg) if need[3] else None
+        gb2 = seg_sum(gy, seg) if ctx.has_b2 and need[4] else None
+        ga = seg_mm(gy, w2, seg, transpose_w=True)
+        (gh,) = torch.autograd.grad(a, hh, ga)
+        del a, hh, ga
+        gw1 = seg_wgrad(x, gh, seg) if need[1] else None
+        gb1 = seg_sum(gh, seg) if ctx.has_b1 and need[2] else None
+        gx = seg_mm(gh, w1, seg, transpose_w=True) if need[0] else None
+        return gx, gw1, gb1, gw2, gb2, None, None, None
+
+
+def _uniform_init(shape: Sequence[int], fan_in: int, generator: torch.Generator) -> Tensor:
+    bound = 1.0 / math.sqrt(fan_in)
+    return torch.empty(*shape).uniform_(-bound, bound, generator=generator)
+
+
+class FFNExperts(nn.Module):
+    """``num_local`` feed-forward experts ``fc2(act(fc1(x)))``, or shard ``shard_index`` of
+    ``shards`` of one expert along its hidden dimension.
+
+    Parameters (``El`` local experts, ``Hl = hidden_size / shards``):
+    ``fc1_weight [El, model_dim, Hl]``, ``fc1_bias [El, Hl]``, ``fc2_weight [El, Hl, output_dim]``,
+    ``fc2_bias [El, output_dim]`` (a copy on every shard, added once overall).
+
+    Weights are initialised per *global* expert from ``seed + expert_index`` (uniform in
+    ``+-1/sqrt(fan_in)``), so they do not depend on the number of ranks.
+    """
+
+    def __init__(self, model_dim: int, hidden_size: int, num_local: int, *, output_dim: Optional[int] = None,
+                 activation: Union[str, Callable, None] = "relu", fc1_bias: bool = True, fc2_bias: bool = True,
+                 shards: int = 1, shard_index: int = 0, first_expert: int = 0, seed: int = 0,
+                 dtype: Optional[torch.dtype] = None, device=None) -> None:
+        super().__init__()
+        if hidden_size % shards:
+            raise ValueError(f"hidden_size={hidden_size} must be divisible by the {shards} shards of each expert")
+        self.model_dim, self.hidden_size, self.num_local = model_dim, hidden_size, num_local
+        self.output_dim = model_dim if output_dim is None else output_dim
+        self.shards, self.shard_index, self.first_expert = shards, shard_index, first_expert
+        self.activation = activation
+        self.act = resolve_activation(activation)
+        Hl = hidden_size // shards
+        h0, h1 = shard_index * Hl, (shard_index + 1) * Hl
+        w1, b1, w2, b2 = [], [], [], []
+        for i in range(num_local):
+            g = torch.Generator().manual_seed((seed * 1_000_003 + first_expert + i) % (2 ** 63))
+            full_w1 = _uniform_init((model_dim, hidden_size), model_dim, g)
+            full_b1 = _uniform_init((hidden_size,), model_dim, g)
+            full_w2 = _uniform_init((hidden_size, self.output_dim), hidden_size, g)
+            full_b2 = _uniform_init((self.output_dim,), hidden_size, g)
+            w1.append(full_w1[:, h0:h1])
+            b1.append(full_b1[h0:h1])
+            w2.append(full_w2[h0:h1])
+            b2.append(full_b2)
+        kw = dict(dtype=dtype, device=device)
+        self.fc1_weight = nn.Parameter(torch.stack(w1).to(**kw).contiguous())
+        self.fc1_bias = nn.Parameter(torch.stack(b1).to(**kw).contiguous()) if fc1_bias else None
+        self.fc2_weight = nn.Parameter(torch.stack(w2).to(**kw).contiguous())
+        self.fc2_bias = nn.Parameter(torch.stack(b2).to(**kw).contiguous()) if fc2_bias else None
+
+    # checkpoint layout: (expert axis, shard axis or None, replicated over shards)
+    def checkpoint_spec(self) -> dict:
+        spec = {"fc1_weight": (0, 2, False), "fc2_weight": (0, 1, False)}
+        if self.fc1_bias is not None:
+            spec["fc1_bias"] = (0, 1, False)
+        if self.fc2_bias is not None:
+            spec["fc2_bias"] = (0, None, True)
+        return spec
+
+    def params(self, dtype: torch.dtype) -> tuple:
+        """The parameters cast to ``dtype`` (differentiable casts; no copies when equal)."""
+        def cast(p):
+            return None if p is None else (p if p.dtype == dtype else p.to(dtype))
+        return cast(self.fc1_weight), cast(self.fc1_bias), cast(self.fc2_weight), cast(self.fc2_bias)
+
+    @staticmethod
+    def run(x: Tensor, seg: Segments, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+            act: Callable, b2_scale: float = 1.0) -> Tensor:
+        return _GroupedFFN.apply(x, w1, b1, w2, b2, seg, act, b2_scale)
+
+    def forward(self, x: Tensor, seg: Segments) -> Tensor:
+        w1, b1, w2, b2 = self.params(x.dtype)
+        return self.run(x, seg, w1, b1, w2, b2, self.act, 1.0 / self.shards)
+
+    def extra_repr(self) -> str:
+        return (f"model_dim={self.model_dim}, hidden_size={self.hidden_size}, num_local={self.num_local}, "
+                f"output_dim={self.output_dim}, shards={self.shards}, shard_index={self.shard_index}, "
+                f"fc1_bias={self.fc1_bias is not None}, fc2_bias={self.fc2_bias is not None}")
+
+
+class BatchedExperts(nn.Module):
+    """Adapter for a user module in Tutel's custom-expert convention: ``module(x)`` maps
+    ``[num_local, N, model_dim]`` to ``[num_local, N, output_dim]``. Variable row counts
+    are padded to the largest local count (dropless mode)."""
+
+    def __init__(self, module: nn.Module, num_local: int) -> None:
+        super().__init__()
+        self.module = module
+        self.num_local = num_local
+
+    def forward(self, x: Tensor, seg: Segments) -> Tensor:
+        El, D = seg.num_local, x.shape[1]
+        if seg.uniform is not None:
+            C = seg.uniform
+            nb = len(seg.counts)
+            xb = x.view(nb, El, C, D).transpose(0, 1).reshape(El, nb * C, D)
+            y = self.module(xb)
+            self._check(y, El, nb * C)
+            return y.reshape(El, nb, C, -1).transpose(0, 1).reshape(nb * El * C, -1)
+        per = seg.per_expert()
+        width = max(per) if per else 0
+        # padded position of every row: expert e's rows fill [e, 0..per[e])
+        index = torch.full((El * width,), x.shape[0], dtype=torch.int64)
+        back = torch.empty(x.shape[0], dtype=torch.int64)
+        fill = [0] * El
+        for e, s, n in seg.items():
+            dst = e * width + fill[e]
+            index[dst:dst + n] = torch.arange(s, s + n)
+            back[s:s + n] = torch.arange(dst, dst + n)
+            fill[e] += n
+        index, back = index.to(x.device), back.to(x.device)
+        xp = torch.cat([x, x.new_zeros(1, D)]).index_select(0, index).view(El, width, D)
+        y = self.module(xp)
+        self._check(y, El, width)
+        return y.reshape(El * width, -1).index_select(0, back)
+
+    @staticmethod
+    def _check(y, El, n) -> None:
+        if not isinstance(y, Tensor) or y.dim() != 3 or y.shape[0] != El or y.shape[1] != n:
+            got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(f"custom experts module must return [num_local={El}, {n}, output_dim], got {got}")
+
+
+class ExpertList(nn.Module):
+    """Adapter for one user module per expert, each mapping ``[n, model_dim]`` to ``[n, output_dim]``."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.local = nn.ModuleList(modules)
+        self.num_local = len(self.local)
+
+    def forward(self, x: Tensor, seg: Segments) -> Tensor:
+        outs = []
+        for e, s, n in seg.items():
+            y = self.local[e](x[s:s + n])
+            if not isinstance(y, Tensor) or y.dim() != 2 or y.shape[0] != n:
+                got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+                raise ValueError(f"expert module {e} must map [n, model_dim] to [n, output_dim]; got {got}")
+            outs.append(y)
+        if not outs:
+            probe = self.local[0](x[:0]) if self.num_local else x[:0]
+            return probe
+        return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -1,0 +1,184 @@
+"""Top-k routing: expert choices, gate weights, queue positions, capacity and slot maps.
+
+Everything here runs on the tokens' device without host synchronisation, except where a
+capacity must be agreed between ranks (``capacity_factor <= 0``) and the dropless count
+exchange, which the layer does.
+
+Queue positions follow Tutel's convention: all first choices queue before all second
+choices, and so on; within one choice level tokens queue in token order, or by
+decreasing top score with ``batch_prioritized`` (ties broken by token index). A route is
+kept when its position is below the capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["Routing", "route", "fixed_capacity", "SlotMap", "capacity_slots", "dropless_slots",
+           "chunk_sizes"]
+
+
+@dataclass
+class Routing:
+    """The routing decisions for ``T`` tokens and ``k`` choices each."""
+
+    topk_idx: Tensor
+    """``[T, k]`` int64 chosen experts, best first."""
+    gates: Tensor
+    """``[T, k]`` gate weights (renormalised over the k choices when asked); differentiable."""
+    locations: Tensor
+    """``[T, k]`` int64 position of each route in its expert's queue on this rank."""
+    counts: Tensor
+    """``[E]`` int64 routes per expert on this rank (before any drop)."""
+    capacity: Optional[int] = None
+    """Slots per expert per source rank, or None (dropless)."""
+    kept: Optional[Tensor] = None
+    """``[T, k]`` bool: the route fits the capacity (all True when dropless)."""
+
+
+def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize: bool = True) -> Routing:
+    """Choose ``k`` experts per token from ``scores`` (``[T, E]`` probabilities).
+
+    No one-hot matrices: positions come from one stable sort of the ``k*T`` expert ids, so
+    the cost per route is the same for any ``k``.
+    """
+    T, E = scores.shape
+    dev = scores.device
+    topk_idx = torch.topk(scores, k, dim=1).indices if T else torch.empty(0, k, dtype=torch.int64, device=dev)
+    gates = scores.gather(1, topk_idx)
+    if normalize and k > 1:
+        denom = gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+        gates = gates / denom
+    if batch_prioritized and T:
+        order = torch.sort(-scores.detach().max(dim=1).values, stable=True).indices  # tokens, best first
+        prio = topk_idx.index_select(0, order)
+    else:
+        order = None
+        prio = topk_idx
+    flat = prio.t().reshape(-1)  # route r = j * T + i  (i-th token in priority order, j-th choice)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.cumsum(counts, 0) - counts
+    sorted_e, perm = torch.sort(flat, stable=True)
+    loc_flat = torch.empty_like(flat)
+    loc_flat.scatter_(0, perm, torch.arange(flat.numel(), device=dev) - offsets.index_select(0, sorted_e))
+    loc_prio = loc_flat.view(k, T).t()
+    if order is None:
+        locations = loc_prio.contiguous()
+    else:
+        locations = torch.empty_like(loc_prio).index_copy_(0, order, loc_prio)
+    return Routing(topk_idx=topk_idx, gates=gates, locations=locations, counts=counts)
+
+
+def fixed_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float) -> int:
+    """Tutel's capacity for ``|capacity_factor|``: ``k * int(|f| * ceil(T / E))``."""
+    per_expert = (num_tokens + num_experts - 1) // num_experts
+    return k * int(abs(capacity_factor) * per_expert)
+
+
+def chunk_sizes(n: int, degree: int) -> list[int]:
+    """``n`` split into ``degree`` near-equal parts, larger ones first (as ``tensor_split``)."""
+    base, extra = divmod(n, degree)
+    return [base + (1 if c < extra else 0) for c in range(degree)]
+
+
+@dataclass
+class SlotMap:
+    """Where each kept route goes in the send buffer, and back.
+
+    The send buffer is ``degree`` chunks one after the other; chunk ``c`` holds, expert by
+    expert (and shard by shard for sharded experts), ``n[c, e]`` rows of expert ``e``: so
+    each chunk is ordered by destination rank, ready for an all-to-all.
+    """
+
+    token_slots: Tensor
+    """``[T, k*S]`` int64 slot of each route copy (``-1``: dropped)."""
+    slot_route: Tensor
+    """``[N]`` int64 flat index ``t*k*S + m`` into ``token_slots`` of each slot's route (``-1``: empty)."""
+    slot_token: Tensor
+    """``[N]`` int64 token of each slot (``-1``: empty)."""
+    num_slots: int
+    per_chunk_expert: Tensor
+    """``[degree, E]`` int64 rows per chunk and expert (per shard)."""
+
+
+def _slots(idx: Tensor, q: Tensor, chunk: Tensor, keep: Optional[Tensor], n: Tensor, shards: int,
+           num_slots: int) -> SlotMap:
+    """slot(t, j, s) = B[c] + S * P[c, e] + s * n[c, e] + q  (see :class:`SlotMap`)."""
+    T, k = idx.shape
+    d, E = n.shape
+    S = shards
+    dev = idx.device
+    rows_c = n.sum(1) * S
+    base_c = torch.cumsum(rows_c, 0) - rows_c
+    prefix = torch.cumsum(n, 1) - n  # [d, E]
+    flat_ce = chunk * E + idx  # [T, k]
+    start = base_c.index_select(0, chunk.reshape(-1)).view(T, k) + S * prefix.reshape(-1).index_select(
+        0, flat_ce.reshape(-1)).view(T, k) + q
+    n_route = n.reshape(-1).index_select(0, flat_ce.reshape(-1)).view(T, k)
+    s = torch.arange(S, device=dev).view(1, 1, S)
+    slots = start.unsqueeze(2) + s * n_route.unsqueeze(2)  # [T, k, S]
+    if keep is not None:
+        slots = torch.where(keep.unsqueeze(2), slots, torch.full_like(slots, -1))
+    token_slots = slots.reshape(T, k * S)
+    # inverse map without host syncs: dropped routes write into a discarded extra slot
+    flat = token_slots.reshape(-1)
+    target = torch.where(flat >= 0, flat, torch.full_like(flat, num_slots))
+    slot_route = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=dev)
+    slot_route.scatter_(0, target, torch.arange(flat.numel(), device=dev))
+    slot_route = slot_route[:num_slots]
+    kS = k * S
+    slot_token = torch.where(slot_route >= 0, torch.div(slot_route, max(kS, 1), rounding_mode="floor"),
+                             slot_route)
+    return SlotMap(token_slots, slot_route, slot_token, num_slots, n)
+
+
+def capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, degree: int) -> SlotMap:
+    """Padded layout: every expert gets exactly ``capacity`` slots (split into ``degree``
+    chunks along the capacity); routes at or past the capacity are dropped."""
+    dev = r.topk_idx.device
+    sizes = chunk_sizes(capacity, degree)
+    starts = [sum(sizes[:c]) for c in range(degree)]
+    loc = r.locations
+    keep = loc < capacity
+    r.kept = keep
+    if capacity > 0:
+        chunk_of = torch.repeat_interleave(torch.arange(degree, device=dev),
+                                           torch.tensor(sizes, device=dev), output_size=capacity)
+        start_of = torch.tensor(starts, dtype=torch.int64, device=dev)
+        safe = torch.where(keep, loc, torch.zeros_like(loc))
+        chunk = chunk_of.index_select(0, safe.reshape(-1)).view_as(loc)
+        q = safe - start_of.index_select(0, chunk.reshape(-1)).view_as(loc)
+    else:
+        chunk = torch.zeros_like(loc)
+        q = torch.zeros_like(loc)
+    n = torch.tensor(sizes, dtype=torch.int64, device=dev).view(degree, 1).expand(degree, num_experts).contiguous()
+    return _slots(r.topk_idx, q, chunk, keep, n, shards, num_experts * shards * capacity)
+
+
+def dropless_slots(r: Routing, shards: int, degree: int) -> SlotMap:
+    """Exact layout: expert ``e`` gets its ``counts[e]`` routes, split into ``degree`` chunks."""
+    loc = r.locations
+    T, k = loc.shape
+    counts = r.counts
+    r.kept = torch.ones_like(loc, dtype=torch.bool)
+    if degree == 1:
+        n = counts.view(1, -1)
+        chunk = torch.zeros_like(loc)
+        q = loc
+    else:
+        base = torch.div(counts, degree, rounding_mode="floor")
+        extra = counts - base * degree
+        c_idx = torch.arange(degree, device=loc.device).view(degree, 1)
+        n = base.view(1, -1) + (c_idx < extra.view(1, -1)).to(torch.int64)  # [d, E]
+        b = base.index_select(0, r.topk_idx.reshape(-1)).view_as(loc)
+        x = extra.index_select(0, r.topk_idx.reshape(-1)).view_as(loc)
+        big = x * (b + 1)  # rows in the first x chunks (each b + 1 long)
+        in_big = loc < big
+        chunk = torch.where(in_big, torch.div(loc, b + 1, rounding_mode="floor"),
+                            x + torch.div(loc - big, b.clamp(min=1), rounding_mode="floor"))
+        q = torch.where(in_big, loc - chunk * (b + 1), loc - big - (chunk - x) * b)
+    return _slots(r.topk_idx, q, chunk, None, n, shards, shards * k * T)

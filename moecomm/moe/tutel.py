@@ -1,0 +1,2 @@
+def moe_layer(*a, **k):
+    raise NotImplementedError

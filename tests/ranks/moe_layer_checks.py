@@ -1,0 +1,387 @@
+"""MoELayer against the dense reference on real MPI ranks (run by tests/test_moe_layer.py).
+
+``python -m tests.ranks.moe_layer_checks [GROUP]``: every case of the group on every rank;
+each case's result is checked collectively (all ranks fail together).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import moecomm
+from moecomm.moe import MoELayer
+from tests.mpi_util import collective_assert, rank_main
+from tests.ranks.moe_reference import RefParams, random_params, reference
+
+WORLD = MPI.COMM_WORLD
+D, H = 8, 12
+
+
+@dataclass
+class Case:
+    name: str
+    E: int
+    k: int = 2
+    cf: float = 1.0
+    gate: str = "linear"
+    dropless: bool = False
+    tokens: Optional[list] = None  # per rank; default 10 + small spread where allowed
+    layer_kw: dict = field(default_factory=dict)
+    call_kw: dict = field(default_factory=dict)
+    ref_kw: dict = field(default_factory=dict)
+    experts: str = "ffn"  # ffn | batched | factory
+    noise: float = 0.0
+    calls: int = 1
+
+
+def _comm():
+    if not hasattr(_comm, "c"):
+        _comm.c = moecomm.init(backend="mpi")
+    return _comm.c
+
+
+def token_counts(case: Case, W: int) -> list:
+    if case.tokens is not None:
+        return [case.tokens[r % len(case.tokens)] for r in range(W)]
+    return [11] * W
+
+
+def make_inputs(seed: int, counts: list) -> list:
+    out = []
+    for r, T in enumerate(counts):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        out.append(torch.randn(T, D, generator=g, dtype=torch.float64))
+    return out
+
+
+class BatchedFFN(torch.nn.Module):
+    """A user expert module in Tutel's batched convention: [El, N, D] -> [El, N, D]."""
+
+    def __init__(self, El: int):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.zeros(El, D, H, dtype=torch.float64))
+        self.b1 = torch.nn.Parameter(torch.zeros(El, 1, H, dtype=torch.float64))
+        self.w2 = torch.nn.Parameter(torch.zeros(El, H, D, dtype=torch.float64))
+        self.b2 = torch.nn.Parameter(torch.zeros(El, 1, D, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.bmm(F.relu(torch.bmm(x, self.w1) + self.b1), self.w2) + self.b2
+
+
+def factory(e: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(D, H, dtype=torch.float64), torch.nn.ReLU(),
+                               torch.nn.Linear(H, D, dtype=torch.float64))
+
+
+def load_params(layer: MoELayer, p: RefParams, case: Case) -> None:
+    with torch.no_grad():
+        g = layer.gates[0]
+        if p.gate_type == "linear":
+            g.wg.weight.copy_(p.gate["wg"])
+        else:
+            g.cosine_projector.weight.copy_(p.gate["proj_w"])
+            g.cosine_projector.bias.copy_(p.gate["proj_b"])
+            g.sim_matrix.copy_(p.gate["sim"])
+            g.temperature.copy_(p.gate["temp"])
+        e0, El, S, s = layer.first_expert, layer.num_local_experts, layer.shards, layer.shard_index
+        Hl = H // S
+        hs = slice(s * Hl, (s + 1) * Hl)
+        es = slice(e0, e0 + El)
+        if case.experts == "ffn":
+            ex = layer.experts
+            ex.fc1_weight.copy_(p.w1[es, :, hs])
+            ex.fc2_weight.copy_(p.w2[es, hs])
+            if ex.fc1_bias is not None:
+                ex.fc1_bias.copy_(p.b1[es, hs])
+            if ex.fc2_bias is not None:
+                ex.fc2_bias.copy_(p.b2[es])
+        elif case.experts == "batched":
+            m = layer.experts.module
+            m.w1.copy_(p.w1[es]); m.b1.copy_(p.b1[es].unsqueeze(1))
+            m.w2.copy_(p.w2[es]); m.b2.copy_(p.b2[es].unsqueeze(1))
+        else:
+            for i, mod in enumerate(layer.experts.local):
+                mod[0].weight.copy_(p.w1[e0 + i].t()); mod[0].bias.copy_(p.b1[e0 + i])
+                mod[2].weight.copy_(p.w2[e0 + i].t()); mod[2].bias.copy_(p.b2[e0 + i])
+
+
+def expert_grads(layer: MoELayer, case: Case) -> dict:
+    if case.experts == "ffn":
+        ex = layer.experts
+        out = {"w1": ex.fc1_weight.grad, "w2": ex.fc2_weight.grad}
+        if ex.fc1_bias is not None:
+            out["b1"] = ex.fc1_bias.grad
+        if ex.fc2_bias is not None:
+            out["b2"] = ex.fc2_bias.grad
+        return out
+    if case.experts == "batched":
+        m = layer.experts.module
+        return {"w1": m.w1.grad, "b1": m.b1.grad.squeeze(1), "w2": m.w2.grad, "b2": m.b2.grad.squeeze(1)}
+    mods = layer.experts.local
+    return {"w1": torch.stack([m[0].weight.grad.t() for m in mods]), "b1": torch.stack([m[0].bias.grad for m in mods]),
+            "w2": torch.stack([m[2].weight.grad.t() for m in mods]), "b2": torch.stack([m[2].bias.grad for m in mods])}
+
+
+def gate_grads(layer: MoELayer, p: RefParams) -> dict:
+    g = layer.gates[0]
+    if p.gate_type == "linear":
+        return {"wg": g.wg.weight.grad}
+    return {"proj_w": g.cosine_projector.weight.grad, "proj_b": g.cosine_projector.bias.grad,
+            "sim": g.sim_matrix.grad, "temp": g.temperature.grad}
+
+
+def close(name: str, got, want, tol: float, errs: list) -> None:
+    if got is None or want is None:
+        if not (got is None and want is None):
+            errs.append(f"{name}: one of got/want is None ({got is None}, {want is None})")
+        return
+    got = got.detach().double()
+    want = want.detach().double()
+    if got.shape != want.shape:
+        errs.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        return
+    if got.numel() == 0:
+        return
+    err = (got - want).abs().max().item()
+    scale = max(1.0, want.abs().max().item())
+    if not err <= tol * scale:
+        errs.append(f"{name}: max abs err {err:.3g} > {tol:g} * {scale:.3g}")
+
+
+def run_case(case: Case, seed: int = 0) -> list:
+    comm = _comm()
+    W, rank = comm.size, comm.rank
+    errs: list = []
+    counts = token_counts(case, W)
+    xs = make_inputs(seed, counts)
+    act = case.layer_kw.get("activation", "relu")
+    p = random_params(seed + 17, case.gate, D, H, case.E,
+                      bias1=case.layer_kw.get("fc1_bias", True), bias2=case.layer_kw.get("fc2_bias", True),
+                      act={"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[act] if isinstance(act, str) else act)
+    kw = dict(k=case.k, capacity_factor=case.cf, gate=case.gate, dropless=case.dropless, fp32_gate=False,
+              dtype=torch.float64, seed=3, proj_dim=8, gate_noise=case.noise, comm=comm)
+    kw.update(case.layer_kw)
+    if case.experts == "batched":
+        kw["experts"] = BatchedFFN(case.E // W)
+    elif case.experts == "factory":
+        kw["experts"] = factory
+    layer = MoELayer(D, H, case.E, **kw)
+    load_params(layer, p, case)
+    if case.noise > 0:
+        layer.train()
+    else:
+        layer.eval()
+    ref_kw = dict(k=case.call_kw.get("k", case.call_kw.get("top_k", case.k)), capacity_factor=case.call_kw.get("capacity_factor", case.cf),
+                  dropless=case.call_kw.get("dropless", case.dropless),
+                  normalize=kw.get("normalize_gate", True), batch_prioritized=kw.get("batch_prioritized_routing", False),
+                  postscore=kw.get("is_postscore", True), balance_loss=kw.get("balance_loss", "gshard"),
+                  z_weight=kw.get("z_loss_weight", 0.0), gate_noise=case.noise,
+                  inequivalent=kw.get("inequivalent_tokens", False) or case.call_kw.get("inequivalent_tokens", False))
+    ref_kw.update(case.ref_kw)
+    for call in range(case.calls):
+        if case.noise > 0:
+            noise = []
+            for r, T in enumerate(counts):
+                torch.manual_seed(1234 + 17 * call + r)
+                noise.append(torch.randn(T, case.E, dtype=torch.float64))
+            torch.manual_seed(1234 + 17 * call + rank)
+            ref_kw["noise"] = noise
+        x = xs[rank].clone().requires_grad_(True)
+        gy = torch.randn(counts[rank], D, generator=torch.Generator().manual_seed(99 + rank), dtype=torch.float64)
+        layer.zero_grad(set_to_none=True)
+        y = layer(x, **case.call_kw)
+        loss = (y * gy).sum() + 0.5 * layer.aux_loss
+        loss.backward()
+
+        for t in p.leaves():
+            t.grad = None
+        xr = [xi.clone().requires_grad_(True) for xi in xs]
+        refs = reference(p, xr, **ref_kw)
+        total = sum((refs[r].y * torch.randn(counts[r], D, generator=torch.Generator().manual_seed(99 + r),
+                                             dtype=torch.float64)).sum() + 0.5 * refs[r].aux for r in range(W))
+        total.backward()
+        me = refs[rank]
+        tol = 1e-9
+        close(f"{case.name}: y", y, me.y, tol, errs)
+        close(f"{case.name}: aux_loss", layer.aux_loss, me.aux, tol, errs)
+        if me.balance is not None:
+            close(f"{case.name}: balance_loss", layer.balance_loss, me.balance, tol, errs)
+        close(f"{case.name}: z_loss", layer.z_loss, me.z, tol, errs)
+        close(f"{case.name}: x.grad", x.grad, xr[rank].grad, tol, errs)
+        lr = layer.last_routing
+        if lr.topk_idx.tolist() != me.topk:
+            errs.append(f"{case.name}: top-k choices differ")
+        if lr.kept.tolist() != me.kept:
+            errs.append(f"{case.name}: kept routes differ: got {lr.kept.int().tolist()} want "
+                        f"{[[int(b) for b in row] for row in me.kept]}")
+        if lr.capacity != me.capacity:
+            errs.append(f"{case.name}: capacity {lr.capacity} != {me.capacity}")
+        # expert gradients: this rank's slice of the reference's
+        e0, El, S, s = layer.first_expert, layer.num_local_experts, layer.shards, layer.shard_index
+        Hl = H // S
+        hs = slice(s * Hl, (s + 1) * Hl)
+        es = slice(e0, e0 + El)
+        want = {"w1": p.w1.grad[es, :, hs], "w2": p.w2.grad[es, hs]}
+        if p.b1 is not None:
+            want["b1"] = p.b1.grad[es, hs] if case.experts == "ffn" else p.b1.grad[es]
+        if p.b2 is not None:
+            want["b2"] = p.b2.grad[es]
+        for name, g in expert_grads(layer, case).items():
+            close(f"{case.name}: expert grad {name}", g, want[name], tol, errs)
+        # gate gradients: summed over ranks (what data-parallel training all-reduces)
+        for name, g in gate_grads(layer, p).items():
+            summed = torch.from_numpy(WORLD.allreduce(g.detach().numpy(), op=MPI.SUM))
+            close(f"{case.name}: gate grad {name} (sum over ranks)", summed, p.gate[name].grad, tol, errs)
+        if errs:
+            break
+    return errs
+
+
+def check(cases: list):
+    def run():
+        failures = []
+        for case in cases:
+            try:
+                errs = run_case(case)
+            except Exception as exc:  # noqa: BLE001 - reported collectively
+                import traceback
+                errs = [f"{case.name}: raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"]
+            collective_assert(not errs, "; ".join(errs)[:3000])
+            failures += errs
+    run.__name__ = f"cases[{cases[0].name}..{cases[-1].name}]"
+    return run
+
+
+def cases_for(W: int, group: str) -> list:
+    E = {1: 4, 2: 4, 3: 6, 4: 8}[W]
+    ragged = [9, 13, 0, 7][:W] if W > 2 else [9, 13][:W]
+    out = []
+    if group in ("routing", "all"):
+        for gate in ("linear", "cosine"):
+            for k in range(1, 5):
+                for cf, dl in ((1.0, False), (0.5, False), (0.0, False), (-0.6, False), (None, True)):
+                    out.append(Case(f"{gate} k={k} cf={cf} dropless={dl}", E, k=k, cf=1.0 if cf is None else cf,
+                                    gate=gate, dropless=dl,
+                                    tokens=ragged if (dl or (cf is not None and cf <= 0)) else None))
+    if group in ("features", "all"):
+        out += [
+            Case("batch prioritized", E, k=2, cf=0.5, layer_kw=dict(batch_prioritized_routing=True)),
+            Case("prescore", E, k=3, cf=1.0, layer_kw=dict(is_postscore=False)),
+            Case("prescore dropless", E, k=2, dropless=True, layer_kw=dict(is_postscore=False), tokens=ragged),
+            Case("no normalize", E, k=2, cf=1.0, layer_kw=dict(normalize_gate=False)),
+            Case("no biases gelu", E, k=2, cf=1.0, layer_kw=dict(fc1_bias=False, fc2_bias=False,
+                                                                 activation="gelu")),
+            Case("z loss, no balance", E, k=2, layer_kw=dict(balance_loss=None, z_loss_weight=0.1)),
+            Case("gate noise gshard", E, k=2, noise=1.0, calls=2),
+            Case("load_importance", E, k=2, noise=1.0, layer_kw=dict(balance_loss="load_importance")),
+            Case("overlap 2 capacity", E, k=2, cf=1.0, layer_kw=dict(overlap_degree=2)),
+            Case("overlap 3 dropless", E, k=3, dropless=True, layer_kw=dict(overlap_degree=3), tokens=ragged),
+            Case("per-call k / cf / dropless", E, k=2, cf=1.0,
+                 call_kw=dict(k=3, capacity_factor=0.5, overlap_degree=2)),
+            Case("per-call dropless", E, k=1, cf=1.0, call_kw=dict(dropless=True, top_k=2)),
+            Case("inequivalent tokens", E, k=2, cf=1.0, tokens=ragged, layer_kw=dict(inequivalent_tokens=True)),
+            Case("data parallel capacity", E, k=2, cf=0.5, layer_kw=dict(parallel_mode="data")),
+            Case("data parallel dropless", E, k=3, dropless=True, tokens=ragged, layer_kw=dict(parallel_mode="data")),
+            Case("auto mode", E, k=2, cf=1.0, layer_kw=dict(parallel_mode="auto"), calls=7),
+            Case("custom batched experts", E, k=2, cf=1.0, experts="batched"),
+            Case("custom batched dropless", E, k=2, dropless=True, experts="batched", tokens=ragged),
+            Case("custom factory experts", E, k=3, dropless=True, experts="factory", tokens=ragged),
+        ]
+        if W > 1:
+            # fewer experts than ranks: each expert sharded over W / E ranks along its hidden dim
+            for Es in sorted({e for e in (1, 2) if W % e == 0 and W > e}):
+                for k in range(1, Es + 1):
+                    out.append(Case(f"sharded E={Es} k={k} cf=1", Es, k=k, cf=1.0))
+                    out.append(Case(f"sharded E={Es} k={k} dropless", Es, k=k, dropless=True, tokens=ragged))
+                out.append(Case(f"sharded E={Es} data parallel", Es, k=1, cf=0.0, tokens=ragged,
+                                layer_kw=dict(parallel_mode="data")))
+                out.append(Case(f"sharded E={Es} overlap 2", Es, k=Es, cf=1.0, layer_kw=dict(overlap_degree=2)))
+    return out
+
+
+def check_bad_configs():
+    comm = _comm()
+    W = comm.size
+    errs = []
+
+    def expect(exc_type, words, fn):
+        try:
+            fn()
+        except exc_type as exc:
+            if not all(w in str(exc) for w in words):
+                errs.append(f"message {str(exc)!r} lacks {words}")
+            return
+        except Exception as exc:  # noqa: BLE001
+            errs.append(f"{words}: raised {type(exc).__name__}: {exc}, wanted {exc_type.__name__}")
+            return
+        errs.append(f"{words}: no error")
+
+    if W > 1:
+        expect(ValueError, ["num_experts", str(W + 1)], lambda: MoELayer(D, H, W + 1, k=1, comm=comm))
+        if W in (3, 4):
+            expect(ValueError, ["num_experts=2" if W == 3 else "num_experts=3"],
+                   lambda: MoELayer(D, H, 2 if W == 3 else 3, k=1, comm=comm))
+        expect(ValueError, ["hidden_size"], lambda: MoELayer(D, W * 3 + 1, 1, k=1, comm=comm))
+        expect(ValueError, ["sharded"], lambda: MoELayer(D, H, 1, k=1, comm=comm, experts=factory))
+    expect(ValueError, ["k", "num_experts"], lambda: MoELayer(D, H, 4 * W, k=4 * W + 1, comm=comm))
+    collective_assert(not errs, "; ".join(errs))
+
+
+def check_autocast_bf16():
+    """bf16 autocast: the gate stays fp32, the experts run in bf16; result near the fp64 reference."""
+    comm = _comm()
+    W, rank = comm.size, comm.rank
+    E = 2 * W
+    errs = []
+    counts = [16] * W
+    xs = make_inputs(5, counts)
+    p = random_params(40, "linear", D, H, E)
+    layer = MoELayer(D, H, E, k=2, capacity_factor=0.0, comm=comm, seed=1)
+    load_params(layer, p, Case("bf16", E))
+    layer.eval()
+    seen = {}
+    orig = layer.gates[0].logits
+
+    def spy(x):
+        out = orig(x)
+        seen["dtype"] = out.dtype
+        return out
+
+    layer.gates[0].logits = spy
+    x = xs[rank].float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    refs = reference(p, [xi for xi in xs], k=2, capacity_factor=0.0)
+    if y.dtype != torch.bfloat16:
+        errs.append(f"autocast output dtype {y.dtype}")
+    if seen.get("dtype") != torch.float32:
+        errs.append(f"gate logits dtype {seen.get('dtype')} under autocast")
+    if layer.last_routing.topk_idx.tolist() != refs[rank].topk:
+        errs.append("bf16: routing differs from reference")
+    close("bf16 y", y.float(), refs[rank].y, 5e-2, errs)
+    collective_assert(not errs, "; ".join(errs))
+
+
+def main() -> None:
+    group = sys.argv[1] if len(sys.argv) > 1 else "all"
+    W = WORLD.size
+    checks = []
+    if group in ("routing", "all"):
+        checks.append(check(cases_for(W, "routing")))
+    if group in ("features", "all"):
+        checks.append(check(cases_for(W, "features")))
+        checks.append(check_bad_configs)
+        checks.append(check_autocast_bf16)
+    rank_main(checks)
+
+
+if __name__ == "__main__":
+    main()

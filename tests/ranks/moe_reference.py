@@ -1,0 +1,178 @@
+"""A dense, token-by-token MoE reference in plain torch (float64), written independently of
+``moecomm.moe``'s code paths: python loops over tokens and choices, no slot maps, no
+all-to-all. It sees every rank's tokens at once and routes each rank's batch separately
+(capacities are per source rank, as in the layer)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class RefParams:
+    gate_type: str  # "linear" | "cosine"
+    gate: dict  # linear: wg [E, D]; cosine: proj_w [P, D], proj_b [P], sim [P, E], temp [1]
+    w1: torch.Tensor  # [E, D, H]
+    b1: Optional[torch.Tensor]  # [E, H]
+    w2: torch.Tensor  # [E, H, Do]
+    b2: Optional[torch.Tensor]  # [E, Do]
+    act: Callable = F.relu
+
+    def leaves(self) -> list:
+        out = list(self.gate.values()) + [self.w1, self.w2]
+        out += [t for t in (self.b1, self.b2) if t is not None]
+        return out
+
+
+def random_params(seed: int, gate_type: str, D: int, H: int, E: int, Do: Optional[int] = None, *,
+                  bias1: bool = True, bias2: bool = True, proj_dim: int = 8, act=F.relu) -> RefParams:
+    g = torch.Generator().manual_seed(seed)
+    Do = D if Do is None else Do
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).requires_grad_(True)
+
+    if gate_type == "linear":
+        gate = {"wg": rnd(E, D, scale=1.0 / math.sqrt(D))}
+    else:
+        gate = {"proj_w": rnd(proj_dim, D, scale=1.0 / math.sqrt(D)), "proj_b": rnd(proj_dim, scale=0.1),
+                "sim": rnd(proj_dim, E), "temp": torch.tensor([math.log(4.0)], dtype=torch.float64,
+                                                              requires_grad=True)}
+    return RefParams(gate_type, gate, rnd(E, D, H, scale=1.0 / math.sqrt(D)),
+                     rnd(E, H, scale=0.1) if bias1 else None,
+                     rnd(E, H, Do, scale=1.0 / math.sqrt(H)), rnd(E, Do, scale=0.1) if bias2 else None, act)
+
+
+def ref_logits(p: RefParams, x: torch.Tensor) -> torch.Tensor:
+    if p.gate_type == "linear":
+        return x @ p.gate["wg"].t()
+    proj = x @ p.gate["proj_w"].t() + p.gate["proj_b"]
+    proj = proj / proj.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    sim = p.gate["sim"] / p.gate["sim"].norm(dim=0, keepdim=True).clamp(min=1e-12)
+    return (proj @ sim) * torch.clamp(p.gate["temp"], max=math.log(100.0)).exp()
+
+
+def expert(p: RefParams, e: int, v: torch.Tensor) -> torch.Tensor:
+    h = v @ p.w1[e]
+    if p.b1 is not None:
+        h = h + p.b1[e]
+    out = p.act(h) @ p.w2[e]
+    if p.b2 is not None:
+        out = out + p.b2[e]
+    return out
+
+
+@dataclass
+class RefResult:
+    y: torch.Tensor
+    aux: torch.Tensor
+    balance: Optional[torch.Tensor]
+    z: torch.Tensor
+    topk: list  # [T][k] experts
+    kept: list  # [T][k] bools
+    capacity: Optional[int]
+    extra: dict = field(default_factory=dict)
+
+
+def reference(p: RefParams, xs: list, *, k: int, capacity_factor: float, dropless: bool = False,
+              normalize: bool = True, batch_prioritized: bool = False, postscore: bool = True,
+              balance_loss: Optional[str] = "gshard", z_weight: float = 0.0, noise: Optional[list] = None,
+              gate_noise: float = 0.0, inequivalent: bool = False) -> list:
+    """One :class:`RefResult` per rank. ``noise[r]``: the ``[T_r, E]`` standard normals the layer drew."""
+    E = p.w1.shape[0]
+    logits_all, scores_all, choices_all = [], [], []
+    for r, x in enumerate(xs):
+        logits = ref_logits(p, x)
+        noisy = logits if noise is None else logits + gate_noise * noise[r] / E
+        scores = torch.softmax(noisy, dim=1)
+        T = x.shape[0]
+        choices = []
+        for t in range(T):
+            sd = scores.detach()
+            ranked = sorted(range(E), key=lambda e: (-float(sd[t, e]), e))
+            choices.append(ranked[:k])
+        logits_all.append((logits, noisy))
+        scores_all.append(scores)
+        choices_all.append(choices)
+
+    # per-expert route counts per rank (for capacity_factor <= 0: the busiest expert anywhere)
+    busiest = 0
+    for choices in choices_all:
+        cnt = [0] * E
+        for ch in choices:
+            for e in ch:
+                cnt[e] += 1
+        busiest = max(busiest, max(cnt) if choices else 0)
+    t_max = max(x.shape[0] for x in xs)
+
+    out = []
+    for r, x in enumerate(xs):
+        T = x.shape[0]
+        scores, choices = scores_all[r], choices_all[r]
+        logits, noisy = logits_all[r]
+        t_cap = t_max if inequivalent else T
+        fixed = k * int(abs(capacity_factor) * ((t_cap + E - 1) // E))
+        if dropless:
+            cap = None
+        elif capacity_factor > 0:
+            cap = fixed
+        elif capacity_factor == 0:
+            cap = busiest
+        else:  # bounded by the fixed capacity of the largest batch of any rank
+            cap = min(busiest, k * int(abs(capacity_factor) * ((t_max + E - 1) // E)))
+        if batch_prioritized:
+            order = sorted(range(T), key=lambda t: (-float(scores[t].detach().max()), t))
+        else:
+            order = list(range(T))
+        used = [0] * E
+        kept = [[False] * k for _ in range(T)]
+        for j in range(k):
+            for t in order:
+                e = choices[t][j]
+                kept[t][j] = cap is None or used[e] < cap
+                used[e] += 1
+        rows = []
+        for t in range(T):
+            g = [scores[t, e] for e in choices[t]]
+            if normalize and k > 1:
+                s = sum(g)
+                g = [gi / s for gi in g]
+            acc = torch.zeros(p.w2.shape[2], dtype=x.dtype)
+            for j, e in enumerate(choices[t]):
+                if not kept[t][j]:
+                    continue
+                if postscore:
+                    acc = acc + g[j] * expert(p, e, x[t])
+                else:
+                    acc = acc + expert(p, e, g[j] * x[t])
+            rows.append(acc)
+        y = torch.stack(rows) if rows else torch.zeros(0, p.w2.shape[2], dtype=x.dtype)
+        # auxiliary losses
+        if balance_loss == "gshard":
+            if T:
+                me = scores.sum(0)
+                ce = torch.tensor([sum(1 for t in range(T) if choices[t][0] == e) for e in range(E)],
+                                  dtype=scores.dtype)
+                bal = (me * ce).sum() * E / (T * T)
+            else:
+                bal = scores.sum() * 0
+        elif balance_loss == "load_importance":
+            clean = torch.softmax(logits, dim=1)
+            imp = clean.sum(0)
+            l_imp = imp.var() / (imp.mean() ** 2 + 1e-10)
+            kth = torch.stack([noisy[t, choices[t][-1]] for t in range(T)]).view(T, 1)
+            normal = torch.distributions.Normal(0.0, gate_noise / E)
+            load = normal.cdf(clean - kth).sum(0)
+            l_load = load.var() / (load.mean() ** 2 + 1e-10)
+            bal = (l_imp + l_load) / 2
+        else:
+            bal = None
+        z = (torch.logsumexp(logits, dim=1) ** 2).mean() if T else logits.sum() * 0
+        aux = z * z_weight if bal is None else bal + z * z_weight
+        out.append(RefResult(y, aux, bal, z, choices, kept, cap))
+    return out
