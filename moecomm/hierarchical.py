@@ -361,6 +361,10 @@ def _alltoall_ints(sub: "Communicator", values: list[int], what: str) -> list[in
     request = sub._backend.alltoall(dev[:n], dev[n:])
     host = dev
     if sub.device.type == "cuda":
+        if not sub._backend.stream_ordered:
+            # e.g. the torch backend over an NCCL group: the copy below runs on the current
+            # stream, which is ordered after the exchange only once the exchange has completed.
+            sub._wait_host(request, what, None)
         host = sub._staging(2 * n, torch.int64, host=True)
         request = sub._backend.copy_to_host(dev, host)
     sub._wait_host(request, what, None)
