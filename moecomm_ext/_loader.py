@@ -125,10 +125,13 @@ def _check_device_type(device_type: str) -> None:
 
 def _cuda_arch_flags() -> tuple[list[str], str]:
     """nvcc -gencode flags: sm_90 SASS + compute_90 PTX, plus the current GPU's
-    own architecture when it is older than Hopper (PTX only runs forward)."""
+    own architecture when it is older than Hopper (PTX only runs on the same
+    or newer GPUs; newer ones JIT-compile the compute_90 PTX)."""
     archs = {(9, 0)}
     if torch.cuda.is_available():
-        archs.add(torch.cuda.get_device_capability())
+        cap = torch.cuda.get_device_capability()
+        if cap < (9, 0):
+            archs.add(cap)
     flags = []
     for major, minor in sorted(archs):
         flags.append(f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}")

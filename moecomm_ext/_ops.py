@@ -161,9 +161,12 @@ def gather_rows(
             product is computed in float32 (float64 when ``x`` is float64)
             and rounded once to ``x.dtype``.
         check: verify on the host that ``index`` lies in ``[-1, N)`` (one
-            min/max reduction; forces a device sync on CUDA).  With
-            ``check=False`` an out-of-range entry raises ``IndexError`` on CPU
-            and traps the kernel (a sticky CUDA error) on CUDA.
+            min/max reduction; forces a device sync on CUDA) and raise
+            ``ValueError`` otherwise.  ``check=False`` makes validity the
+            caller's promise: the native CPU kernel still raises
+            ``IndexError`` for a bad entry, the native CUDA kernel traps (a
+            sticky CUDA error), and the reference path treats entries below
+            ``-1`` like ``-1``.
         use_native: run the native kernel (default: ``not $MOECOMM_EXT_DISABLE``);
             the reference is used where the native build is unavailable.
 
@@ -582,7 +585,8 @@ def permute_blocks(
         Tensor of ``x.shape`` and ``x.dtype``.  Differentiable w.r.t. ``x``
         (the backward is the inverse permutation).  Implemented as one
         :func:`gather_rows` with an index built by cumsum/repeat_interleave
-        on ``x.device`` (one host sync to check the total).
+        on ``x.device`` (two host syncs to validate ``counts`` when it lives
+        on a GPU).
     """
     fn = "permute_blocks"
     x = _tensor(fn, "x", x, "shape [N, ...]")
@@ -597,13 +601,13 @@ def permute_blocks(
         raise ValueError(f"{fn}: argument 'counts' must sum to N = x.shape[0] = {N}; got sum = {total}")
     if inverse:
         c = c.t()
-    index = reference.permute_blocks_index(c)
+    index = reference.permute_blocks_index(c, total=N)
     row = 1
     for s in x.shape[1:]:
         row *= s
     x2d = x.reshape(N, row)
     if torch.is_grad_enabled() and x.requires_grad:
-        inverse_index = reference.permute_blocks_index(c.t())
+        inverse_index = reference.permute_blocks_index(c.t(), total=N)
         out = _PermuteBlocks.apply(x2d, index, inverse_index, use_native)
     else:
         out = _gather_rows(x2d, index, None, use_native)

@@ -128,17 +128,19 @@ def slot_positions(token_slots: Tensor, num_slots: int) -> Tensor:
     return out
 
 
-def permute_blocks_index(counts: Tensor) -> Tensor:
+def permute_blocks_index(counts: Tensor, total: int | None = None) -> Tensor:
     """Row index that moves the blocks of an ``[A, B]`` block grid from a-major
     to b-major order: ``out = x[index]`` puts block (a, b), ``counts[a, b]``
     rows long, at block position ``b * A + a``.  counts: int64 ``[A, B]`` >= 0
-    on the target device.  Returns int64 ``[counts.sum()]``."""
+    on the target device; ``total`` = ``counts.sum()`` when known (saves a
+    host sync).  Returns int64 ``[counts.sum()]``."""
     flat_a = counts.reshape(-1)
     in_start = (torch.cumsum(flat_a, 0) - flat_a).reshape(counts.shape)
     in_start_b = in_start.t().reshape(-1)  # input offset of each block, listed b-major
     cnt_b = counts.t().reshape(-1)
     out_start = torch.cumsum(cnt_b, 0) - cnt_b
-    total = int(flat_a.sum())
+    if total is None:
+        total = int(flat_a.sum())
     shift = torch.repeat_interleave(in_start_b - out_start, cnt_b, output_size=total)
     return shift + torch.arange(total, dtype=torch.int64, device=counts.device)
 
