@@ -37,12 +37,42 @@ def run_ranks(nprocs: int, module: str, *args: str, timeout: float = 240, env: d
     return proc.stdout
 
 
-def collective_assert(ok: bool, message: str = "") -> None:
-    """Inside MPI ranks: fail on every rank if any rank's ``ok`` is False (no hang)."""
+def under_torchrun() -> bool:
+    """True when the ranks were started by torchrun rather than an MPI launcher."""
+    from moecomm.launch import detect_launcher
+
+    return detect_launcher() == "torchrun"
+
+
+def _allgather(obj):
+    if under_torchrun():
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
-    flags = world.allgather((bool(ok), message))
+    return MPI.COMM_WORLD.allgather(obj)
+
+
+def world_rank() -> int:
+    if under_torchrun():
+        return int(os.environ["RANK"])
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.rank
+
+
+def world_barrier() -> None:
+    _allgather(None)
+
+
+def collective_assert(ok: bool, message: str = "") -> None:
+    """Inside ranks: fail on every rank if any rank's ``ok`` is False (no hang)."""
+    flags = _allgather((bool(ok), message))
     bad = [(r, m) for r, (f, m) in enumerate(flags) if not f]
     if bad:
         raise AssertionError("; ".join(f"rank {r}: {m}" for r, m in bad))
@@ -52,18 +82,22 @@ def rank_main(checks: Sequence) -> None:
     """Run ``checks`` (callables) in order on every rank; exit non-zero on any failure."""
     import traceback
 
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    failed = False
+    rank = world_rank()
     for check in checks:
         try:
             check()
         except BaseException:  # noqa: BLE001 - report and stop every rank
-            failed = True
-            print(f"[rank {world.rank}] FAILED {check.__name__}\n{traceback.format_exc()}", flush=True)
-            break
-    if failed:
-        world.Abort(1)
-    if world.rank == 0:
-        print(f"{len(checks)} checks passed on {world.size} ranks", flush=True)
+            print(f"[rank {rank}] FAILED {check.__name__}\n{traceback.format_exc()}", flush=True)
+            if under_torchrun():
+                os._exit(1)
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+    size = len(_allgather(None))
+    if rank == 0:
+        print(f"{len(checks)} checks passed on {size} ranks", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # gloo's threads must stop before the interpreter does
+        dist.barrier()
+        dist.destroy_process_group()

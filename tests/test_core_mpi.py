@@ -17,3 +17,21 @@ def test_collectives_mpi_backend(nprocs):
 def test_collectives_torch_backend(nprocs):
     out = run_ranks(nprocs, "tests.ranks.core_collectives", "torch", timeout=300)
     assert f"checks passed on {nprocs} ranks" in out
+
+
+def test_collectives_under_torchrun():
+    """``torchrun`` on CPU: moecomm.init() finds torchrun's variables and runs over gloo."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.mpi_util import ROOT
+
+    env = dict(os.environ, MOECOMM_TIMEOUT="60", PYTHONPATH=ROOT)
+    for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tests.ranks.core_collectives", "torch"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert "checks passed on 2 ranks" in proc.stdout

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
-from tests.mpi_util import collective_assert, rank_main
+from tests.mpi_util import collective_assert, rank_main, under_torchrun, world_barrier
 from tests.ranks.data import DTYPES, ROW_SHAPES, as_bytes, count_matrix, expected_bytes, input_for
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "mpi"
@@ -20,7 +20,7 @@ SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples
 
 
 def make_comm(**kw):
-    if BACKEND == "torch":
+    if BACKEND == "torch" and not under_torchrun():
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -47,6 +47,7 @@ def _init_gloo() -> None:
 
 COMM = make_comm(timeout=60)
 W, R = COMM.size, COMM.rank
+DEV = COMM.device
 
 
 def check_layout() -> None:
@@ -57,13 +58,13 @@ def check_layout() -> None:
 @SETTINGS
 @given(seed=st.integers(0, 2**31), max_rows=st.integers(0, 6), zero_fraction=st.sampled_from([0.0, 0.3, 1.0]),
        dtype=st.sampled_from(DTYPES), row_shape=st.sampled_from(ROW_SHAPES),
-       form=st.sampled_from(["list", "tensor", "numpy", "int32"]), known=st.booleans(), async_op=st.booleans())
+       form=st.sampled_from(["list", "tensor", "numpy", "int32", "device"]), known=st.booleans(), async_op=st.booleans())
 def check_all_to_all_v(seed, max_rows, zero_fraction, dtype, row_shape, form, known, async_op) -> None:
     m = count_matrix(seed, W, max_rows, zero_fraction)
-    x = input_for(seed, R, m, row_shape, dtype)
+    x = input_for(seed, R, m, row_shape, dtype).to(DEV)
     send = [int(v) for v in m[R]]
     send_arg = {"list": send, "tensor": torch.tensor(send), "numpy": np.array(send),
-                "int32": torch.tensor(send, dtype=torch.int32)}[form]
+                "int32": torch.tensor(send, dtype=torch.int32), "device": torch.tensor(send, device=DEV)}[form]
     recv_arg = [int(v) for v in m[:, R]] if known else None
     result = COMM.all_to_all_v(x, send_arg, recv_arg, async_op=async_op)
     if async_op:
@@ -79,8 +80,8 @@ def check_all_to_all_v(seed, max_rows, zero_fraction, dtype, row_shape, form, kn
 @given(seed=st.integers(0, 2**31), per_peer=st.integers(0, 4), equal=st.booleans(), async_op=st.booleans())
 def check_all_to_all_single(seed, per_peer, equal, async_op) -> None:
     m = np.full((W, W), per_peer) if equal else count_matrix(seed, W, 4, 0.3)
-    x = input_for(seed, R, m, (2,), torch.float32)
-    out = torch.full((int(m[:, R].sum()), 2), -1.0)
+    x = input_for(seed, R, m, (2,), torch.float32).to(DEV)
+    out = torch.full((int(m[:, R].sum()), 2), -1.0, device=DEV)
     in_splits = None if equal else [int(v) for v in m[R]]
     out_splits = None if equal else [int(v) for v in m[:, R]]
     work = COMM.all_to_all_single(out, x, out_splits, in_splits, async_op=async_op)
@@ -93,10 +94,10 @@ def check_all_to_all_single(seed, per_peer, equal, async_op) -> None:
 
 def check_all_to_all_lists() -> None:
     seed = 11
-    ins = [torch.full((R + 1, p + 1), float(R * 100 + p)) for p in range(W)]
-    outs = [torch.empty((p + 1, R + 1)) for p in range(W)]
+    ins = [torch.full((R + 1, p + 1), float(R * 100 + p), device=DEV) for p in range(W)]
+    outs = [torch.empty((p + 1, R + 1), device=DEV) for p in range(W)]
     COMM.all_to_all(outs, ins)
-    ok = all(torch.equal(outs[p], torch.full((p + 1, R + 1), float(p * 100 + R))) for p in range(W))
+    ok = all(torch.equal(outs[p].cpu(), torch.full((p + 1, R + 1), float(p * 100 + R))) for p in range(W))
     collective_assert(ok, f"all_to_all lists: {[o.tolist() for o in outs]}")
     del seed
 
@@ -108,7 +109,7 @@ def check_all_gather_v(seed, dtype, row_shape) -> None:
     sizes = rng.integers(0, 5, size=W)
     m = np.zeros((W, W), dtype=np.int64)
     m[:, :] = sizes[:, None]  # rank src "sends" its rows to everyone
-    x = input_for(seed, R, np.diag(sizes), row_shape, dtype)
+    x = input_for(seed, R, np.diag(sizes), row_shape, dtype).to(DEV)
     out, got = COMM.all_gather_v(x)
     expect = np.concatenate([expected_bytes(seed, src, np.diag(sizes), row_shape, dtype) for src in range(W)])
     collective_assert(got == sizes.tolist() and np.array_equal(as_bytes(out), expect), f"all_gather_v sizes={sizes}")
@@ -119,23 +120,25 @@ def check_allreduce_broadcast_barrier() -> None:
     table = rng.standard_normal((W, 7))
     for dtype, op, ref in [(torch.float64, "sum", table.sum(0)), (torch.float64, "max", table.max(0)),
                            (torch.float32, "min", table.min(0)), (torch.bfloat16, "sum", None)]:
-        t = torch.from_numpy(table[R].copy()).to(dtype)
+        t = torch.from_numpy(table[R].copy()).to(dtype).to(DEV)
         COMM.allreduce(t, op)
+        t = t.cpu()
         if ref is None:
             ref = sum(torch.from_numpy(table[r].copy()).to(dtype).float() for r in range(W)).numpy()
             ok = np.allclose(t.float().numpy(), ref, rtol=2e-2, atol=2e-2)
         else:
             ok = np.allclose(t.double().numpy(), ref, rtol=1e-6)
         collective_assert(ok, f"allreduce {dtype} {op}: {t} vs {ref}")
-    ints = torch.tensor([R, -R, 3], dtype=torch.int64)
+    ints = torch.tensor([R, -R, 3], dtype=torch.int64, device=DEV)
     import torch.distributed as dist
 
     COMM.allreduce(ints, dist.ReduceOp.SUM)
+    ints = ints.cpu()
     collective_assert(ints.tolist() == [W * (W - 1) // 2, -W * (W - 1) // 2, 3 * W], f"int allreduce {ints}")
     root = W - 1
-    b = torch.arange(5, dtype=torch.bfloat16) * (R + 1)
+    b = (torch.arange(5, dtype=torch.bfloat16) * (R + 1)).to(DEV)
     COMM.broadcast(b, src=root)
-    collective_assert(torch.equal(b, torch.arange(5, dtype=torch.bfloat16) * W), f"broadcast {b}")
+    collective_assert(torch.equal(b.cpu(), torch.arange(5, dtype=torch.bfloat16) * W), f"broadcast {b}")
     COMM.barrier()
 
 
@@ -151,7 +154,7 @@ def check_split() -> None:
     ok = sub.size == len(ranks) and sub.rank == ranks.index(R) and sub.num_nodes == 1
     seed = 99 + (colors[R] or 0)
     m = count_matrix(seed, sub.size, 3, 0.2)
-    x = input_for(seed, sub.rank, m, (4,), torch.int64)
+    x = input_for(seed, sub.rank, m, (4,), torch.int64).to(DEV)
     out, _ = sub.all_to_all_v(x, [int(v) for v in m[sub.rank]])
     ok = ok and np.array_equal(as_bytes(out), expected_bytes(seed, sub.rank, m, (4,), torch.int64))
     sub.close()
@@ -161,12 +164,12 @@ def check_split() -> None:
 def check_gradients() -> None:
     seed = 3
     m = count_matrix(seed, W, 4, 0.25)
-    x = torch.from_numpy(np.random.default_rng([seed, R]).standard_normal((int(m[R].sum()), 3))).requires_grad_()
+    x = torch.from_numpy(np.random.default_rng([seed, R]).standard_normal((int(m[R].sum()), 3))).to(DEV).requires_grad_()
     out, recv = F.all_to_all_v(x, [int(v) for v in m[R]], comm=COMM)
-    g = torch.from_numpy(np.random.default_rng([seed, R, 1]).standard_normal(tuple(out.shape)))
+    g = torch.from_numpy(np.random.default_rng([seed, R, 1]).standard_normal(tuple(out.shape))).to(DEV)
     out.backward(g)
     # Adjoint (dot-product) test: <A x, g> summed over ranks equals <x, A^T g>.
-    lhs = torch.tensor([float((out.detach() * g).sum()), float((x.detach() * x.grad).sum())], dtype=torch.float64)
+    lhs = torch.tensor([float((out.detach() * g).sum()), float((x.detach() * x.grad).sum())], dtype=torch.float64, device=DEV)
     COMM.allreduce(lhs)
     collective_assert(abs(lhs[0] - lhs[1]) <= 1e-9 * max(1.0, abs(float(lhs[0]))), f"adjoint test {lhs}")
     # The gradient of each input row is the gradient of the row it became (numpy reference).
@@ -182,44 +185,46 @@ def check_validate_mode() -> None:
     if R == 0:
         recv[W - 1] = 2  # rank 0 expects 2 rows from the last rank, which sends 1
     try:
-        strict.all_to_all_v(torch.zeros(W, 2), [1] * W, recv)
+        strict.all_to_all_v(torch.zeros(W, 2, device=DEV), [1] * W, recv)
         raised = ""
     except moecomm.CountMismatchError as exc:
         raised = str(exc)
     collective_assert(f"rank {W - 1} sends 1 rows to rank 0, which expects 2" in raised, f"validate: {raised!r}")
-    bad_dtype = torch.zeros(W, 2, dtype=torch.float64 if R == 0 else torch.float32)
+    bad_dtype = torch.zeros(W, 2, dtype=torch.float64 if R == 0 else torch.float32, device=DEV)
     try:
         strict.all_to_all_v(bad_dtype, [1] * W, [1] * W)
         raised = ""
     except moecomm.CountMismatchError as exc:
         raised = str(exc)
     collective_assert("different dtype" in raised, f"validate dtype: {raised!r}")
-    out, _ = strict.all_to_all_v(torch.full((W, 2), float(R)), [1] * W)
+    out, _ = strict.all_to_all_v(torch.full((W, 2), float(R), device=DEV), [1] * W)
     collective_assert(out[:, 0].tolist() == [float(r) for r in range(W)], "validate mode data")
     strict.close()
 
 
 def check_timeout() -> None:
-    if W == 1 or BACKEND == "torch":
+    if W == 1 or BACKEND == "torch" or under_torchrun():
         return
-    from mpi4py import MPI
-
     short = moecomm.init(backend=BACKEND, timeout=1.0, set_default=False)
     message = ""
     if R == 0:
         try:
-            short.all_to_all_v(torch.zeros(W, 1), [1] * W, [1] * W)
+            short.all_to_all_v(torch.zeros(W, 1, device=DEV), [1] * W, [1] * W)
+            short.barrier()  # on NCCL the exchange is stream-ordered: the host waits here
         except TimeoutError as exc:
             message = str(exc)
         try:
             short.barrier()
         except moecomm.CommunicatorClosedError:
             message += " | closed"
-    MPI.COMM_WORLD.Barrier()
-    if R != 0:  # now match rank 0's abandoned exchange so that nothing is left in flight
-        short.all_to_all_v(torch.zeros(W, 1), [1] * W, [1] * W)
-        short.close()
-    ok = R != 0 or ("all_to_all_v did not complete within 1 s" in message and message.endswith("| closed"))
+    world_barrier()
+    if R != 0:
+        if BACKEND == "mpi":  # match rank 0's abandoned exchange so that nothing stays in flight
+            short.all_to_all_v(torch.zeros(W, 1), [1] * W, [1] * W)
+            short.close()
+        else:
+            short.abort()
+    ok = R != 0 or ("did not complete within 1 s" in message and message.endswith("| closed"))
     collective_assert(ok, f"timeout message: {message!r}")
 
 
@@ -231,23 +236,24 @@ def check_torch_dropin() -> None:
 
     if not tdist.is_initialized():
         _init_gloo()
+    group = tdist.new_group(backend="nccl") if DEV.type == "cuda" else tdist.group.WORLD
     seed = 21
     m = count_matrix(seed, W, 5, 0.3)
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        x = input_for(seed, R, m, (3,), dtype)
+        x = input_for(seed, R, m, (3,), dtype).to(DEV)
         n_out = int(m[:, R].sum())
-        ref = torch.empty((n_out, 3), dtype=dtype)
+        ref = torch.empty((n_out, 3), dtype=dtype, device=DEV)
         ours = torch.empty_like(ref)
         ours_pg = torch.empty_like(ref)
-        tdist.all_to_all_single(ref, x, m[:, R].tolist(), m[R].tolist())
+        tdist.all_to_all_single(ref, x, m[:, R].tolist(), m[R].tolist(), group=group)
         mdist.all_to_all_single(ours, x, m[:, R].tolist(), m[R].tolist())
-        work = mdist.all_to_all_single(ours_pg, x, m[:, R].tolist(), m[R].tolist(), group=tdist.group.WORLD, async_op=True)
+        work = mdist.all_to_all_single(ours_pg, x, m[:, R].tolist(), m[R].tolist(), group=group, async_op=True)
         work.wait()
         collective_assert(torch.equal(ref, ours) and torch.equal(ref, ours_pg), f"drop-in all_to_all_single {dtype}")
-    ins = [torch.full((2, 3), float(R * 10 + p)) for p in range(W)]  # gloo needs equal shapes
-    ref = [torch.empty((2, 3)) for _ in range(W)]
-    ours = [torch.empty((2, 3)) for _ in range(W)]
-    tdist.all_to_all(ref, ins)
+    ins = [torch.full((2, 3), float(R * 10 + p), device=DEV) for p in range(W)]  # gloo needs equal shapes
+    ref = [torch.empty((2, 3), device=DEV) for _ in range(W)]
+    ours = [torch.empty((2, 3), device=DEV) for _ in range(W)]
+    tdist.all_to_all(ref, ins, group=group)
     mdist.all_to_all(ours, ins)
     collective_assert(all(torch.equal(a, b) for a, b in zip(ref, ours)), "drop-in all_to_all")
 

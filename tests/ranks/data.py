@@ -50,4 +50,4 @@ def expected_bytes(seed: int, rank: int, m: np.ndarray, row_shape: tuple, dtype:
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
