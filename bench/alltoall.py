@@ -203,7 +203,7 @@ class Bench:
 
         def ncclalltoall() -> torch.Tensor:
             out = torch.empty_like(x)
-            nccl_comm.alltoall(x, out, stream=stream.cuda_stream)
+            nccl_comm.alltoall(x.view(torch.uint8), out.view(torch.uint8), stream=stream.cuda_stream)
             return out
 
         return ncclalltoall
