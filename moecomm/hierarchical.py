@@ -54,6 +54,13 @@ Nodes of unequal size cannot use 2DH (there is no rail through every node): ``in
 hierarchy=True)`` raises ``ValueError`` naming the node sizes, the default skips the groups,
 and ``algorithm="2dh"`` then raises the same ``ValueError``; ``"auto"`` uses the flat exchange.
 
+Buffers
+-------
+The receive buffers of the intermediate phases come from the communicator's staging pool
+(``comm._pool``) and go back to it as soon as the layout copy that reads them has run (or
+been enqueued, on a GPU); the last phase receives straight into the returned tensor. The
+layout copies return new tensors (``moecomm_ext`` allocates its outputs).
+
 Asynchrony
 ----------
 On NCCL every phase is enqueued at once, stream ordered (the layout copies run on the

@@ -6,7 +6,6 @@ import json
 import struct
 import zlib
 
-import numpy as np
 import pytest
 
 from moecomm.profile import Fingerprint, Profile, ProfileEntry

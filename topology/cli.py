@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -205,7 +204,7 @@ def cmd_simulate(args) -> int:
     from moecomm.profile import load_profile
 
     from .measure import format_bytes, format_seconds
-    from .model import Link, Links, crossover, flat_time, hdh_time, links_from_profile, model_error
+    from .model import Link, Links, crossover, flat_time, hdh_time, links_from_profile
 
     prof = load_profile(args.profile) if args.profile else None
     concurrent = None if args.flat_links == "auto" else (args.flat_links == "concurrent")
