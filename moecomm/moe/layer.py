@@ -101,6 +101,7 @@ class MoELayer(nn.Module):
         algorithm: Optional[str] = None,
         inequivalent_tokens: bool = False,
         seed: Optional[int] = None,
+        expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
         result_func: Optional[Callable[[Tensor], Tensor]] = None,
         comm: Any = None,
@@ -197,7 +198,8 @@ class MoELayer(nn.Module):
                                       activation=activation, fc1_bias=_bool_arg("fc1_bias", fc1_bias),
                                       fc2_bias=_bool_arg("fc2_bias", fc2_bias), shards=S,
                                       shard_index=self.shard_index, first_expert=self.first_expert,
-                                      seed=seed + 1, dtype=dtype, device=device)
+                                      seed=seed + 1 if expert_seed is None else _int_arg("expert_seed", expert_seed, 0),
+                                      dtype=dtype, device=device)
         else:
             if S > 1:
                 raise ValueError(f"experts: user expert modules cannot be sharded over ranks; num_experts={E} must "
