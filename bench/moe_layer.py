@@ -1,0 +1,223 @@
+"""MoE layer benchmark: forward + backward step time, tokens/s, TFLOP/s and peak memory.
+
+Run one rank per GPU (or CPU ranks)::
+
+    mpirun -np 2 python -m bench.moe_layer                        # GPUs: NCCL, bf16, the target sizes
+    mpiexec -n 2 python -m bench.moe_layer --device cpu           # CPU: MPI, fp32, small sizes, quick
+
+GPU defaults: 8192 tokens per rank, model_dim 2048, expert hidden 2048, 16 experts,
+capacity factor 1.0, top-2 and top-3, bf16. One *step* is ``y = layer(x)`` and the backward
+of ``y`` and the auxiliary loss (``x`` requires grad, parameter grads are reset to None).
+``--steps`` steps run back to back between two synchronisations (the host runs ahead of the
+GPU, as in training); the slowest rank's time per step; median and 10th/90th percentiles
+over ``--iters`` samples.
+
+TFLOP/s counts the expert matmuls actually run per rank (``12 * rows * model_dim * hidden``
+for forward + backward, rows = the slots this rank's experts process, padding included);
+``useful`` counts only the routed tokens (``T * k`` rows per rank). Peak memory: ``torch.cuda.max_memory_allocated`` on GPUs, the
+process's peak resident set on CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+import moecomm
+from moecomm.moe import MoELayer
+
+__all__ = ["main", "build_parser"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _ints(text: str) -> list:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part:
+            out.append(part if part == "auto" else int(part))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.moe_layer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument("--backend", default=None, help="moecomm backend (default: nccl on GPUs, mpi on CPUs)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (GPU 8192, CPU 256)")
+    p.add_argument("--model-dim", type=int, default=None, help="GPU 2048, CPU 128")
+    p.add_argument("--hidden", type=int, default=None, help="expert hidden size (GPU 2048, CPU 256)")
+    p.add_argument("--experts", type=int, default=None, help="experts in total (GPU 16, CPU 2 per rank)")
+    p.add_argument("--top-k", type=_ints, default=None, help="comma list of k (GPU 2,3; CPU 2)")
+    p.add_argument("--capacity-factor", type=float, default=1.0, help="(1.0); 0 = just enough; < 0 bounded")
+    p.add_argument("--dropless", action="store_true", help="route exactly the tokens each expert gets")
+    p.add_argument("--overlap-degree", type=_ints, default=[1], help="comma list of degrees or 'auto' (1)")
+    p.add_argument("--algorithm", default=None, help="all_to_all_v algorithm: flat, 2dh, auto (default: core's)")
+    p.add_argument("--parallel-mode", default="expert", choices=("expert", "data", "auto"))
+    p.add_argument("--gate", default="linear", choices=("linear", "cosine"))
+    p.add_argument("--activation", default="gelu")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="GPU bfloat16, CPU float32")
+    p.add_argument("--autocast", action="store_true", help="fp32 parameters under torch.autocast(dtype)")
+    p.add_argument("-n", "--iters", type=int, default=None, help="timed samples (GPU 20, CPU 5)")
+    p.add_argument("--steps", type=int, default=None, help="steps per sample (GPU 10, CPU 2)")
+    p.add_argument("-w", "--warmup", type=int, default=None, help="untimed steps first (GPU 5, CPU 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
+    return p
+
+
+def _defaults(a: argparse.Namespace, cuda: bool, world: int) -> None:
+    for name, gpu, cpu in (("tokens", 8192, 256), ("model_dim", 2048, 128), ("hidden", 2048, 256),
+                           ("experts", 16, 2 * world), ("top_k", [2, 3], [2]), ("dtype", "bfloat16", "float32"),
+                           ("iters", 20, 5), ("steps", 10, 2), ("warmup", 5, 2)):
+        if getattr(a, name) is None:
+            setattr(a, name, gpu if cuda else cpu)
+
+
+class Bench:
+    def __init__(self, args, comm):
+        self.args, self.comm = args, comm
+        dt = _DTYPES[args.dtype]
+        pdtype = torch.float32 if args.autocast else dt
+        dev = comm.device
+        self.layer = MoELayer(args.model_dim, args.hidden, args.experts, k=max(k for k in args.top_k),
+                              capacity_factor=args.capacity_factor, dropless=args.dropless, gate=args.gate,
+                              activation=args.activation, parallel_mode=args.parallel_mode,
+                              algorithm=args.algorithm, seed=args.seed, comm=comm, dtype=pdtype, device=dev)
+        g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + comm.rank)
+        self.x = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt).requires_grad_(True)
+        self.gy = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt)
+        self.dtype = dt
+        self.params = [p for p in self.layer.parameters()] + [self.x]
+
+    def step(self, **kw) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.args.autocast:
+            with torch.autocast(self.comm.device.type, dtype=self.dtype):
+                y = self.layer(self.x, **kw)
+        else:
+            y = self.layer(self.x, **kw)
+        torch.autograd.backward([y, self.layer.aux_loss], [self.gy.to(y.dtype), torch.ones_like(self.layer.aux_loss)])
+
+    def sync(self) -> None:
+        if self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)
+
+    def slowest(self, values: list) -> np.ndarray:
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm.device)
+        if self.comm.size > 1:
+            self.comm.allreduce(t, "max")
+        return t.cpu().numpy()
+
+    def time(self, **kw) -> dict:
+        a = self.args
+        for _ in range(a.warmup):
+            self.step(**kw)
+        self.sync()
+        if self.comm.size > 1:
+            self.comm.barrier()
+        samples = []
+        for _ in range(a.iters):
+            self.sync()
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                self.step(**kw)
+            self.sync()
+            samples.append((time.perf_counter() - t0) / a.steps)
+        s = self.slowest(samples)
+        return {"median_ms": float(np.median(s)) * 1e3, "p10_ms": float(np.percentile(s, 10)) * 1e3,
+                "p90_ms": float(np.percentile(s, 90)) * 1e3}
+
+
+def _peak_bytes(comm) -> int:
+    if comm.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(comm.device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def main(argv: Optional[list] = None) -> list:
+    args = build_parser().parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    backend = args.backend or ("auto" if cuda else "mpi")
+    if not cuda:
+        torch.set_num_threads(1)
+    comm = moecomm.init(backend=backend, timeout=args.timeout)
+    _defaults(args, cuda, comm.size)
+    if cuda:
+        torch.cuda.set_device(comm.device)
+    b = Bench(args, comm)
+    L = b.layer
+    rank0 = comm.rank == 0
+    results = []
+    for k in args.top_k:
+        for deg in args.overlap_degree:
+            kw = dict(k=k, overlap_degree=deg)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(comm.device)
+            if rank0:
+                sys.stderr.write(f"k={k} overlap_degree={deg} ...\n")
+            t = b.time(**kw)
+            r = L.last_routing
+            if r.capacity is not None:
+                # slots this rank's experts process: El experts x C from each of W sources (= E * C), or
+                # for an expert sharded over S ranks, C from each of the W sources
+                rows = args.experts * r.capacity if L.shards == 1 else comm.size * r.capacity
+            else:
+                rows = args.tokens * k * L.shards  # what an average rank processes
+            hidden_local = args.hidden // L.shards
+            flops = 12.0 * rows * args.model_dim * hidden_local
+            useful = 12.0 * args.tokens * k * args.model_dim * args.hidden
+            sec = t["median_ms"] / 1e3
+            peak = int(b.slowest([float(_peak_bytes(comm))])[0])
+            results.append({"k": k, "overlap_degree": deg, "capacity": r.capacity, **t,
+                            "tokens_per_s": args.tokens * comm.size / sec,
+                            "tflops_per_rank": flops / sec / 1e12, "useful_tflops_per_rank": useful / sec / 1e12,
+                            "peak_mem_gib": peak / 2 ** 30, "mode": L.last_parallel_mode})
+    if rank0:
+        name = torch.cuda.get_device_name(comm.device) if cuda else "cpu"
+        head = (f"# moecomm.moe layer: {comm.size} ranks, backend {comm.backend}, {name}, {args.dtype}"
+                f"{' (autocast)' if args.autocast else ''}, {args.tokens} tokens/rank, model_dim {args.model_dim}, "
+                f"hidden {args.hidden}, {args.experts} experts, "
+                f"{'dropless' if args.dropless else f'capacity_factor {args.capacity_factor}'}, "
+                f"gate {args.gate}, {args.parallel_mode}-parallel, torch {torch.__version__}")
+        lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
+                       f"slowest rank; peak memory: {'max_memory_allocated' if cuda else 'max RSS'}",
+                 f"{'k':>2} {'deg':>4} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
+                 f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9}"]
+        for r in results:
+            lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
+                         f"{r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} {r['tokens_per_s']:>11.4g} "
+                         f"{r['tflops_per_rank']:>8.2f} {r['useful_tflops_per_rank']:>7.2f} {r['peak_mem_gib']:>9.3f}")
+        print("\n".join(lines), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"header": lines[:2], "results": results, "args": vars(args)}, fh, indent=1)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            for _ in range(3):
+                b.step(k=args.top_k[0], overlap_degree=args.overlap_degree[0])
+            b.sync()
+        if rank0:
+            prof.export_chrome_trace(args.profile)
+            print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                            row_limit=30), flush=True)
+    comm.close()
+    return results
+
+
+if __name__ == "__main__":
+    main()
