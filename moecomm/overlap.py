@@ -118,14 +118,17 @@ Fn = Callable[[torch.Tensor, "Chunk"], torch.Tensor]
 
 
 def _profile_of(comm: Any) -> Any:
+    """The communicator's topology profile (:mod:`moecomm.profile`), if it was given one."""
     prof = getattr(comm, "profile", None)
+    if prof is None:
+        prof = getattr(getattr(comm, "_hier", None), "profile", None)  # set by moecomm.init(profile=...)
     return prof if prof is not None and hasattr(prof, "entry_for") and hasattr(prof, "entries") else None
 
 
 def auto_stages(comm: Any) -> int:
     """How many stages ``degree="auto"`` may use on ``comm`` (the same on every rank).
 
-    From the communicator's topology profile (``comm.profile``) when it has one with
+    From the communicator's topology profile (``moecomm.init(profile=...)``) when it has one with
     measured degrees (their maximum), else from :data:`AUTO_RULES`; 1 on a single rank.
     """
     if comm.size == 1:

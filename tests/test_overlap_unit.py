@@ -1,0 +1,93 @@
+"""moecomm.overlap's host-side pieces, in process (no MPI): chunk plans, Chunk helpers, auto degree."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moecomm import overlap as ov
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=6), stages=st.integers(1, 16),
+       data=st.data())
+def test_plan_pieces_cover_each_block_in_order(counts, stages, data):
+    pieces = data.draw(st.lists(st.integers(1, stages), min_size=len(counts), max_size=len(counts)))
+    b = ov._bounds(np.array(counts), np.array(pieces), stages)
+    assert b.shape == (stages + 1, len(counts))
+    assert (b[0] == 0).all() and (b[-1] == np.array(counts)).all()
+    sizes = np.diff(b, axis=0)
+    assert (sizes >= 0).all()
+    for p, (n, k) in enumerate(zip(counts, pieces)):
+        used = sizes[:k, p]
+        assert used.max() - used.min() <= 1  # balanced pieces
+        assert (sizes[k:, p] == 0).all()  # nothing after the pair's last piece
+    plan = ov._Plan(counts, counts, pieces, pieces, stages, torch.device("cpu"))
+    x = torch.arange(sum(counts) * 2).reshape(-1, 2)
+    parts = [plan.pack(x, c) for c in range(stages)]
+    assert sum(p.shape[0] for p in parts) == x.shape[0]
+    assert torch.equal(plan.unpack(parts, (2,), x.dtype), x)
+    # stage c's rows are grouped by destination, each a contiguous sub-block of that block
+    offsets = np.cumsum(counts) - np.array(counts)
+    for c, part in enumerate(parts):
+        expect = np.concatenate([np.arange(offsets[p] + b[c, p], offsets[p] + b[c + 1, p]) for p in range(len(counts))])
+        assert part[:, 0].div(2, rounding_mode="floor").tolist() == expect.tolist()
+
+
+def test_chunk_helpers():
+    recv = [3, 0, 4]
+    counts = [[1, 2], [0, 0], [3, 1]]  # [source][group]
+    ch = ov.Chunk(1, 2, [2, 0, 2], [1, 0, 2], recv, torch.device("cpu"))
+    assert ch.rows == 4
+    assert ch.source_ranks().tolist() == [0, 0, 2, 2]
+    assert ch.positions().tolist() == [1, 2, 5, 6]
+    full = torch.arange(7) * 10
+    assert ch.take(full).tolist() == [10, 20, 50, 60]
+    assert ch.group_splits(counts) == [[0, 2], [0, 0], [1, 1]]
+    order, sizes = ch.group_order(counts)
+    assert sizes == [1, 3]
+    assert order.tolist() == [2, 0, 1, 3]  # group 0: source 2's row; group 1: source 0's two, source 2's
+    go = ch.group_order(torch.tensor(counts))
+    assert torch.equal(go.inverse[go.order], torch.arange(4))
+    with pytest.raises(ValueError):
+        ch.group_splits([[1, 1], [0, 0], [3, 1]])  # does not sum to recv_splits
+    whole = ov.Chunk.full(recv)
+    assert whole.take(full) is full and whole.source_ranks().tolist() == [0, 0, 0, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("bad", [0, 17, -1, 2.0, "max", True, None])
+def test_degree_validation(bad):
+    with pytest.raises(ValueError):
+        ov._check_degree(bad)
+
+
+def test_auto_degree_rule():
+    mib = 1 << 20
+    nccl = SimpleNamespace(size=8, backend="nccl")
+    stages, min_piece = ov.AUTO_RULES["nccl"]
+    assert ov.auto_stages(nccl) == stages
+    assert ov.auto_pieces(nccl, [0, 1, 100], 1024) == [1, 1, 1]  # small pairs are not cut
+    rows_big = (stages * min_piece * 4) // 1024
+    assert ov.auto_pieces(nccl, [rows_big], 1024) == [stages]
+    assert ov.auto_pieces(nccl, [(2 * min_piece) // 1024], 1024) == [min(2, stages)]
+    assert ov.auto_stages(SimpleNamespace(size=1, backend="nccl")) == 1
+    assert ov.auto_pieces(SimpleNamespace(size=1, backend="mpi"), [10**9], 4) == [1]
+
+    # a profile's measured degrees win: the entry nearest to rows * row_bytes * size
+    entries = [SimpleNamespace(bytes_per_rank=mib, degree=1), SimpleNamespace(bytes_per_rank=64 * mib, degree=3)]
+
+    class Prof:
+        def __init__(self):
+            self.entries = entries
+
+        def entry_for(self, nbytes):
+            return min(self.entries, key=lambda e: abs(np.log2(e.bytes_per_rank) - np.log2(max(nbytes, 1))))
+
+    with_prof = SimpleNamespace(size=4, backend="nccl", _hier=SimpleNamespace(profile=Prof()))
+    assert ov.auto_stages(with_prof) == 3
+    assert ov.auto_pieces(with_prof, [(16 * mib) // 1024, 100], 1024) == [3, 1]
