@@ -85,8 +85,9 @@ class Segments:
         if self.counts_dev is not None:
             ids = torch.arange(self.num_local, device=device).repeat(self.counts_dev.shape[0])
             return torch.repeat_interleave(ids, self.counts_dev.reshape(-1), output_size=self.rows)
-        flat = [e for block in self.counts for e in range(self.num_local) for _ in range(block[e])]
-        return torch.tensor(flat, dtype=torch.int64, device=device)
+        flat = torch.tensor([e for block in self.counts for e in range(self.num_local) for _ in range(block[e])],
+                            dtype=torch.int64)
+        return flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat
 
 
 # -- grouped GEMM over segments -------------------------------------------------------------

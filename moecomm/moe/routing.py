@@ -136,26 +136,29 @@ def _slots(idx: Tensor, q: Tensor, chunk: Tensor, keep: Optional[Tensor], n: Ten
     return SlotMap(token_slots, slot_route, slot_token, num_slots, n)
 
 
-def capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, degree: int) -> SlotMap:
+def capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, degree: int = 1) -> SlotMap:
     """Padded layout: every expert gets exactly ``capacity`` slots (split into ``degree``
     chunks along the capacity); routes at or past the capacity are dropped."""
     dev = r.topk_idx.device
-    sizes = chunk_sizes(capacity, degree)
-    starts = [sum(sizes[:c]) for c in range(degree)]
     loc = r.locations
     keep = loc < capacity
     r.kept = keep
-    if capacity > 0:
-        chunk_of = torch.repeat_interleave(torch.arange(degree, device=dev),
-                                           torch.tensor(sizes, device=dev), output_size=capacity)
-        start_of = torch.tensor(starts, dtype=torch.int64, device=dev)
-        safe = torch.where(keep, loc, torch.zeros_like(loc))
-        chunk = chunk_of.index_select(0, safe.reshape(-1)).view_as(loc)
-        q = safe - start_of.index_select(0, chunk.reshape(-1)).view_as(loc)
-    else:
+    if degree == 1 or capacity == 0:
         chunk = torch.zeros_like(loc)
-        q = torch.zeros_like(loc)
-    n = torch.tensor(sizes, dtype=torch.int64, device=dev).view(degree, 1).expand(degree, num_experts).contiguous()
+        q = torch.where(keep, loc, torch.zeros_like(loc))
+        n = torch.full((1, num_experts), capacity, dtype=torch.int64, device=dev)
+        if degree > 1:
+            n = n.expand(degree, num_experts).contiguous()
+    else:  # chunk c holds positions [start_c, start_c + size_c); the first `extra` chunks are one longer
+        base, extra = divmod(capacity, degree)
+        safe = torch.where(keep, loc, torch.zeros_like(loc))
+        big = extra * (base + 1)
+        in_big = safe < big
+        chunk = torch.where(in_big, torch.div(safe, base + 1, rounding_mode="floor"),
+                            extra + torch.div(safe - big, max(base, 1), rounding_mode="floor"))
+        q = torch.where(in_big, safe - chunk * (base + 1), safe - big - (chunk - extra) * base)
+        c_idx = torch.arange(degree, device=dev).view(degree, 1)
+        n = (base + (c_idx < extra).to(torch.int64)).expand(degree, num_experts).contiguous()
     return _slots(r.topk_idx, q, chunk, keep, n, shards, num_experts * shards * capacity)
 
 

@@ -23,6 +23,9 @@ from tests.ranks.moe_reference import RefParams, random_params, reference
 
 WORLD = MPI.COMM_WORLD
 D, H = 8, 12
+DEV = torch.device("cpu")  # "cuda" as the 2nd argument: NCCL ranks on GPUs, float32 layers
+DT = torch.float64
+TOL = 1e-9
 
 
 @dataclass
@@ -44,7 +47,7 @@ class Case:
 
 def _comm():
     if not hasattr(_comm, "c"):
-        _comm.c = moecomm.init(backend="mpi")
+        _comm.c = moecomm.init(backend="mpi" if DEV.type == "cpu" else "auto")
     return _comm.c
 
 
@@ -67,18 +70,18 @@ class BatchedFFN(torch.nn.Module):
 
     def __init__(self, El: int):
         super().__init__()
-        self.w1 = torch.nn.Parameter(torch.zeros(El, D, H, dtype=torch.float64))
-        self.b1 = torch.nn.Parameter(torch.zeros(El, 1, H, dtype=torch.float64))
-        self.w2 = torch.nn.Parameter(torch.zeros(El, H, D, dtype=torch.float64))
-        self.b2 = torch.nn.Parameter(torch.zeros(El, 1, D, dtype=torch.float64))
+        self.w1 = torch.nn.Parameter(torch.zeros(El, D, H, dtype=DT, device=DEV))
+        self.b1 = torch.nn.Parameter(torch.zeros(El, 1, H, dtype=DT, device=DEV))
+        self.w2 = torch.nn.Parameter(torch.zeros(El, H, D, dtype=DT, device=DEV))
+        self.b2 = torch.nn.Parameter(torch.zeros(El, 1, D, dtype=DT, device=DEV))
 
     def forward(self, x):
         return torch.bmm(F.relu(torch.bmm(x, self.w1) + self.b1), self.w2) + self.b2
 
 
 def factory(e: int) -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(D, H, dtype=torch.float64), torch.nn.ReLU(),
-                               torch.nn.Linear(H, D, dtype=torch.float64))
+    return torch.nn.Sequential(torch.nn.Linear(D, H, dtype=DT, device=DEV), torch.nn.ReLU(),
+                               torch.nn.Linear(H, D, dtype=DT, device=DEV))
 
 
 def load_params(layer: MoELayer, p: RefParams, case: Case) -> None:
@@ -143,7 +146,7 @@ def close(name: str, got, want, tol: float, errs: list) -> None:
         if not (got is None and want is None):
             errs.append(f"{name}: one of got/want is None ({got is None}, {want is None})")
         return
-    got = got.detach().double()
+    got = got.detach().cpu().double()
     want = want.detach().double()
     if got.shape != want.shape:
         errs.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
@@ -167,7 +170,7 @@ def run_case(case: Case, seed: int = 0) -> list:
                       bias1=case.layer_kw.get("fc1_bias", True), bias2=case.layer_kw.get("fc2_bias", True),
                       act={"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[act] if isinstance(act, str) else act)
     kw = dict(k=case.k, capacity_factor=case.cf, gate=case.gate, dropless=case.dropless, fp32_gate=False,
-              dtype=torch.float64, seed=3, proj_dim=8, gate_noise=case.noise, comm=comm)
+              dtype=DT, seed=3, proj_dim=8, gate_noise=case.noise, comm=comm)
     kw.update(case.layer_kw)
     if case.experts == "batched":
         kw["experts"] = BatchedFFN(case.E // W)
@@ -194,8 +197,9 @@ def run_case(case: Case, seed: int = 0) -> list:
                 noise.append(torch.randn(T, case.E, dtype=torch.float64))
             torch.manual_seed(1234 + 17 * call + rank)
             ref_kw["noise"] = noise
-        x = xs[rank].clone().requires_grad_(True)
-        gy = torch.randn(counts[rank], D, generator=torch.Generator().manual_seed(99 + rank), dtype=torch.float64)
+        x = xs[rank].detach().clone().to(DEV, DT).requires_grad_(True)
+        gy = torch.randn(counts[rank], D, generator=torch.Generator().manual_seed(99 + rank),
+                         dtype=torch.float64).to(DEV, DT)
         layer.zero_grad(set_to_none=True)
         y = layer(x, **case.call_kw)
         loss = (y * gy).sum() + 0.5 * layer.aux_loss
@@ -203,13 +207,13 @@ def run_case(case: Case, seed: int = 0) -> list:
 
         for t in p.leaves():
             t.grad = None
-        xr = [xi.clone().requires_grad_(True) for xi in xs]
+        xr = [xi.detach().clone().requires_grad_(True) for xi in xs]
         refs = reference(p, xr, **ref_kw)
         total = sum((refs[r].y * torch.randn(counts[r], D, generator=torch.Generator().manual_seed(99 + r),
                                              dtype=torch.float64)).sum() + 0.5 * refs[r].aux for r in range(W))
         total.backward()
         me = refs[rank]
-        tol = 1e-9
+        tol = TOL
         close(f"{case.name}: y", y, me.y, tol, errs)
         close(f"{case.name}: aux_loss", layer.aux_loss, me.aux, tol, errs)
         if me.balance is not None:
@@ -217,9 +221,9 @@ def run_case(case: Case, seed: int = 0) -> list:
         close(f"{case.name}: z_loss", layer.z_loss, me.z, tol, errs)
         close(f"{case.name}: x.grad", x.grad, xr[rank].grad, tol, errs)
         lr = layer.last_routing
-        if lr.topk_idx.tolist() != me.topk:
+        if lr.topk_idx.cpu().tolist() != me.topk:
             errs.append(f"{case.name}: top-k choices differ")
-        if lr.kept.tolist() != me.kept:
+        if lr.kept.cpu().tolist() != me.kept:
             errs.append(f"{case.name}: kept routes differ: got {lr.kept.int().tolist()} want "
                         f"{[[int(b) for b in row] for row in me.kept]}")
         if lr.capacity != me.capacity:
@@ -238,7 +242,7 @@ def run_case(case: Case, seed: int = 0) -> list:
             close(f"{case.name}: expert grad {name}", g, want[name], tol, errs)
         # gate gradients: summed over ranks (what data-parallel training all-reduces)
         for name, g in gate_grads(layer, p).items():
-            summed = torch.from_numpy(WORLD.allreduce(g.detach().numpy(), op=MPI.SUM))
+            summed = torch.from_numpy(WORLD.allreduce(g.detach().cpu().double().numpy(), op=MPI.SUM))
             close(f"{case.name}: gate grad {name} (sum over ranks)", summed, p.gate[name].grad, tol, errs)
         if errs:
             break
@@ -246,6 +250,9 @@ def run_case(case: Case, seed: int = 0) -> list:
 
 
 def check(cases: list):
+    if DEV.type == "cuda":  # the layer draws its gate noise on the GPU: not reproducible on the CPU
+        cases = [c for c in cases if c.noise == 0]
+
     def run():
         failures = []
         for case in cases:
@@ -370,8 +377,52 @@ def check_autocast_bf16():
     collective_assert(not errs, "; ".join(errs))
 
 
+def check_gpu_bf16():
+    """bf16 parameters on GPUs: the bmm (capacity), grouped-GEMM (dropless) and chunked
+    (overlap) expert paths against the fp64 reference of the same bf16-rounded weights."""
+    comm = _comm()
+    W, rank = comm.size, comm.rank
+    E = 4 * W
+    errs = []
+    counts = [64] * W
+    xs = [x.bfloat16().double() for x in make_inputs(8, counts)]
+    p = random_params(41, "linear", D, H, E)
+    with torch.no_grad():
+        for t in p.leaves():
+            t.copy_(t.bfloat16().double())
+    for name, kw, ref_kw in (("capacity", dict(capacity_factor=1.0), dict(capacity_factor=1.0)),
+                             ("dropless", dict(dropless=True), dict(capacity_factor=1.0, dropless=True)),
+                             ("overlap 2", dict(capacity_factor=1.0, overlap_degree=2), dict(capacity_factor=1.0)),
+                             ("dropless overlap 2", dict(dropless=True, overlap_degree=2),
+                              dict(capacity_factor=1.0, dropless=True))):
+        layer = MoELayer(D, H, E, k=2, comm=comm, seed=1, dtype=torch.bfloat16, device=DEV, **kw)
+        load_params(layer, p, Case("bf16", E))
+        layer.eval()
+        for t in p.leaves():
+            t.grad = None
+        x = xs[rank].to(DEV, torch.bfloat16).requires_grad_(True)
+        y = layer(x)
+        y.float().square().sum().backward()
+        xr = [xi.detach().clone().requires_grad_(True) for xi in xs]
+        refs = reference(p, xr, k=2, **ref_kw)
+        sum(r.y.square().sum() for r in refs).backward()
+        if layer.last_routing.topk_idx.cpu().tolist() != refs[rank].topk:
+            errs.append(f"bf16 {name}: routing differs")
+            continue
+        close(f"bf16 {name}: y", y, refs[rank].y, 3e-2, errs)
+        close(f"bf16 {name}: x.grad", x.grad, xr[rank].grad, 5e-2, errs)
+        e0 = layer.first_expert
+        close(f"bf16 {name}: w1.grad", layer.experts.fc1_weight.grad, p.w1.grad[e0:e0 + 4], 5e-2, errs)
+    collective_assert(not errs, "; ".join(errs))
+
+
 def main() -> None:
+    global DEV, DT, TOL
     group = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if len(sys.argv) > 2 and sys.argv[2] == "cuda":
+        DEV = torch.device("cuda", WORLD.rank % torch.cuda.device_count())
+        torch.cuda.set_device(DEV)
+        DT, TOL = torch.float32, 2e-4
     W = WORLD.size
     checks = []
     if group in ("routing", "all"):
@@ -379,7 +430,10 @@ def main() -> None:
     if group in ("features", "all"):
         checks.append(check(cases_for(W, "features")))
         checks.append(check_bad_configs)
-        checks.append(check_autocast_bf16)
+        if DEV.type == "cpu":
+            checks.append(check_autocast_bf16)
+        else:
+            checks.append(check_gpu_bf16)
     rank_main(checks)
 
 
