@@ -29,7 +29,8 @@ STEPS="$*"
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv; nvidia-smi topo -m;
   python3 -c "import torch, nccl.core as n; print('torch', torch.__version__, 'nccl4py', n.__version__)"; } >> "$LOG" 2>&1
 
-want core && step core_mpirun 170 "${MPI[@]}" python3 -m tests.ranks.core_collectives nccl
+want core && step core_mpirun 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives nccl -check_timeout
+want core && step core_timeout 60 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 -x NCCL_DEBUG=WARN python3 -m tests.ranks.core_collectives nccl check_timeout
 want core && step core_torchrun 120 torchrun --standalone --nproc-per-node 2 -m tests.ranks.core_collectives nccl
 want a2a && step alltoall_uniform 150 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
   -b 256K -e 512M -f 2 -p uniform --compare -n 30 --no-progress --json "$OUT/alltoall_uniform.json"

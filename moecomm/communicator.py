@@ -98,6 +98,7 @@ class Communicator:
         self._pool = pool
         self._closed: Optional[str] = None
         self._abandoned: list[Request] = []
+        self._counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
 
     # -- identity ---------------------------------------------------------------------------
@@ -481,10 +482,20 @@ class Communicator:
         dev = torch.device("cpu") if host else self.device
         self._pool.give(buf, dev, id(self._backend), pinned=host and self.device.type == "cuda")
 
+    def _count_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This communicator's own staging for counts: ``[2 * size]`` int64 on the device and
+        (pinned) on the host. Count exchanges block the host until done, so one pair serves all."""
+        if self._counts is None:
+            w = self.size
+            dev = torch.empty(2 * w, dtype=torch.int64, device=self.device)
+            host = dev if self.device.type == "cpu" else torch.empty(2 * w, dtype=torch.int64, pin_memory=True)
+            self._counts = (dev, host)
+        return self._counts
+
     def _exchange_counts(self, send_splits: Union[torch.Tensor, list[int]], name: str) -> tuple[list[int], list[int]]:
         """One all-to-all of row counts; returns (send, recv) as host lists."""
         w = self.size
-        dev = self._staging(2 * w, torch.int64, host=False)
+        dev, host = self._count_buffers()
         if isinstance(send_splits, torch.Tensor):
             if send_splits.dtype.is_floating_point or send_splits.dtype == torch.bool or send_splits.dtype.is_complex:
                 raise TypeError(f"{name} must be an integer tensor, got dtype {send_splits.dtype}")
@@ -493,21 +504,18 @@ class Communicator:
             dev[:w].copy_(send_splits, non_blocking=True)
         else:
             dev[:w].copy_(torch.tensor(send_splits, dtype=torch.int64), non_blocking=False)
-        if w == 1:
-            dev[w:].copy_(dev[:w])
-            request: Request = DoneRequest()
+        op = "all_to_all_v (count exchange)"
+        if self._backend.stream_ordered:
+            # One stream-ordered request: the exchange and the copy to pinned host memory.
+            self._wait_host(self._backend.exchange_counts(dev, host), op, None)
         else:
-            request = self._backend.alltoall(dev[:w], dev[w:])
-        if self.device.type == "cuda":
-            host = self._staging(2 * w, torch.int64, host=True)
-            request = self._backend.copy_to_host(dev, host)
-        else:
-            host = dev
-        self._wait_host(request, "all_to_all_v (count exchange)", None)
+            if w == 1:
+                dev[w:].copy_(dev[:w])
+            else:
+                self._wait_host(self._backend.alltoall(dev[:w], dev[w:]), op, None)
+            if host is not dev:
+                host.copy_(dev)
         values = host.tolist()
-        if host is not dev:
-            self._unstage(host, host=True)
-        self._unstage(dev, host=False)
         return values[:w], values[w:]
 
     def _gather_ints(self, values: list[int], op: str) -> list[list[int]]:

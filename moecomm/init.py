@@ -133,8 +133,7 @@ def _cuda_device(device: Union[None, int, str, torch.device], local_rank: int) -
 
 
 def _local_rank(rank: int, hosts: list[str], local_size: Optional[int]) -> int:
-    if local_size is not None:
-        return rank % local_size
+    """The rank's index on its real host (a simulated ``local_size`` must not pick the GPU)."""
     return Layout.from_hosts(rank, hosts).local_rank
 
 

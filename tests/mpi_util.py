@@ -84,6 +84,8 @@ def rank_main(checks: Sequence) -> None:
 
     rank = world_rank()
     for check in checks:
+        if rank == 0 and os.environ.get("MOECOMM_TEST_VERBOSE"):
+            print(f"[rank 0] {check.__name__} ...", flush=True)
         try:
             check()
         except BaseException:  # noqa: BLE001 - report and stop every rank

@@ -71,6 +71,11 @@ class Backend(abc.ABC):
         dst.copy_(src)
         return DoneRequest()
 
+    def exchange_counts(self, counts: torch.Tensor, host: torch.Tensor) -> Request:
+        """Stream-ordered backends only: all-to-all ``counts[:size]`` into ``counts[size:]`` (one
+        int64 per peer), then copy all of ``counts`` into the pinned host tensor ``host``."""
+        raise NotImplementedError(f"the {self.name} backend is not stream-ordered")
+
     @abc.abstractmethod
     def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> Request:
         """``recv`` holds ``size`` copies of ``send``'s shape, in rank order."""

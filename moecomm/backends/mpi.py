@@ -7,7 +7,7 @@ and every torch dtype (bfloat16, float8, bool) moves bit for bit.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch

@@ -105,7 +105,7 @@ class NcclBackend(Backend):
         self.device = device
         self.timeout_s = timeout_s
         self.stream = torch.cuda.Stream(device, priority=-1)
-        self.copy_stream = torch.cuda.Stream(device, priority=-1)
+        self._ready = torch.cuda.Event()  # re-recorded by every operation: the caller's stream point
         self._watchdog = _Watchdog(self)
         self._aborted = False
 
@@ -131,7 +131,8 @@ class NcclBackend(Backend):
 
     def _begin(self, *tensors: torch.Tensor) -> int:
         self.check_health()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._ready.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self._ready)
         for t in tensors:
             t.record_stream(self.stream)
         return self.stream.cuda_stream
@@ -146,38 +147,22 @@ class NcclBackend(Backend):
 
     def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes) -> Request:
         h = self._begin(send, recv)
-        raw, comm, me = self._raw, self._handle, self.rank
+        raw, comm = self._raw, self._handle
         sp, rp = send.data_ptr(), recv.data_ptr()
         so = ro = 0
-        self_copy = None
         raw.group_start()
         try:
-            for peer in range(self.size):
+            for peer in range(self.size):  # the rank's own block too: NCCL copies it in the same kernel
                 sc = send_counts[peer] * row_bytes
                 rc = recv_counts[peer] * row_bytes
-                if peer == me:
-                    self_copy = (so, ro, sc)
-                else:
-                    if sc:
-                        raw.send(sp + so, sc, _UINT8, peer, comm, h)
-                    if rc:
-                        raw.recv(rp + ro, rc, _UINT8, peer, comm, h)
+                if sc:
+                    raw.send(sp + so, sc, _UINT8, peer, comm, h)
+                if rc:
+                    raw.recv(rp + ro, rc, _UINT8, peer, comm, h)
                 so += sc
                 ro += rc
         finally:
             raw.group_end()
-        if self_copy is not None and self_copy[2]:
-            # The rank's own block moves by a device copy on a second stream, beside NCCL.
-            s_off, r_off, n = self_copy
-            cs = self.copy_stream
-            cs.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(cs):
-                recv.reshape(-1).view(torch.uint8)[r_off:r_off + n].copy_(
-                    send.reshape(-1).view(torch.uint8)[s_off:s_off + n], non_blocking=True
-                )
-            send.record_stream(cs)
-            recv.record_stream(cs)
-            self.stream.wait_stream(cs)
         return self._end("all_to_all_v")
 
     def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
@@ -206,10 +191,19 @@ class NcclBackend(Backend):
         return self._end("all_gather_v")
 
     def copy_to_host(self, src, dst) -> Request:
-        dst.record_stream(self.stream) if dst.is_cuda else None
+        self._begin(src)
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
-        return self._end("copy of counts to the host")
+        return self._end("copy to the host")
+
+    def exchange_counts(self, counts, host) -> Request:
+        h = self._begin(counts)
+        w = self.size
+        p = counts.data_ptr()
+        self._raw.allto_all(p, p + 8 * w, 8, _UINT8, self._handle, h)
+        with torch.cuda.stream(self.stream):
+            host.copy_(counts, non_blocking=True)
+        return self._end("all_to_all_v (count exchange)")
 
     def alltoall(self, send, recv) -> Request:
         h = self._begin(send, recv)

@@ -15,6 +15,7 @@ from tests.mpi_util import collective_assert, rank_main, under_torchrun, world_b
 from tests.ranks.data import DTYPES, ROW_SHAPES, as_bytes, count_matrix, expected_bytes, input_for
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "mpi"
+ONLY = sys.argv[2] if len(sys.argv) > 2 else None  # run one check (by name), or "-name" to skip one
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=25,
                     suppress_health_check=list(HealthCheck))
 
@@ -259,6 +260,11 @@ def check_torch_dropin() -> None:
 
 
 if __name__ == "__main__":
-    rank_main([check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
+    ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
-               check_torch_dropin])
+               check_torch_dropin]
+    if ONLY and ONLY.startswith("-"):
+        ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
+    elif ONLY:
+        ALL = [c for c in ALL if c.__name__ == ONLY]
+    rank_main(ALL)
