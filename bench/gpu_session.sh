@@ -36,11 +36,14 @@ want a2a && step alltoall_uniform 150 "${MPI[@]}" python3 -m bench.alltoall -d b
   -b 256K -e 512M -f 2 -p uniform --compare -n 30 --no-progress --json "$OUT/alltoall_uniform.json"
 want a2a && step alltoall_variable 120 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
   -b 256K -e 512M -f 4 -p random,skewed --compare -n 30 --no-progress --json "$OUT/alltoall_variable.json"
-want hier && step hier_1x2 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 2 --skew 1.0 --json "$OUT/hier_1x2.json"
+want hier1x2 && step hier_1x2 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 2 --skew 1.0 --json "$OUT/hier_1x2.json"
 want hier && step hier_2x1 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 1 --skew 1.0 --json "$OUT/hier_2x1.json"
 want overlap && step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$OUT/overlap.json"
 want kernels && step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$OUT/kernels.json"
 want gputests && step pytest_gpu 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider
-want moe && [ -f bench/moe_layer.py ] && step moe_layer 150 "${MPI[@]}" python3 -m bench.moe_layer
+want moe && step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$OUT/moe_layer.json"
+want moe && step moe_dropless 60 "${MPI[@]}" python3 -m bench.moe_layer --dropless --top-k 2
+want moetests && step moe_checks 120 "${MPI[@]}" python3 -m tests.ranks.moe_layer_checks all cuda
+want overlaptests && step overlap_checks 60 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl
 
 printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG"
