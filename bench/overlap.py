@@ -20,7 +20,9 @@ Times are per step: ``--steps`` steps are run back to back between two synchroni
 ``--steps``; median, 10th and 90th percentile over ``--iters`` such samples. ``vs_1`` is
 the median over degree 1's. The header also gives the compute alone (fn forward +
 backward on the same rows, no exchange) and the exchange alone (the layer with an
-identity fn): overlap can save at most the smaller of the two.
+identity fn): overlap can save at most the smaller of the two. ``host_ms`` is the time the
+host took to issue a step (when it nears the step time, the run is host-bound);
+``--exchange-only`` adds ``xchg_ms``, each degree's step time with an identity fn.
 """
 
 from __future__ import annotations
@@ -125,11 +127,14 @@ class Layer:
         out.backward(self.grad_out)
         return out
 
-    def step_exchange_only(self) -> torch.Tensor:
-        x = self.x.detach().requires_grad_()
-        out = self.comm.scatter_compute_gather(x, self.send, lambda r, c: r * 1, degree=1, recv_splits=self.recv)
-        out.backward(self.grad_out)
-        return out
+    def step_exchange_only(self, degree=1) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:
+            x = self.x.detach().requires_grad_()
+            out = self.comm.scatter_compute_gather(x, self.send, lambda r, c: r * 1, degree=degree,
+                                                   recv_splits=self.recv, algorithm=self.args.algorithm)
+            out.backward(self.grad_out)
+            return out
+        return step
 
     def step_compute_only(self) -> Callable[[], torch.Tensor]:
         rows0 = torch.zeros(sum(self.recv), self.args.model_dim, dtype=self.x.dtype, device=self.device)
@@ -159,19 +164,39 @@ class Timer:
         for _ in range(a.warmup):
             step()
         self.sync()
-        samples = []
+        samples, host = [], []
         for _ in range(a.iters):
             self.world.Barrier()
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 step()
+            t1 = time.perf_counter()
             self.sync()
             samples.append((time.perf_counter() - t0) / a.steps)
-        mine = np.array(samples, dtype=np.float64)
+            host.append((t1 - t0) / a.steps)
+        mine = np.array(samples + host, dtype=np.float64)
         slowest = np.empty_like(mine)
         self.world.Allreduce(mine, slowest, op=MPI.MAX)
-        return {"median_ms": float(np.median(slowest)) * 1e3, "p10_ms": float(np.percentile(slowest, 10)) * 1e3,
-                "p90_ms": float(np.percentile(slowest, 90)) * 1e3}
+        steps, host = slowest[: a.iters], slowest[a.iters:]
+        return {"median_ms": float(np.median(steps)) * 1e3, "p10_ms": float(np.percentile(steps, 10)) * 1e3,
+                "p90_ms": float(np.percentile(steps, 90)) * 1e3, "host_ms": float(np.median(host)) * 1e3}
+
+
+def _trace(directory: str, name: str, step: Callable[[], torch.Tensor], timer: "Timer", write: bool) -> None:
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timer.cuda else [])
+    timer.sync()
+    timer.world.Barrier()
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            step()
+        timer.sync()
+    if write:
+        os.makedirs(directory, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(directory, name))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed steps first (3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
+    p.add_argument("--exchange-only", action="store_true",
+                   help="also time each degree with an identity fn (the chunked exchange's own cost)")
+    p.add_argument("--trace", metavar="DIR", help="write a torch.profiler chrome trace of a few steps per degree "
+                   "(rank 0) to DIR/trace_<degree>.json")
     p.add_argument("--no-check", action="store_true", help="skip comparing every degree's result with degree 1's")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
@@ -226,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rank0 = comm.rank == 0
 
     compute = timer.time(layer.step_compute_only())
-    exchange = timer.time(layer.step_exchange_only)
+    exchange = timer.time(layer.step_exchange_only())
     results: list[dict] = []
     reference: Optional[torch.Tensor] = None
     ok_all = True
@@ -245,6 +274,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         ok = bool(world.allreduce(ok, op=MPI.LAND))
         ok_all &= ok
         t = timer.time(step)
+        if args.exchange_only and d != "plain":
+            t["exchange_ms"] = timer.time(layer.step_exchange_only(d))["median_ms"]
+        if args.trace:
+            _trace(args.trace, f"trace_{d}.json", step, timer, comm.rank == 0)
         label = str(d)
         if d == "auto":
             row_bytes = args.model_dim * torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
@@ -267,11 +300,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
             f"auto may use {auto_stages(comm)} stage(s)",
             f"# compute alone: {compute['median_ms']:.3f} ms   exchange alone: {exchange['median_ms']:.3f} ms",
-            f"{'degree':<9} {'median_ms':>10} {'p10_ms':>9} {'p90_ms':>9} {'vs_1':>7}  check",
+            f"{'degree':<9} {'median_ms':>10} {'p10_ms':>9} {'p90_ms':>9} {'vs_1':>7} {'host_ms':>8} "
+            f"{'xchg_ms':>8}  check",
         ]
         for r in results:
+            xm = f"{r['exchange_ms']:>8.3f}" if "exchange_ms" in r else f"{'-':>8}"
             lines.append(f"{r['degree']:<9} {r['median_ms']:>10.3f} {r['p10_ms']:>9.3f} {r['p90_ms']:>9.3f} "
-                         f"{r['vs_1']:>7.3f}  {'ok' if r['check'] else 'MISMATCH'}")
+                         f"{r['vs_1']:>7.3f} {r['host_ms']:>8.3f} {xm}  {'ok' if r['check'] else 'MISMATCH'}")
         print("\n".join(lines), flush=True)
         if args.json:
             with open(args.json, "w") as fh:
