@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default=None, help="all_to_all_v algorithm: flat, 2dh, auto (default: core's)")
     p.add_argument("--parallel-mode", default="expert", choices=("expert", "data", "auto"))
     p.add_argument("--gate", default="linear", choices=("linear", "cosine"))
-    p.add_argument("--activation", default="gelu")
+    p.add_argument("--activation", default="relu", help="expert activation (relu, the layer's default)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="GPU bfloat16, CPU float32")
     p.add_argument("--autocast", action="store_true", help="fp32 parameters under torch.autocast(dtype)")
     p.add_argument("-n", "--iters", type=int, default=None, help="timed samples (GPU 20, CPU 5)")

@@ -217,3 +217,35 @@ def test_route_positions_and_slots(T, E, data):
         assert int((sm.slot_token >= 0).sum()) == valid.numel()
     kept = capacity_slots(r, cap, E, 1, 1).token_slots >= 0
     assert kept.tolist() == (r.locations < cap).tolist()
+
+
+@SETTINGS
+@given(T=st.integers(0, 30), W=st.integers(1, 4), El=st.integers(1, 3), data=st.data())
+def test_pipelined_capacity_layout(T, W, El, data):
+    """Each destination block = `degree` equal chunks along the capacity: cutting it into
+    `degree` equal pieces gives every piece only its own chunk's slots, expert by expert."""
+    from moecomm.moe.routing import pipelined_capacity_slots
+
+    E = W * El
+    k = data.draw(st.integers(1, E))
+    cap = data.draw(st.integers(0, 7))
+    d = data.draw(st.integers(1, 4))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 20)))
+    r = route(torch.softmax(torch.randn(T, E, generator=g), dim=1), k)
+    plain = capacity_slots(r, cap, E, 1, 1)
+    if d == 1:
+        assert pipelined_capacity_slots(r, cap, E, 1, 1, El).token_slots.tolist() == plain.token_slots.tolist()
+    sm = pipelined_capacity_slots(r, cap, E, 1, d, El)
+    Cc = -(-cap // d) if cap else 0
+    assert sm.num_slots == W * d * El * Cc
+    ts = sm.token_slots
+    assert ((ts >= 0) == (plain.token_slots >= 0)).all()
+    for t in range(T):
+        for j in range(k):
+            s = int(ts[t, j])
+            if s < 0:
+                continue
+            e, loc = int(r.topk_idx[t, j]), int(r.locations[t, j])
+            block, off = divmod(s, d * El * Cc)
+            chunk, rest = divmod(off, El * Cc)
+            assert (block, chunk, rest // Cc, rest % Cc) == (e // El, loc // Cc, e % El, loc % Cc)

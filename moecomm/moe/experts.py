@@ -85,8 +85,9 @@ class Segments:
         if self.counts_dev is not None:
             ids = torch.arange(self.num_local, device=device).repeat(self.counts_dev.shape[0])
             return torch.repeat_interleave(ids, self.counts_dev.reshape(-1), output_size=self.rows)
-        flat = torch.tensor([e for block in self.counts for e in range(self.num_local) for _ in range(block[e])],
-                            dtype=torch.int64)
+        counts = torch.tensor(self.counts, dtype=torch.int64).reshape(-1)
+        ids = torch.arange(self.num_local, dtype=torch.int64).repeat(len(self.counts))
+        flat = torch.repeat_interleave(ids, counts, output_size=self.rows)
         return flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat
 
 
@@ -95,9 +96,13 @@ class Segments:
 _GROUPED_MM_OK: dict = {}
 
 
+def _gmm_shapes_ok(*dims: int, esize: int = 2) -> bool:
+    return all(d > 0 and (d * esize) % 16 == 0 for d in dims)
+
+
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs here for this dtype (tried once, then cached)."""
-    if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+    """Whether ``torch._grouped_mm`` runs here for this dtype (bf16 only; tried once, then cached)."""
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
         return False
     key = (device.index, dtype)
     ok = _GROUPED_MM_OK.get(key)
@@ -158,7 +163,7 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
             else:
                 torch.bmm(xb[b], wt, out=ob[b])
         return out
-    if x.is_cuda and grouped_mm_available(x.device, x.dtype):
+    if x.is_cuda and grouped_mm_available(x.device, x.dtype) and _gmm_shapes_ok(wt.shape[1], B):
         outs = []
         for b, xb in enumerate(_block_views(x, seg)):
             if xb.shape[0]:
@@ -191,7 +196,7 @@ def seg_wgrad(a: Tensor, g: Tensor, seg: Segments) -> Tensor:
         for b in range(1, ab.shape[0]):
             out.baddbmm_(ab[b].transpose(1, 2), gb[b])
         return out
-    if a.is_cuda and grouped_mm_available(a.device, a.dtype):
+    if a.is_cuda and grouped_mm_available(a.device, a.dtype) and _gmm_shapes_ok(A, B):
         out = None
         av, gv = _block_views(a, seg), _block_views(g, seg)
         for b in range(len(av)):
@@ -216,9 +221,15 @@ def seg_sum(g: Tensor, seg: Segments) -> Tensor:
             return torch.zeros(El, B, dtype=g.dtype, device=g.device)
         return g.view(-1, El, C, B).sum(dim=(0, 2), dtype=acc).to(g.dtype)
     if g.is_cuda:
-        out = torch.zeros(El, B, dtype=acc, device=g.device)
-        out.index_add_(0, seg.row_expert(g.device), g.to(acc))
-        return out.to(g.dtype)
+        lengths = seg.counts_dev.reshape(-1) if seg.counts_dev is not None else \
+            torch.tensor(seg.counts, dtype=torch.int64).reshape(-1).pin_memory().to(g.device, non_blocking=True)
+        try:
+            sums = torch.segment_reduce(g, "sum", lengths=lengths, axis=0)  # [blocks * El, B]
+            return sums.view(-1, El, B).sum(0, dtype=acc).to(g.dtype)
+        except (RuntimeError, NotImplementedError):
+            out = torch.zeros(El, B, dtype=acc, device=g.device)
+            out.index_add_(0, seg.row_expert(g.device), g.to(acc))
+            return out.to(g.dtype)
     out = torch.zeros(El, B, dtype=acc, device=g.device)
     for e, s, n in seg.items():
         out[e] += g[s:s + n].sum(0, dtype=acc)

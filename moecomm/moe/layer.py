@@ -17,7 +17,7 @@ from ._gather import gather_expert_params
 from .experts import BatchedExperts, ExpertList, FFNExperts, Segments
 from .gates import GATE_TYPES, TopKGate, make_gate
 from .losses import BALANCE_LOSSES, gshard_loss, load_importance_loss, router_z_loss
-from .routing import Routing, capacity_slots, chunk_sizes, dropless_slots, fixed_capacity, route
+from .routing import Routing, capacity_slots, dropless_slots, fixed_capacity, pipelined_capacity_slots, route
 
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
@@ -434,23 +434,26 @@ class MoELayer(nn.Module):
         comm = self.comm
         W, El, S, E = comm.size, self.num_local_experts, self.shards, self.num_experts
         El_dest = El if S == 1 else 1  # experts per destination rank, as the rows arrive
-        if r.capacity is None:
-            sm = dropless_slots(r, S, 1)
-        else:
-            sm = capacity_slots(r, r.capacity, E, S, 1)
-        send, weights = self._dispatch(x_c, r, sm, S)
-
         if r.capacity is not None:
             C = r.capacity
-            send_splits = recv_splits = [El_dest * C] * W
-            blocks = [[C] * El_dest for _ in range(W)]
-            seg = Segments.uniform_blocks(W, El_dest, C)
+            if degree == "auto":  # equal pair blocks: every pair gets the same number of pieces
+                from moecomm.overlap import auto_pieces
+
+                row_bytes = x_c.shape[1] * x_c.element_size()
+                degree = max(auto_pieces(comm, [El_dest * C], row_bytes) + [1])
+            # each destination block = `degree` equal chunks along the capacity, expert by expert
+            Cc = -(-C // degree) if C else 0
+            sm = pipelined_capacity_slots(r, C, E, S, degree, El)
+            send, weights = self._dispatch(x_c, r, sm, S)
+            send_splits = recv_splits = [degree * El_dest * Cc] * W
+            blocks = [[degree * Cc] * El_dest for _ in range(W)]
+            seg = Segments.uniform_blocks(W, El_dest, degree * Cc)
+            chunk_seg = Segments.uniform_blocks(W, El_dest, Cc)
         else:
+            sm = dropless_slots(r, S, 1)
+            send, weights = self._dispatch(x_c, r, sm, S)
             n = r.counts  # [E] routes per expert (all kept)
-            if S == 1:
-                send_cnt = n
-            else:
-                send_cnt = n.repeat_interleave(S)  # rank e*S+s gets expert e's rows
+            send_cnt = n if S == 1 else n.repeat_interleave(S)  # rank e*S+s gets expert e's rows
             recv_cnt = _comm.all_to_all_nograd(send_cnt.contiguous(), comm, [El_dest] * W, [El_dest] * W)
             host = torch.cat([send_cnt, recv_cnt]).tolist()  # the one host sync of a dropless step
             mine, got = host[:W * El_dest], host[W * El_dest:]
@@ -458,6 +461,7 @@ class MoELayer(nn.Module):
             blocks = [got[w * El_dest:(w + 1) * El_dest] for w in range(W)]
             recv_splits = [sum(b) for b in blocks]
             seg = Segments(blocks, El_dest, counts_dev=recv_cnt.view(W, El_dest))
+            chunk_seg = None
 
         if degree == 1:
             got_rows = _comm.all_to_all(send, comm, send_splits, recv_splits, algo)
@@ -465,6 +469,8 @@ class MoELayer(nn.Module):
             back = _comm.all_to_all(y.contiguous(), comm, recv_splits, send_splits, algo)
         else:
             def fn(rows: Tensor, chunk) -> Tensor:
+                if chunk_seg is not None and chunk.source_splits == [chunk_seg.rows // W] * W:
+                    return self._run_experts(rows, chunk_seg)  # the chunk-aligned capacity layout
                 return self._run_experts(rows, Segments(chunk.group_splits(blocks), El_dest))
 
             back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Routing", "route", "fixed_capacity", "SlotMap", "capacity_slots", "dropless_slots",
-           "chunk_sizes"]
+           "pipelined_capacity_slots", "chunk_sizes"]
 
 
 @dataclass
@@ -121,6 +121,13 @@ def _slots(idx: Tensor, q: Tensor, chunk: Tensor, keep: Optional[Tensor], n: Ten
     n_route = n.reshape(-1).index_select(0, flat_ce.reshape(-1)).view(T, k)
     s = torch.arange(S, device=dev).view(1, 1, S)
     slots = start.unsqueeze(2) + s * n_route.unsqueeze(2)  # [T, k, S]
+    return _finish(slots, keep, num_slots, n)
+
+
+def _finish(slots: Tensor, keep: Optional[Tensor], num_slots: int, n: Tensor) -> SlotMap:
+    """Slot map from the ``[T, k, S]`` slots of every route copy (``keep``: False = dropped)."""
+    T, k, S = slots.shape
+    dev = slots.device
     if keep is not None:
         slots = torch.where(keep.unsqueeze(2), slots, torch.full_like(slots, -1))
     token_slots = slots.reshape(T, k * S)
@@ -185,3 +192,34 @@ def dropless_slots(r: Routing, shards: int, degree: int) -> SlotMap:
                             x + torch.div(loc - big, b.clamp(min=1), rounding_mode="floor"))
         q = torch.where(in_big, loc - chunk * (b + 1), loc - big - (chunk - x) * b)
     return _slots(r.topk_idx, q, chunk, None, n, shards, shards * k * T)
+
+
+def pipelined_capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, degree: int,
+                             experts_per_rank: int) -> SlotMap:
+    """Padded layout for a pipelined all-to-all: the block for each destination rank holds
+    ``degree`` equal chunks along the capacity (``ceil(capacity / degree)`` slots per expert
+    each; the slots past ``capacity`` stay empty), each chunk expert by expert. Cutting every
+    block into ``degree`` equal pieces (as ``scatter_compute_gather`` does) then gives every
+    stage the same number of slots per expert. With ``degree == 1`` this is the plain
+    capacity layout of :func:`capacity_slots`."""
+    d, S = degree, shards
+    El = experts_per_rank if S == 1 else 1
+    Cc = -(-capacity // d) if capacity else 0
+    dev = r.topk_idx.device
+    loc = r.locations
+    keep = loc < capacity
+    r.kept = keep
+    safe = torch.where(keep, loc, torch.zeros_like(loc))
+    c = torch.div(safe, max(Cc, 1), rounding_mode="floor")
+    q = safe - c * Cc
+    e = r.topk_idx
+    if S == 1:
+        dest = torch.div(e, El, rounding_mode="floor")
+        slots = (dest * (d * El * Cc) + c * (El * Cc) + (e - dest * El) * Cc + q).unsqueeze(2)
+        W = num_experts // El
+    else:
+        dest = e.unsqueeze(2) * S + torch.arange(S, device=dev).view(1, 1, S)
+        slots = dest * (d * Cc) + (c * Cc + q).unsqueeze(2)
+        W = num_experts * S
+    n = torch.full((d, num_experts), Cc, dtype=torch.int64, device=dev)
+    return _finish(slots, keep, W * d * El * Cc, n)
