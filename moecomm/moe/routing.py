@@ -62,7 +62,10 @@ def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize:
     flat = prio.t().reshape(-1)  # route r = j * T + i  (i-th token in priority order, j-th choice)
     counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cumsum(counts, 0) - counts
-    sorted_e, perm = torch.sort(flat, stable=True)
+    # narrow keys: the radix sort makes one pass per key byte
+    keys = flat.to(torch.int16) if E <= 2 ** 15 else (flat.to(torch.int32) if E <= 2 ** 31 else flat)
+    sorted_e, perm = torch.sort(keys, stable=True)
+    sorted_e = sorted_e.to(torch.int64)
     loc_flat = torch.empty_like(flat)
     loc_flat.scatter_(0, perm, torch.arange(flat.numel(), device=dev) - offsets.index_select(0, sorted_e))
     loc_prio = loc_flat.view(k, T).t()
