@@ -33,7 +33,7 @@ def nccl_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import nccl.core  # noqa: F401
+        import nccl.core  # noqa: F401  (import check only)
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return False
     return True
@@ -115,7 +115,28 @@ class NcclBackend(Backend):
 
         torch.cuda.set_device(device)
         comm = nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(unique_id))
-        return cls(comm, device, timeout_s)
+        backend = cls(comm, device, timeout_s)
+        backend.connect_peers()
+        return backend
+
+    def connect_peers(self) -> None:
+        """Exchange one byte with every peer now, while all ranks are here.
+
+        NCCL connects peers lazily, inside the first ``ncclGroupEnd`` that needs them, and
+        that call blocks the host until the peer joins. Connecting during creation keeps
+        every later wait on the GPU, where the watchdog's timeout covers it.
+        """
+        ones = [1] * self.size
+        send = torch.zeros(self.size, dtype=torch.uint8, device=self.device)
+        recv = torch.empty_like(send)
+        request = self.alltoallv(send, ones, recv, ones, 1)
+        deadline = time.monotonic() + self.timeout_s
+        while not request.test():
+            self.check_health()
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TimeoutError(f"moecomm: connecting NCCL peers took over {self.timeout_s:g} s on rank {self.rank}")
+            time.sleep(1e-4)
 
     @staticmethod
     def new_unique_id() -> bytes:

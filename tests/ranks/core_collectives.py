@@ -206,6 +206,9 @@ def check_validate_mode() -> None:
 def check_timeout() -> None:
     if W == 1 or BACKEND == "torch" or under_torchrun():
         return
+    import faulthandler
+
+    faulthandler.dump_traceback_later(40, exit=True)  # a hang here prints every thread's stack
     short = moecomm.init(backend=BACKEND, timeout=1.0, set_default=False)
     message = ""
     if R == 0:
@@ -225,6 +228,7 @@ def check_timeout() -> None:
             short.close()
         else:
             short.abort()
+    faulthandler.cancel_dump_traceback_later()
     ok = R != 0 or ("did not complete within 1 s" in message and message.endswith("| closed"))
     collective_assert(ok, f"timeout message: {message!r}")
 
