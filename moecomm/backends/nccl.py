@@ -267,7 +267,9 @@ class NcclBackend(Backend):
         sub = self._comm.split(color, key)
         if color is None or not sub.ptr:
             return None
-        return NcclBackend(sub, self.device, self.timeout_s)
+        backend = NcclBackend(sub, self.device, self.timeout_s)
+        backend.connect_peers()
+        return backend
 
     def close(self) -> None:
         self._watchdog.stop()
