@@ -314,6 +314,26 @@ def cases_for(W: int, group: str) -> list:
     return out
 
 
+def check_algorithms():
+    """algorithm='2dh' (on a simulated multi-node layout) and 'auto' reach every exchange:
+    same results as the reference, alone and with the pipelined overlap."""
+    W = WORLD.size
+    if W == 1:
+        return
+    hcomm = moecomm.init(backend="mpi", local_size=2 if W % 2 == 0 else 1, set_default=False)
+    E = {2: 4, 3: 6, 4: 8}[W]
+    cases = []
+    for algo in ("2dh", "auto"):
+        cases += [
+            Case(f"{algo} capacity", E, k=2, cf=0.5, layer_kw=dict(comm=hcomm, algorithm=algo)),
+            Case(f"{algo} dropless overlap 2", E, k=3, dropless=True, tokens=[9, 13, 0, 7][:W],
+                 layer_kw=dict(comm=hcomm, algorithm=algo, overlap_degree=2)),
+            Case(f"{algo} per call, capacity overlap 3", E, k=2, cf=1.0, call_kw=dict(algorithm=algo, overlap_degree=3),
+                 layer_kw=dict(comm=hcomm)),
+        ]
+    check(cases)()
+
+
 def check_bad_configs():
     comm = _comm()
     W = comm.size
@@ -431,6 +451,7 @@ def main() -> None:
         checks.append(check(cases_for(W, "features")))
         checks.append(check_bad_configs)
         if DEV.type == "cpu":
+            checks.append(check_algorithms)
             checks.append(check_autocast_bf16)
         else:
             checks.append(check_gpu_bf16)
