@@ -6,12 +6,10 @@ each case's result is checked collectively (all ranks fail together).
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
