@@ -80,6 +80,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .backends.base import DoneRequest, Request
+from .communicator import SUPPORTED_DTYPES, Work
 from .errors import CommunicatorClosedError
 from .splits import Splits, check_split_total, normalize_splits
 
@@ -220,6 +222,12 @@ class _Plan:
         self.identity = stages == 1
         self._perm: Optional[torch.Tensor] = None
         self._send_c = send_c
+        # direct exchanges: stage c's rows for peer p start at row send_displs[c][p] of the
+        # input (and land there in the output); they arrive grouped by source in a buffer of
+        # its own, source p's at row chunk_displs[c][p]
+        self.send_displs = (self.send_offsets[None, :] + self.send_bounds[:-1]).tolist()
+        self.chunk_displs = (np.cumsum(recv_c, axis=1) - recv_c).tolist()
+        self.recv_totals = recv_c.sum(axis=1).tolist()
 
     def perm(self) -> torch.Tensor:
         """Input row of each row in stage-major order (stage 0's rows for every peer first)."""
@@ -391,6 +399,114 @@ class Chunk:
 # -- the pipeline -----------------------------------------------------------------------------
 
 
+class _MpiRequest(Request):
+    __slots__ = ("_req", "_keep")
+
+    def __init__(self, req: Any, keep: tuple) -> None:
+        self._req = req
+        self._keep = keep
+
+    def test(self) -> bool:
+        if self._req is None:
+            return True
+        if self._req.Test():
+            self._req = None
+            self._keep = ()
+            return True
+        return False
+
+
+class _Transport:
+    """Moves one stage: ``counts[p]`` rows from row ``displs[p]`` of a whole tensor to each peer.
+
+    ``direct`` (the flat exchange on NCCL or MPI, ``validate=False``): the rows go straight
+    from where they lie in ``input`` (or in the output gradient) and land straight where they
+    belong in the output (or the input gradient), with per-peer displacements; nothing is
+    packed or unpacked, and none of ``all_to_all_v``'s per-call checks run (they were done
+    once for the whole call). NCCL: grouped send/recv on the backend's stream, the rank's own
+    rows copied on its copy stream, exactly as ``NcclBackend.alltoallv``; MPI: one
+    ``Ialltoallv`` with displacements. Otherwise (``algorithm`` other than flat, the torch
+    backend, ``validate=True``) each stage is packed and goes through ``all_to_all_v``.
+    """
+
+    OP = "scatter_compute_gather"
+
+    def __init__(self, comm: Any, kw: dict) -> None:
+        self.comm = comm
+        b = getattr(comm, "_backend", None)
+        self.backend = b
+        self.mode = "generic"
+        if kw.get("algorithm", "flat") == "flat" and not comm.validate and b is not None:
+            if b.name == "nccl" and all(hasattr(b, a) for a in ("_raw", "_handle", "_begin", "_end", "stream",
+                                                               "copy_stream")):
+                self.mode = "nccl"
+            elif b.name == "mpi" and hasattr(b, "mpi_comm") and hasattr(b, "_row_type"):
+                self.mode = "mpi"
+
+    @property
+    def direct(self) -> bool:
+        return self.mode != "generic"
+
+    def exchange(self, send: torch.Tensor, send_counts: list[int], send_displs: list[int], recv: torch.Tensor,
+                 recv_counts: list[int], recv_displs: list[int]) -> Any:
+        comm = self.comm
+        if comm.closed:
+            raise CommunicatorClosedError(f"moecomm: cannot run {self.OP}: the communicator is closed")
+        row_bytes = math.prod(send.shape[1:]) * send.element_size()
+        if self.mode == "nccl":
+            request = self._nccl(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
+        else:
+            request = self._mpi(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
+        return Work(comm, request, self.OP, (recv, None))
+
+    def _mpi(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes) -> Request:
+        from .backends.mpi import byte_view
+
+        if row_bytes == 0:  # the same on every rank (row shapes agree): nothing moves anywhere
+            return DoneRequest()
+        b = self.backend
+        rt = b._row_type(row_bytes)
+        sb, rb = byte_view(send), byte_view(recv)
+        req = b.mpi_comm.Ialltoallv([sb, (send_counts, send_displs), rt], [rb, (recv_counts, recv_displs), rt])
+        return _MpiRequest(req, (send, recv, sb, rb))
+
+    def _nccl(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes) -> Request:
+        b = self.backend
+        me = b.rank
+        if row_bytes == 0 or not (any(send_counts) or any(recv_counts)):
+            b.check_health()
+            return DoneRequest()  # point to point: a peer expects nothing from a rank that sends nothing
+        h = b._begin(send, recv)
+        raw, handle = b._raw, b._handle
+        sp, rp = send.data_ptr(), recv.data_ptr()
+        raw.group_start()
+        try:
+            for peer in range(b.size):
+                if peer == me:
+                    continue
+                n = send_counts[peer]
+                if n:
+                    raw.send(sp + send_displs[peer] * row_bytes, n * row_bytes, _NCCL_UINT8, peer, handle, h)
+                n = recv_counts[peer]
+                if n:
+                    raw.recv(rp + recv_displs[peer] * row_bytes, n * row_bytes, _NCCL_UINT8, peer, handle, h)
+        finally:
+            raw.group_end()
+        n = send_counts[me]
+        if n:
+            cs = b.copy_stream
+            cs.wait_stream(torch.cuda.current_stream(b.device))
+            with torch.cuda.stream(cs):
+                recv.narrow(0, recv_displs[me], n).copy_(send.narrow(0, send_displs[me], n), non_blocking=True)
+            send.record_stream(cs)
+            recv.record_stream(cs)
+            b.stream.wait_stream(cs)
+        return b._end(self.OP)
+
+
+_NCCL_UINT8 = 1  # ncclUint8
+
+
 class _Run:
     """One call: the plan, fn, and the exchanges in flight (forward and backward)."""
 
@@ -408,6 +524,9 @@ class _Run:
         self.out_dtype: Optional[torch.dtype] = None
         self.in_shape: tuple = ()
         self.in_dtype: Optional[torch.dtype] = None
+        self.transport = _Transport(comm, a2a_kwargs)
+        self.out: Optional[torch.Tensor] = None  # direct: the output, filled stage by stage
+        self.grad_in: Optional[torch.Tensor] = None  # direct: the input gradient, likewise
 
     def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> Any:
         return self.comm.all_to_all_v(x, send, recv, async_op=True, **self.kw)
@@ -440,7 +559,25 @@ class _Run:
         self.in_shape, self.in_dtype = tuple(x.shape[1:]), x.dtype
         p = self.plan
         for c in range(p.stages):
-            self.scatter[c] = self._a2a(p.pack(x, c), p.send_counts[c], p.recv_counts[c])
+            self.scatter[c] = self._to_experts(x, c)
+
+    def _to_experts(self, x: torch.Tensor, c: int) -> Any:
+        """Stage ``c``'s rows of ``x`` (laid out like the input) to the experts' ranks."""
+        p, t = self.plan, self.transport
+        if not t.direct:
+            return self._a2a(p.pack(x, c), p.send_counts[c], p.recv_counts[c])
+        buf = torch.empty((p.recv_totals[c],) + tuple(x.shape[1:]), dtype=x.dtype, device=p.device)
+        return t.exchange(x, p.send_counts[c], p.send_displs[c], buf, p.recv_counts[c], p.chunk_displs[c])
+
+    def _from_experts(self, y: torch.Tensor, c: int, dest: Optional[torch.Tensor]) -> tuple:
+        """Stage ``c``'s rows ``y`` (grouped by source) back home; direct: into ``dest``
+        (made here when None, laid out like the input). Returns (work, dest)."""
+        p, t = self.plan, self.transport
+        if not t.direct:
+            return self._a2a(y, p.recv_counts[c], p.send_counts[c]), None
+        if dest is None:
+            dest = torch.empty((p.stage_rows[-1],) + tuple(y.shape[1:]), dtype=y.dtype, device=p.device)
+        return t.exchange(y, p.recv_counts[c], p.chunk_displs[c], dest, p.send_counts[c], p.send_displs[c]), dest
 
     def wait_scatter(self, c: int) -> torch.Tensor:
         rows, _ = self._wait(self.scatter[c])
@@ -457,6 +594,8 @@ class _Run:
         dev = self.plan.device
         if y.device.type != dev.type or (dev.type == "cuda" and y.device.index != dev.index):
             raise ValueError(f"scatter_compute_gather: fn returned a tensor on {y.device}, expected {dev}")
+        if y.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"scatter_compute_gather: fn returned dtype {y.dtype}, which cannot be exchanged")
         shape = tuple(y.shape[1:])
         if self.out_shape is None:
             self.out_shape, self.out_dtype = shape, y.dtype
@@ -466,8 +605,7 @@ class _Run:
         return y.contiguous()
 
     def issue_gather(self, c: int, y: torch.Tensor) -> None:
-        p = self.plan
-        self.gather[c] = self._a2a(y, p.recv_counts[c], p.send_counts[c])
+        self.gather[c], self.out = self._from_experts(y, c, self.out)
 
     def collect(self) -> torch.Tensor:
         parts = []
@@ -475,13 +613,15 @@ class _Run:
             out, _ = self._wait(self.gather[c])
             self.gather[c] = None
             parts.append(out)
+        if self.transport.direct:
+            out, self.out = self.out, None
+            return out
         return self.plan.unpack(parts, self.out_shape, self.out_dtype)
 
     # backward
     def issue_grad_scatter(self, grad: torch.Tensor) -> None:
-        p = self.plan
-        for c in reversed(range(p.stages)):  # the autograd engine runs the last stage's backward first
-            self.grad_scatter[c] = self._a2a(p.pack(grad, c), p.send_counts[c], p.recv_counts[c])
+        for c in reversed(range(self.plan.stages)):  # the autograd engine runs the last stage's backward first
+            self.grad_scatter[c] = self._to_experts(grad, c)
 
     def wait_grad_scatter(self, c: int) -> torch.Tensor:
         g, _ = self._wait(self.grad_scatter[c])
@@ -489,8 +629,7 @@ class _Run:
         return g
 
     def issue_grad_gather(self, c: int, g: torch.Tensor) -> None:
-        p = self.plan
-        self.grad_gather[c] = self._a2a(g.contiguous(), p.recv_counts[c], p.send_counts[c])
+        self.grad_gather[c], self.grad_in = self._from_experts(g.contiguous(), c, self.grad_in)
 
     def finish_backward(self) -> torch.Tensor:
         p = self.plan
@@ -506,6 +645,9 @@ class _Run:
             g, _ = self._wait(self.grad_gather[c])
             self.grad_gather[c] = None
             parts.append(g)
+        if self.transport.direct:
+            grad, self.grad_in = self.grad_in, None
+            return grad
         return p.unpack(parts, self.in_shape, self.in_dtype)
 
 
@@ -639,6 +781,8 @@ def scatter_compute_gather(
     dev = comm.device
     if input.device.type != dev.type or (dev.type == "cuda" and input.device.index != dev.index):
         raise ValueError(f"input must be on {dev} (the communicator's device), got a tensor on {input.device}")
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"input has unsupported dtype {input.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
     degree = _check_degree(degree)
     kw = _a2a_kwargs(comm, algorithm)
     w = comm.size

@@ -304,6 +304,18 @@ def check_algorithm_passthrough() -> None:
     ref = reference(x, send, recv, fn_tag)
     out = COMM.scatter_compute_gather(x, send, fn_tag, degree=3, recv_splits=recv, algorithm="flat")
     collective_assert(bits_equal(out, ref), "algorithm='flat'")
+    # validate=True: every stage goes through all_to_all_v (packed), with its cross-checks
+    checked = make_comm(timeout=60, validate=True, set_default=False)
+    f = ElementwiseFn(3)
+    xr = x.clone().requires_grad_()
+    _plain(xr, send, recv, f).backward(x)
+    for d in (1, 3):
+        out = checked.scatter_compute_gather(x, send, fn_tag, degree=d, recv_splits=recv)
+        collective_assert(bits_equal(out, ref), f"validate=True, degree {d}")
+        xo = x.clone().requires_grad_()
+        checked.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv).backward(x)
+        collective_assert(bits_equal(xo.grad, xr.grad), f"validate=True gradients, degree {d}")
+    checked.close()
     import inspect
 
     if "algorithm" not in inspect.signature(COMM.all_to_all_v).parameters or W % 2 or BACKEND != "mpi":
