@@ -149,7 +149,7 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
     wt = w.transpose(1, 2) if transpose_w else w
     R = x.shape[0]
     B = wt.shape[2]
-    if seg.uniform is not None and x.is_cuda:
+    if seg.uniform is not None:
         C, El = seg.uniform, seg.num_local
         out = torch.empty(R, B, dtype=x.dtype, device=x.device)
         if C == 0:
@@ -186,7 +186,7 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
 def seg_wgrad(a: Tensor, g: Tensor, seg: Segments) -> Tensor:
     """``out[e] = sum over segments of e of a[rows].T @ g[rows]``: ``[El, A, B]``."""
     El, A, B = seg.num_local, a.shape[1], g.shape[1]
-    if seg.uniform is not None and a.is_cuda:
+    if seg.uniform is not None:
         C = seg.uniform
         if C == 0 or a.shape[0] == 0:
             return torch.zeros(El, A, B, dtype=a.dtype, device=a.device)

@@ -230,7 +230,9 @@ class MoELayer(nn.Module):
         self.result_func = result_func
         self.aux_loss: Optional[Tensor] = None
         self.balance_loss: Optional[Tensor] = None
-        self.z_loss: Optional[Tensor] = None
+        self._z_loss: Optional[Tensor] = None
+        self._z_logits: Optional[Tensor] = None
+        self._use_native = moecomm_ext.default_use_native()
         self.last_routing: Optional[Routing] = None
         self.last_parallel_mode: Optional[str] = None
         self._auto: dict = {}
@@ -241,6 +243,15 @@ class MoELayer(nn.Module):
     @property
     def l_aux(self) -> Optional[Tensor]:
         return self.aux_loss
+
+    @property
+    def z_loss(self) -> Optional[Tensor]:
+        """The router z-loss of the last call (part of ``aux_loss`` when ``z_loss_weight != 0``)."""
+        if self._z_loss is None and self._z_logits is not None:
+            with torch.no_grad():
+                self._z_loss = router_z_loss(self._z_logits)
+            self._z_logits = None
+        return self._z_loss
 
     @property
     def num_global_experts(self) -> int:
@@ -359,9 +370,14 @@ class MoELayer(nn.Module):
             bal = load_importance_loss(F.softmax(logits, dim=1), noisy, r.topk_idx, gate.gate_noise)
         else:
             bal = None
-        z = router_z_loss(logits)
-        aux = z * self.z_loss_weight if bal is None else bal + z * self.z_loss_weight
-        self.balance_loss, self.z_loss, self.aux_loss = bal, z, aux
+        if self.z_loss_weight != 0:
+            z = router_z_loss(logits)
+            aux = z * self.z_loss_weight if bal is None else bal + z * self.z_loss_weight
+            self._z_logits, self._z_loss = None, z
+        else:  # not part of the loss: computed (without a graph) only if someone reads layer.z_loss
+            aux = bal if bal is not None else logits.new_zeros(())
+            self._z_logits, self._z_loss = logits.detach(), None
+        self.balance_loss, self.aux_loss = bal, aux
 
         # -- capacity --
         if drop_less:
@@ -415,17 +431,20 @@ class MoELayer(nn.Module):
         """Send buffer and the combine weights."""
         w = self._slot_weights(r, S)
         if self.is_postscore:
-            send = moecomm_ext.dispatch(x_c, sm.slot_token, sm.token_slots, None, check=False)
+            send = moecomm_ext.dispatch(x_c, sm.slot_token, sm.token_slots, None, check=False,
+                                        use_native=self._use_native)
             return send, w
         flat = w.reshape(-1)
         safe = sm.slot_route.clamp(min=0)
         scale = torch.where(sm.slot_route >= 0, flat.index_select(0, safe) if flat.numel() else
                             flat.new_zeros(safe.shape), flat.new_zeros(()))
-        send = moecomm_ext.dispatch(x_c, sm.slot_token, sm.token_slots, scale, check=False)
+        send = moecomm_ext.dispatch(x_c, sm.slot_token, sm.token_slots, scale, check=False,
+                                    use_native=self._use_native)
         return send, None
 
     def _combine(self, back: Tensor, sm, weights: Optional[Tensor]) -> Tensor:
-        return moecomm_ext.combine(back, sm.token_slots, weights, sm.slot_token, check=False)
+        return moecomm_ext.combine(back, sm.token_slots, weights, sm.slot_token, check=False,
+                                   use_native=self._use_native)
 
     def _run_experts(self, rows: Tensor, seg: Segments) -> Tensor:
         return self.experts(rows, seg)

@@ -59,18 +59,20 @@ def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize:
     else:
         order = None
         prio = topk_idx
-    flat = prio.t().reshape(-1)  # route r = j * T + i  (i-th token in priority order, j-th choice)
+    # Queue order: expert, then choice level j, then token (in priority order). One stable
+    # sort of the token-major routes by the key e * k + j gives exactly that order.
+    flat = prio.reshape(-1)  # route r = i * k + j
     counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cumsum(counts, 0) - counts
+    key = flat * k + torch.arange(k, device=dev).repeat(T) if k > 1 else flat
     # narrow keys: the radix sort makes one pass per key byte
-    keys = flat.to(torch.int16) if E <= 2 ** 15 else (flat.to(torch.int32) if E <= 2 ** 31 else flat)
-    sorted_e, perm = torch.sort(keys, stable=True)
-    sorted_e = sorted_e.to(torch.int64)
-    loc_flat = torch.empty_like(flat)
-    loc_flat.scatter_(0, perm, torch.arange(flat.numel(), device=dev) - offsets.index_select(0, sorted_e))
-    loc_prio = loc_flat.view(k, T).t()
+    span = E * k
+    key = key.to(torch.int16) if span <= 2 ** 15 else (key.to(torch.int32) if span <= 2 ** 31 else key)
+    perm = torch.sort(key, stable=True).indices
+    pos = torch.empty_like(flat).scatter_(0, perm, torch.arange(flat.numel(), device=dev))
+    loc_prio = (pos - offsets.index_select(0, flat)).view(T, k)
     if order is None:
-        locations = loc_prio.contiguous()
+        locations = loc_prio
     else:
         locations = torch.empty_like(loc_prio).index_copy_(0, order, loc_prio)
     return Routing(topk_idx=topk_idx, gates=gates, locations=locations, counts=counts)
@@ -104,8 +106,8 @@ class SlotMap:
     slot_token: Tensor
     """``[N]`` int64 token of each slot (``-1``: empty)."""
     num_slots: int
-    per_chunk_expert: Tensor
-    """``[degree, E]`` int64 rows per chunk and expert (per shard)."""
+    per_chunk_expert: Optional[Tensor] = None
+    """``[degree, E]`` int64 rows per chunk and expert (per shard), where computed."""
 
 
 def _slots(idx: Tensor, q: Tensor, chunk: Tensor, keep: Optional[Tensor], n: Tensor, shards: int,
@@ -127,7 +129,7 @@ def _slots(idx: Tensor, q: Tensor, chunk: Tensor, keep: Optional[Tensor], n: Ten
     return _finish(slots, keep, num_slots, n)
 
 
-def _finish(slots: Tensor, keep: Optional[Tensor], num_slots: int, n: Tensor) -> SlotMap:
+def _finish(slots: Tensor, keep: Optional[Tensor], num_slots: int, n: Optional[Tensor]) -> SlotMap:
     """Slot map from the ``[T, k, S]`` slots of every route copy (``keep``: False = dropped)."""
     T, k, S = slots.shape
     dev = slots.device
@@ -212,6 +214,8 @@ def pipelined_capacity_slots(r: Routing, capacity: int, num_experts: int, shards
     loc = r.locations
     keep = loc < capacity
     r.kept = keep
+    if d == 1 and S == 1:  # the common case in few ops: slot = e * C + position
+        return _finish((r.topk_idx * capacity + loc).unsqueeze(2), keep, num_experts * capacity, None)
     safe = torch.where(keep, loc, torch.zeros_like(loc))
     c = torch.div(safe, max(Cc, 1), rounding_mode="floor")
     q = safe - c * Cc
