@@ -92,17 +92,25 @@ MAX_DEGREE = 16
 """The largest ``degree`` (chunks per peer) accepted."""
 
 AUTO_RULES: dict[str, tuple[int, int]] = {
-    # backend: (at most this many stages, at least this many bytes per piece of a pair)
-    "nccl": (4, 8 << 20),
-    "mpi": (2, 1 << 20),
-    "torch": (2, 1 << 20),
+    # backend: (at most this many stages, bytes per rank for each stage)
+    "nccl": (4, 256 << 20),
+    "mpi": (2, 64 << 20),
+    "torch": (2, 64 << 20),
 }
-"""``degree="auto"`` without a topology profile: per backend, ``(max_stages, min_piece_bytes)``.
+"""``degree="auto"`` without a topology profile: per backend, ``(max_stages, bytes_per_stage)``.
 
-A pair's block of ``b`` bytes is cut into ``clamp(b // min_piece_bytes, 1, max_stages)``
-pieces: small exchanges are not chunked at all (chunking would only add per-message
-latency), large ones are cut into pieces of at least ``min_piece_bytes``.
+A pair's block of ``b`` bytes is cut into ``clamp(b * size // bytes_per_stage, 1,
+max_stages)`` pieces (``b * size``: what a rank would exchange if every pair looked like
+this one). Every stage costs the host a fixed time to issue (two exchanges and ``fn``
+forward, the same again backward: about 1 ms on the 2 x H200 machine measured, where
+degree 1 was fastest at 128 MiB per rank), so only exchanges large enough for each stage's
+GPU work to hide that cost are chunked. A topology profile with measured degrees
+(``python -m topology tune --degrees ...``) replaces this rule.
 """
+
+DIRECT = True
+"""Use the direct transport (displacements, no packing) where the backend allows it; set
+False to send every stage through ``all_to_all_v`` instead (a fallback switch)."""
 
 SPIN_S = 0.2
 """CPU backends: how long a wait for a chunk polls MPI (yielding the core between polls)
@@ -149,8 +157,8 @@ def auto_pieces(comm: Any, pair_rows: Sequence[int], row_bytes: int) -> list[int
     A function of the pair's own size, so that both ends of a pair agree without talking:
     with a profile, the degree of the entry nearest to ``rows * row_bytes * size`` bytes
     per rank (what a rank would send if every pair looked like this one); else
-    ``clamp(rows * row_bytes // min_piece_bytes, 1, max_stages)`` from :data:`AUTO_RULES`.
-    Never more pieces than rows.
+    ``clamp(rows * row_bytes * size // bytes_per_stage, 1, max_stages)`` from
+    :data:`AUTO_RULES`. Never more pieces than rows.
     """
     stages = auto_stages(comm)
     prof = _profile_of(comm)
@@ -162,8 +170,8 @@ def auto_pieces(comm: Any, pair_rows: Sequence[int], row_bytes: int) -> list[int
         elif prof is not None and any(e.degree for e in prof.entries):
             k = prof.entry_for(b * comm.size).degree or 1
         else:
-            min_piece = AUTO_RULES.get(comm.backend, (1, 1))[1]
-            k = b // max(min_piece, 1)
+            per_stage = AUTO_RULES.get(comm.backend, (1, 1))[1]
+            k = b * comm.size // max(per_stage, 1)
         out.append(int(max(1, min(k, stages, n if n > 0 else 1))))
     return out
 
@@ -423,8 +431,8 @@ class _Transport:
     from where they lie in ``input`` (or in the output gradient) and land straight where they
     belong in the output (or the input gradient), with per-peer displacements; nothing is
     packed or unpacked, and none of ``all_to_all_v``'s per-call checks run (they were done
-    once for the whole call). NCCL: grouped send/recv on the backend's stream, the rank's own
-    rows copied on its copy stream, exactly as ``NcclBackend.alltoallv``; MPI: one
+    once for the whole call). NCCL: grouped send/recv on the backend's stream (the rank's own
+    rows too), exactly as ``NcclBackend.alltoallv`` but at displacements; MPI: one
     ``Ialltoallv`` with displacements. Otherwise (``algorithm`` other than flat, the torch
     backend, ``validate=True``) each stage is packed and goes through ``all_to_all_v``.
     """
@@ -436,9 +444,8 @@ class _Transport:
         b = getattr(comm, "_backend", None)
         self.backend = b
         self.mode = "generic"
-        if kw.get("algorithm", "flat") == "flat" and not comm.validate and b is not None:
-            if b.name == "nccl" and all(hasattr(b, a) for a in ("_raw", "_handle", "_begin", "_end", "stream",
-                                                               "copy_stream")):
+        if DIRECT and kw.get("algorithm", "flat") == "flat" and not comm.validate and b is not None:
+            if b.name == "nccl" and all(hasattr(b, a) for a in ("_raw", "_handle", "_begin", "_end")):
                 self.mode = "nccl"
             elif b.name == "mpi" and hasattr(b, "mpi_comm") and hasattr(b, "_row_type"):
                 self.mode = "mpi"
@@ -472,7 +479,6 @@ class _Transport:
 
     def _nccl(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes) -> Request:
         b = self.backend
-        me = b.rank
         if row_bytes == 0 or not (any(send_counts) or any(recv_counts)):
             b.check_health()
             return DoneRequest()  # point to point: a peer expects nothing from a rank that sends nothing
@@ -481,9 +487,7 @@ class _Transport:
         sp, rp = send.data_ptr(), recv.data_ptr()
         raw.group_start()
         try:
-            for peer in range(b.size):
-                if peer == me:
-                    continue
+            for peer in range(b.size):  # the rank's own rows too, copied by NCCL in the same kernel
                 n = send_counts[peer]
                 if n:
                     raw.send(sp + send_displs[peer] * row_bytes, n * row_bytes, _NCCL_UINT8, peer, handle, h)
@@ -492,15 +496,6 @@ class _Transport:
                     raw.recv(rp + recv_displs[peer] * row_bytes, n * row_bytes, _NCCL_UINT8, peer, handle, h)
         finally:
             raw.group_end()
-        n = send_counts[me]
-        if n:
-            cs = b.copy_stream
-            cs.wait_stream(torch.cuda.current_stream(b.device))
-            with torch.cuda.stream(cs):
-                recv.narrow(0, recv_displs[me], n).copy_(send.narrow(0, send_displs[me], n), non_blocking=True)
-            send.record_stream(cs)
-            recv.record_stream(cs)
-            b.stream.wait_stream(cs)
         return b._end(self.OP)
 
 

@@ -69,12 +69,13 @@ def test_degree_validation(bad):
 def test_auto_degree_rule():
     mib = 1 << 20
     nccl = SimpleNamespace(size=8, backend="nccl")
-    stages, min_piece = ov.AUTO_RULES["nccl"]
+    stages, per_stage = ov.AUTO_RULES["nccl"]
     assert ov.auto_stages(nccl) == stages
     assert ov.auto_pieces(nccl, [0, 1, 100], 1024) == [1, 1, 1]  # small pairs are not cut
-    rows_big = (stages * min_piece * 4) // 1024
-    assert ov.auto_pieces(nccl, [rows_big], 1024) == [stages]
-    assert ov.auto_pieces(nccl, [(2 * min_piece) // 1024], 1024) == [min(2, stages)]
+    pair = lambda nbytes: nbytes // 8 // 1024  # rows of a pair when a rank exchanges nbytes  # noqa: E731
+    assert ov.auto_pieces(nccl, [pair(128 * mib)], 1024) == [1]  # measured: degree 1 wins at 128 MiB/rank
+    assert ov.auto_pieces(nccl, [pair(stages * per_stage * 4)], 1024) == [stages]
+    assert ov.auto_pieces(nccl, [pair(2 * per_stage)], 1024) == [min(2, stages)]
     assert ov.auto_stages(SimpleNamespace(size=1, backend="nccl")) == 1
     assert ov.auto_pieces(SimpleNamespace(size=1, backend="mpi"), [10**9], 4) == [1]
 
