@@ -20,7 +20,13 @@ Times are per step: ``--steps`` steps are run back to back between two synchroni
 ``--steps``; median, 10th and 90th percentile over ``--iters`` such samples. ``vs_1`` is
 the median over degree 1's. The header also gives the compute alone (fn forward +
 backward on the same rows, no exchange) and the exchange alone (the layer with an
-identity fn): overlap can save at most the smaller of the two. ``host_ms`` is the time the
+identity fn): overlap can save at most the smaller of the two.
+
+Sizing: every stage costs the host a fixed time to issue (measured on 2 x H200: about
+1 ms per extra stage for this layer, forward + backward), so chunking pays only when each
+stage's GPU work is larger than that. At 16384 rows of 4096 (128 MiB per rank, compute and
+exchange about 1.1 and 1.2 ms) the layer was host-bound and degree 1 fastest; the GPU
+default is therefore 32768 rows (256 MiB per rank, compute and exchange still about equal). ``host_ms`` is the time the
 host took to issue a step (when it nears the step time, the run is host-bound);
 ``--exchange-only`` adds ``xchg_ms``, each degree's step time with an identity fn.
 """
@@ -204,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (NCCL backend) or cpu (MPI backend); default: cuda when available")
     p.add_argument("--small", action="store_true", help="small sizes for a quick run (CPU defaults)")
-    p.add_argument("--tokens", type=int, default=None, help="rows per rank after routing (GPU 16384, CPU 4096)")
+    p.add_argument("--tokens", type=int, default=None, help="rows per rank after routing (GPU 32768, CPU 4096)")
     p.add_argument("--model-dim", type=int, default=None, help="row width (GPU 4096, CPU 256)")
     p.add_argument("--hidden", type=int, default=None, help="expert hidden size (GPU 1024, CPU 256)")
     p.add_argument("--experts-per-rank", type=int, default=1, help="local experts per rank (1)")
@@ -229,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _defaults(args: argparse.Namespace, cuda: bool) -> None:
     big = cuda and not args.small
-    for name, gpu, cpu in (("tokens", 16384, 4096), ("model_dim", 4096, 256), ("hidden", 1024, 256),
+    for name, gpu, cpu in (("tokens", 32768, 4096), ("model_dim", 4096, 256), ("hidden", 1024, 256),
                            ("dtype", "bfloat16", "float32"), ("iters", 30, 10), ("steps", 5, 2)):
         if getattr(args, name) is None:
             setattr(args, name, gpu if big else cpu)

@@ -33,14 +33,40 @@ must be row-wise in the sense that output row ``i`` belongs to input row ``i``: 
 ``[rows, *out_shape]`` with the same ``out_shape`` and dtype in every call and on every
 rank. It is called once per stage, also with zero rows.
 
+Transport
+---------
+On NCCL and MPI with the flat algorithm (and ``validate=False``) a stage's rows leave from
+where they lie in ``input`` and land where they belong in the output (per-peer
+displacements; NCCL grouped send/recv, MPI ``Ialltoallv``): nothing is packed or unpacked,
+and ``fn`` gets each stage's rows in a buffer of their own. Otherwise (``algorithm="2dh"``
+or ``"auto"``, the torch backend, ``validate=True``) each stage is gathered into a
+contiguous buffer and goes through ``comm.all_to_all_v`` (with its checks and algorithm),
+and the results are scattered back into place.
+
+Autograd
+--------
+The pipeline is four small autograd functions per stage around ``fn``'s own graph, so
+``fn``'s parameters get their gradients through the ordinary engine (``backward`` and
+``torch.autograd.grad`` alike). The engine runs later-created nodes first, so the backward
+pass visits the stages last to first: the output gradient of every stage is scattered
+first (last stage first), and each stage's input gradient is sent back as soon as ``fn``'s
+backward for that stage has produced it.
+
+Cost
+----
+Each stage costs the host a fixed time (two exchanges and ``fn``'s kernel launches
+forward, the same backward; about 1 ms for a two-matmul expert on the 2 x H200 machine
+measured), so chunking pays only when each stage's GPU work is larger than that. Small
+layers are faster at ``degree=1`` (exactly the non-overlapped computation).
+
 Streams (CUDA, NCCL backend)
 ----------------------------
 Every exchange runs on the backend's own communication stream, ordered after the caller's
 current stream at the moment it is issued; ``fn`` runs on the caller's current stream,
 which waits (``wait_event``, no host synchronisation) on the event of the exchange that
 brought its rows. The global current stream is never switched for the caller's code.
-Buffers handed to the communication stream are protected by ``record_stream`` (done by
-the backend), so the caching allocator never reuses a buffer a stream still reads. When
+Buffers handed to the communication stream are protected by ``record_stream`` (by the
+backend's ``_begin``, which the direct transport calls too), so the caching allocator never reuses a buffer a stream still reads. When
 the splits are host ints (or ``recv_splits`` is given) nothing in the pipeline blocks the
 host; a device tensor of ``send_splits`` is read once (one synchronisation), and without
 ``recv_splits`` the counts are exchanged once up front (one blocking exchange).
@@ -49,8 +75,9 @@ CPU (MPI backend)
 -----------------
 The exchanges are nonblocking ``MPI_Ialltoallv``: all scatters are issued before ``fn``
 runs on the first chunk, and each gather is issued before ``fn`` runs on the next chunk.
-MPI progresses the transfers while the host waits for a chunk; for progress while ``fn``
-itself computes, run MPICH with ``MPIR_CVAR_ASYNC_PROGRESS=1``.
+MPI moves data while the host polls (the communicator's waits poll continuously) and, for
+messages under its eager limit, at once; for progress while ``fn`` itself computes, run
+MPICH with ``MPIR_CVAR_ASYNC_PROGRESS=1``.
 
 Failures
 --------
@@ -73,8 +100,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -111,11 +136,6 @@ GPU work to hide that cost are chunked. A topology profile with measured degrees
 DIRECT = True
 """Use the direct transport (displacements, no packing) where the backend allows it; set
 False to send every stage through ``all_to_all_v`` instead (a fallback switch)."""
-
-SPIN_S = 0.2
-"""CPU backends: how long a wait for a chunk polls MPI (yielding the core between polls)
-before falling back to the communicator's own wait (which sleeps between polls). MPI moves
-a large message only while some call polls it, so sleeping waits slow the pipeline down."""
 
 _ABANDONED: list = []
 """Exchanges left in flight by a failed pipeline: kept referenced (buffers included) so
@@ -527,12 +547,7 @@ class _Run:
         return self.comm.all_to_all_v(x, send, recv, async_op=True, **self.kw)
 
     def _wait(self, work: Any) -> Any:
-        """``work.wait()``; on the CPU, poll first (progress for MPI, see :data:`SPIN_S`)."""
-        if self.plan.device.type == "cpu" and not work.is_completed():
-            deadline = time.monotonic() + SPIN_S
-            while not work.is_completed() and time.monotonic() < deadline:
-                os.sched_yield()
-        return work.wait()
+        return work.wait()  # GPU: the current stream waits on the exchange's event; CPU: polls MPI
 
     def token(self) -> torch.Tensor:
         return torch.empty(0, device=self.plan.device)
