@@ -254,7 +254,8 @@ def check_torch_dropin() -> None:
         mdist.all_to_all_single(ours, x, m[:, R].tolist(), m[R].tolist())
         work = mdist.all_to_all_single(ours_pg, x, m[:, R].tolist(), m[R].tolist(), group=group, async_op=True)
         work.wait()
-        collective_assert(torch.equal(ref, ours) and torch.equal(ref, ours_pg), f"drop-in all_to_all_single {dtype}")
+        same = np.array_equal(as_bytes(ref), as_bytes(ours)) and np.array_equal(as_bytes(ref), as_bytes(ours_pg))
+        collective_assert(same, f"drop-in all_to_all_single {dtype}")  # bytes: random bits hold NaNs
     ins = [torch.full((2, 3), float(R * 10 + p), device=DEV) for p in range(W)]  # gloo needs equal shapes
     ref = [torch.empty((2, 3), device=DEV) for _ in range(W)]
     ours = [torch.empty((2, 3), device=DEV) for _ in range(W)]
