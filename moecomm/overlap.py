@@ -65,8 +65,9 @@ Every exchange runs on the backend's own communication stream, ordered after the
 current stream at the moment it is issued; ``fn`` runs on the caller's current stream,
 which waits (``wait_event``, no host synchronisation) on the event of the exchange that
 brought its rows. The global current stream is never switched for the caller's code.
-Buffers handed to the communication stream are protected by ``record_stream`` (by the
-backend's ``_begin``, which the direct transport calls too), so the caching allocator never reuses a buffer a stream still reads. When
+Buffers handed to the communication stream are protected by ``record_stream`` (the
+backend's ``alltoallv`` does it), so the caching allocator never reuses a buffer a stream
+still reads. When
 the splits are host ints (or ``recv_splits`` is given) nothing in the pipeline blocks the
 host; a device tensor of ``send_splits`` is read once (one synchronisation), and without
 ``recv_splits`` the counts are exchanged once up front (one blocking exchange).
@@ -427,23 +428,6 @@ class Chunk:
 # -- the pipeline -----------------------------------------------------------------------------
 
 
-class _MpiRequest(Request):
-    __slots__ = ("_req", "_keep")
-
-    def __init__(self, req: Any, keep: tuple) -> None:
-        self._req = req
-        self._keep = keep
-
-    def test(self) -> bool:
-        if self._req is None:
-            return True
-        if self._req.Test():
-            self._req = None
-            self._keep = ()
-            return True
-        return False
-
-
 class _Transport:
     """Moves one stage: ``counts[p]`` rows from row ``displs[p]`` of a whole tensor to each peer.
 
@@ -464,11 +448,9 @@ class _Transport:
         b = getattr(comm, "_backend", None)
         self.backend = b
         self.mode = "generic"
-        if DIRECT and kw.get("algorithm", "flat") == "flat" and not comm.validate and b is not None:
-            if b.name == "nccl" and all(hasattr(b, a) for a in ("_raw", "_handle", "_begin", "_end")):
-                self.mode = "nccl"
-            elif b.name == "mpi" and hasattr(b, "mpi_comm") and hasattr(b, "_row_type"):
-                self.mode = "mpi"
+        if (DIRECT and kw.get("algorithm", "flat") == "flat" and not comm.validate and b is not None
+                and b.supports_displacements):
+            self.mode = "direct"
 
     @property
     def direct(self) -> bool:
@@ -479,47 +461,16 @@ class _Transport:
         comm = self.comm
         if comm.closed:
             raise CommunicatorClosedError(f"moecomm: cannot run {self.OP}: the communicator is closed")
+        b = self.backend
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
-        if self.mode == "nccl":
-            request = self._nccl(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
-        else:
-            request = self._mpi(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
-        return Work(comm, request, self.OP, (recv, None))
-
-    def _mpi(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes) -> Request:
-        from .backends.mpi import byte_view
-
         if row_bytes == 0:  # the same on every rank (row shapes agree): nothing moves anywhere
-            return DoneRequest()
-        b = self.backend
-        rt = b._row_type(row_bytes)
-        sb, rb = byte_view(send), byte_view(recv)
-        req = b.mpi_comm.Ialltoallv([sb, (send_counts, send_displs), rt], [rb, (recv_counts, recv_displs), rt])
-        return _MpiRequest(req, (send, recv, sb, rb))
-
-    def _nccl(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes) -> Request:
-        b = self.backend
-        if row_bytes == 0 or not (any(send_counts) or any(recv_counts)):
-            b.check_health()
-            return DoneRequest()  # point to point: a peer expects nothing from a rank that sends nothing
-        h = b._begin(send, recv)
-        raw, handle = b._raw, b._handle
-        sp, rp = send.data_ptr(), recv.data_ptr()
-        raw.group_start()
-        try:
-            for peer in range(b.size):  # the rank's own rows too, copied by NCCL in the same kernel
-                n = send_counts[peer]
-                if n:
-                    raw.send(sp + send_displs[peer] * row_bytes, n * row_bytes, _NCCL_UINT8, peer, handle, h)
-                n = recv_counts[peer]
-                if n:
-                    raw.recv(rp + recv_displs[peer] * row_bytes, n * row_bytes, _NCCL_UINT8, peer, handle, h)
-        finally:
-            raw.group_end()
-        return b._end(self.OP)
-
-
-_NCCL_UINT8 = 1  # ncclUint8
+            request: Request = DoneRequest()
+        elif b.stream_ordered and not (any(send_counts) or any(recv_counts)):
+            b.check_health()  # point to point: a peer expects nothing from a rank that sends nothing
+            request = DoneRequest()
+        else:
+            request = b.alltoallv(send, send_counts, recv, recv_counts, row_bytes, send_displs, recv_displs)
+        return Work(comm, request, self.OP, (recv, None))
 
 
 class _Run:

@@ -47,6 +47,9 @@ class Backend(abc.ABC):
     progress_on_test: bool = False
     """True where operations advance only while the host polls them (MPI's progress engine)."""
 
+    supports_displacements: bool = False
+    """True where :meth:`alltoallv` takes ``send_displs``/``recv_displs``."""
+
     @abc.abstractmethod
     def alltoallv(
         self,
@@ -55,8 +58,14 @@ class Backend(abc.ABC):
         recv: torch.Tensor,
         recv_counts: Sequence[int],
         row_bytes: int,
+        send_displs: Optional[Sequence[int]] = None,
+        recv_displs: Optional[Sequence[int]] = None,
     ) -> Request:
-        """Send ``send_counts[p]`` rows to each peer ``p``, receive ``recv_counts[p]`` from each."""
+        """Send ``send_counts[p]`` rows to each peer ``p``, receive ``recv_counts[p]`` from each.
+
+        Blocks are consecutive in peer order, or start at row ``send_displs[p]`` /
+        ``recv_displs[p]`` where the backend :attr:`supports_displacements`.
+        """
 
     @abc.abstractmethod
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Request:

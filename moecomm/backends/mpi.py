@@ -15,7 +15,7 @@ import torch
 from ..splits import split_offsets
 from .base import Backend, Request
 
-__all__ = ["MpiBackend", "byte_view"]
+__all__ = ["MpiBackend", "MpiRequest", "byte_view"]
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
@@ -23,7 +23,9 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-class _MpiRequest(Request):
+class MpiRequest(Request):
+    """An mpi4py request and the buffers it uses (kept alive until it completes)."""
+
     __slots__ = ("_req", "_keep")
 
     def __init__(self, req: Any, keep: tuple) -> None:
@@ -43,6 +45,7 @@ class _MpiRequest(Request):
 class MpiBackend(Backend):
     name = "mpi"
     progress_on_test = True
+    supports_displacements = True
 
     def __init__(self, comm: Any) -> None:
         from mpi4py import MPI
@@ -77,13 +80,13 @@ class MpiBackend(Backend):
             raise TypeError(f"the MPI backend cannot reduce dtype {dtype}")
         return table[dtype]
 
-    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes) -> Request:
+    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
         rt = self._row_type(row_bytes)
-        sd = split_offsets(list(send_counts))
-        rd = split_offsets(list(recv_counts))
+        sd = split_offsets(list(send_counts)) if send_displs is None else list(send_displs)
+        rd = split_offsets(list(recv_counts)) if recv_displs is None else list(recv_displs)
         sb, rb = byte_view(send), byte_view(recv)
         req = self._comm.Ialltoallv([sb, (list(send_counts), sd), rt], [rb, (list(recv_counts), rd), rt])
-        return _MpiRequest(req, (send, recv, sb, rb))
+        return MpiRequest(req, (send, recv, sb, rb))
 
     def alltoall(self, send, recv) -> Request:
         n = send.numel() * send.element_size() // self.size
@@ -91,14 +94,14 @@ class MpiBackend(Backend):
         cnt = 1 if n else 0
         sb, rb = byte_view(send), byte_view(recv)
         req = self._comm.Ialltoall([sb, cnt, rt], [rb, cnt, rt])
-        return _MpiRequest(req, (send, recv, sb, rb))
+        return MpiRequest(req, (send, recv, sb, rb))
 
     def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
         rt = self._row_type(row_bytes)
         sb, rb = byte_view(send), byte_view(recv)
         counts = list(recv_counts)
         req = self._comm.Iallgatherv([sb, counts[self.rank], rt], [rb, (counts, split_offsets(counts)), rt])
-        return _MpiRequest(req, (send, recv, sb, rb))
+        return MpiRequest(req, (send, recv, sb, rb))
 
     def allgather(self, send, recv) -> Request:
         n = send.numel() * send.element_size()
@@ -106,7 +109,7 @@ class MpiBackend(Backend):
         cnt = 1 if n else 0
         sb, rb = byte_view(send), byte_view(recv)
         req = self._comm.Iallgather([sb, cnt, rt], [rb, cnt, rt])
-        return _MpiRequest(req, (send, recv, sb, rb))
+        return MpiRequest(req, (send, recv, sb, rb))
 
     def allreduce(self, tensor, op) -> Request:
         MPI = self._MPI
@@ -116,15 +119,15 @@ class MpiBackend(Backend):
         mt = self._mpi_type(tensor.dtype)
         buf = byte_view(tensor)
         req = self._comm.Iallreduce(MPI.IN_PLACE, [buf, tensor.numel(), mt], mop)
-        return _MpiRequest(req, (tensor, buf))
+        return MpiRequest(req, (tensor, buf))
 
     def broadcast(self, tensor, root) -> Request:
         buf = byte_view(tensor)
         req = self._comm.Ibcast([buf, buf.size, self._MPI.BYTE], root=root)
-        return _MpiRequest(req, (tensor, buf))
+        return MpiRequest(req, (tensor, buf))
 
     def barrier(self) -> Request:
-        return _MpiRequest(self._comm.Ibarrier(), ())
+        return MpiRequest(self._comm.Ibarrier(), ())
 
     def split(self, color: Optional[int], key: int) -> Optional["MpiBackend"]:
         sub = self._comm.Split(self._MPI.UNDEFINED if color is None else color, key)

@@ -93,6 +93,7 @@ class _Watchdog:
 class NcclBackend(Backend):
     name = "nccl"
     stream_ordered = True
+    supports_displacements = True
 
     def __init__(self, nccl_comm: Any, device: torch.device, timeout_s: float) -> None:
         from nccl.bindings import nccl as raw
@@ -166,7 +167,7 @@ class NcclBackend(Backend):
 
     # -- collectives ----------------------------------------------------------------------
 
-    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes) -> Request:
+    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
         h = self._begin(send, recv)
         raw, comm = self._raw, self._handle
         sp, rp = send.data_ptr(), recv.data_ptr()
@@ -176,6 +177,9 @@ class NcclBackend(Backend):
             for peer in range(self.size):  # the rank's own block too: NCCL copies it in the same kernel
                 sc = send_counts[peer] * row_bytes
                 rc = recv_counts[peer] * row_bytes
+                if send_displs is not None:
+                    so = send_displs[peer] * row_bytes
+                    ro = recv_displs[peer] * row_bytes
                 if sc:
                     raw.send(sp + so, sc, _UINT8, peer, comm, h)
                 if rc:

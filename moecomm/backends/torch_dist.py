@@ -54,7 +54,9 @@ class TorchBackend(Backend):
         self.device = device
         self._closed = False
 
-    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes) -> Request:
+    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
+        if send_displs is not None or recv_displs is not None:
+            raise NotImplementedError("the torch backend sends consecutive blocks only")
         work = dist.all_to_all_single(
             _bytes(recv), _bytes(send),
             [c * row_bytes for c in recv_counts], [c * row_bytes for c in send_counts],
