@@ -113,21 +113,28 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def time_method(self, fn: Callable[[], torch.Tensor]) -> tuple[list[float], torch.Tensor]:
-        out = None
-        for _ in range(self.args.warmup):
-            out = fn()
+    def time_methods(self, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, tuple[list[float], torch.Tensor]]:
+        """Time every method round-robin (one exchange of each in turn), so that a noisy
+        moment on a shared machine hits them all alike; per exchange, the slowest rank."""
+        outs = {}
+        for name, fn in fns.items():
+            for _ in range(self.args.warmup):
+                outs[name] = fn()
         self.sync()
-        times = []
+        times: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(self.args.iters):
-            self.world.Barrier()
-            t0 = time.perf_counter()
-            out = fn()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        slowest = np.array(times)
-        self.world.Allreduce(_in_place(), slowest, op=_max_op())
-        return slowest.tolist(), out
+            for name, fn in fns.items():
+                self.world.Barrier()
+                t0 = time.perf_counter()
+                outs[name] = fn()
+                self.sync()
+                times[name].append(time.perf_counter() - t0)
+        result = {}
+        for name in fns:
+            slowest = np.array(times[name])
+            self.world.Allreduce(_in_place(), slowest, op=_max_op())
+            result[name] = (slowest.tolist(), outs[name])
+        return result
 
     def run_size(self, pattern: str, size_bytes: int) -> list[dict]:
         W, R = self.comm.size, self.comm.rank
@@ -156,10 +163,8 @@ class Bench:
             methods["torch"] = lambda: self._torch_pattern(x, counts_dev)
             methods["raw"] = self._raw_method(x, send, recv, pattern)
         results = []
-        for name, fn in methods.items():
-            if fn is None:
-                continue
-            times, out = self.time_method(fn)
+        timed = self.time_methods({name: fn for name, fn in methods.items() if fn is not None})
+        for name, (times, out) in timed.items():
             med = float(np.median(times))
             p99 = float(np.percentile(times, 99))
             algbw = size_bytes / med / 1e9 if med > 0 else 0.0

@@ -570,30 +570,42 @@ class Communicator:
             self._wait_host(request, op, timeout)
 
     def _wait_host(self, request: Request, op: str, timeout: Optional[float]) -> None:
-        limit = self.timeout if timeout is None else float(timeout)
         if request.test():
             return
+        limit = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
         deadline = start + limit
+        test = request.test
+        if self._backend.progress_on_test:
+            # MPI moves large messages only while it is polled (as MPI_Wait does): poll in a
+            # tight loop that yields the core, and look at the clock every 64 polls.
+            while True:
+                for _ in range(64):
+                    if test():
+                        return
+                    os.sched_yield()
+                if time.monotonic() > deadline:
+                    self._time_out(request, op, limit)
         pause = 0.0
-        while not request.test():
+        while not test():
             now = time.monotonic()
             if now > deadline:
-                self._abandoned.append(request)
-                self.abort()
-                raise TimeoutError(
-                    f"moecomm: {op} did not complete within {limit:g} s on rank {self.rank} "
-                    f"(backend {self.backend}); the communicator was aborted"
-                )
+                self._time_out(request, op, limit)
             self._check_open(op)
-            # Poll, yielding the core. MPI moves large messages only while it is polled
-            # (as MPI_Wait does), so it is polled throughout; other backends progress on
-            # their own, and after 5 ms their waits back off to 1 ms sleeps.
-            if self._backend.progress_on_test or now - start < 5e-3:
+            # Other backends progress on their own: yield for 5 ms, then sleep up to 1 ms.
+            if now - start < 5e-3:
                 os.sched_yield()
             else:
                 pause = min(1e-3, pause * 2 if pause else 5e-5)
                 time.sleep(pause)
+
+    def _time_out(self, request: Request, op: str, limit: float) -> None:
+        self._abandoned.append(request)
+        self.abort()
+        raise TimeoutError(
+            f"moecomm: {op} did not complete within {limit:g} s on rank {self.rank} "
+            f"(backend {self.backend}); the communicator was aborted"
+        )
 
 
 class _ThenRequest(Request):

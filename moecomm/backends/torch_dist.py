@@ -97,9 +97,9 @@ class TorchBackend(Backend):
         return _WorkRequest(dist.barrier(group=self.group, async_op=True), ())
 
     def split(self, color: Optional[int], key: int) -> Optional["TorchBackend"]:
-        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64)
-        table = torch.empty(self.size * 2, dtype=torch.int64)
-        _all_gather_single(table, mine, group=self.group)
+        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64, device=self.device)
+        table = torch.empty(self.size * 2, dtype=torch.int64, device=self.device)
+        _all_gather_single(table, mine, group=self.group)  # on the group's device: NCCL groups have no CPU
         rows = table.view(self.size, 2).tolist()
         if color is None:
             return None
