@@ -138,10 +138,6 @@ DIRECT = True
 """Use the direct transport (displacements, no packing) where the backend allows it; set
 False to send every stage through ``all_to_all_v`` instead (a fallback switch)."""
 
-_ABANDONED: list = []
-"""Exchanges left in flight by a failed pipeline: kept referenced (buffers included) so
-that a peer's late transfer never lands in freed memory (the communicator is aborted)."""
-
 Fn = Callable[[torch.Tensor, "Chunk"], torch.Tensor]
 
 
@@ -508,11 +504,12 @@ class _Run:
         return Chunk(c, p.stages, p.recv_counts[c], p.recv_bounds[c].tolist(), p.recv, p.device)
 
     def abandon(self) -> None:
-        """Keep whatever is still in flight referenced, and abort the communicator."""
+        """Keep whatever is still in flight referenced (by the communicator, buffers included,
+        so that a peer's late transfer never lands in freed memory), and abort the communicator."""
         for works in (self.scatter, self.gather, self.grad_scatter, self.grad_gather):
             for w in works:
                 if w is not None and not w.is_completed():
-                    _ABANDONED.append(w)
+                    self.comm._abandoned.append(w)
         self.comm.abort()
 
     # forward

@@ -12,33 +12,16 @@ from moecomm.profile import Profile, ProfileEntry, default_profile_path
 
 from .measure import Timing, alltoall_input, format_bytes, format_seconds, probe_links, time_collective
 
-__all__ = ["tune", "set_overlap_hook", "overlap_runner"]
+__all__ = ["tune", "ExpertFn"]
 
-OverlapHook = Callable[["moecomm.Communicator", torch.Tensor, list, int, str], Optional[Callable[[], object]]]
-
-
-def _default_overlap_hook(comm, x, send, degree, algorithm):
-    """One ``comm.scatter_compute_gather`` (identity compute) at chunk count ``degree``.
-
-    Returns a zero-argument callable that runs it, or None where the communicator has no
-    such method (the overlap sweep is then skipped).
-    """
-    fn = getattr(comm, "scatter_compute_gather", None)
-    if fn is None:
-        return None
-    return lambda: fn(x, send, lambda rows, chunk: rows, degree=degree, algorithm=algorithm)
+ExpertFn = Callable[[torch.Tensor, object], torch.Tensor]
+"""The compute ``tune --degrees`` overlaps with the exchange: ``fn(rows, chunk)`` as for
+``Communicator.scatter_compute_gather``. Identity by default, which measures the pipeline's
+exchange cost alone; pass a representative expert to tune for a real layer."""
 
 
-_overlap_hook: list = [_default_overlap_hook]
-
-
-def set_overlap_hook(hook: Optional[OverlapHook]) -> None:
-    """Replace how ``tune --degrees`` runs the overlapped exchange (None: the default hook)."""
-    _overlap_hook[0] = hook or _default_overlap_hook
-
-
-def overlap_runner(comm, x, send, degree, algorithm="flat"):
-    return _overlap_hook[0](comm, x, send, degree, algorithm)
+def _identity(rows: torch.Tensor, chunk: object) -> torch.Tensor:
+    return rows
 
 
 def tune(
@@ -53,6 +36,7 @@ def tune(
     known_counts: bool = False,
     probe_sizes: Sequence[int] = (),
     degrees: Sequence[int] = (),
+    expert_fn: Optional[ExpertFn] = None,
     log: Callable[[str], None] = print,
 ) -> Profile:
     """Collective: measure and return the profile (rank 0 logs through ``log``)."""
@@ -79,7 +63,8 @@ def tune(
         choice = "2dh" if timings["2dh"].median_s < timings["flat"].median_s else "flat"
         best_degree = None
         if degrees:
-            best_degree, overlap_note = _sweep_degrees(comm, x, send, degrees, iters, warmup, timings, choice)
+            best_degree, overlap_note = _sweep_degrees(comm, x, send, degrees, iters, warmup, timings, choice,
+                                                       expert_fn or _identity)
         actual = x.numel() * x.element_size()
         entries.append(ProfileEntry(actual, choice, {k: v.to_json() for k, v in timings.items()}, best_degree))
         f, h = timings["flat"], timings["2dh"]
@@ -100,14 +85,12 @@ def tune(
     )
 
 
-def _sweep_degrees(comm, x, send, degrees, iters, warmup, timings, algorithm) -> tuple[Optional[int], str]:
+def _sweep_degrees(comm, x, send, degrees, iters, warmup, timings, algorithm, fn) -> tuple[Optional[int], str]:
     """Time the overlapped scatter/compute/gather at each chunk count with the chosen algorithm."""
     best: Optional[tuple[float, int]] = None
     for d in degrees:
-        run = overlap_runner(comm, x, send, d, algorithm)
-        if run is None:
-            return None, ("overlap degrees skipped: this communicator has no scatter_compute_gather yet "
-                          "(topology.tune.set_overlap_hook can supply one)")
+        def run(d=d):
+            return comm.scatter_compute_gather(x, send, fn, degree=d, algorithm=algorithm)
         t = time_collective(comm, run, iters=iters, warmup=warmup)
         timings[f"overlap_d{d}"] = t
         if best is None or t.median_s < best[0]:
