@@ -58,6 +58,25 @@ def _allgather(obj):
     return MPI.COMM_WORLD.allgather(obj)
 
 
+def init_gloo_over_mpi() -> None:
+    """Inside MPI ranks: a torch.distributed gloo group over the same ranks (rank 0 picks a port)."""
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    if dist.is_initialized():
+        return
+    world = MPI.COMM_WORLD
+    port = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
+
+
 def world_rank() -> int:
     if under_torchrun():
         return int(os.environ["RANK"])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
-from tests.mpi_util import collective_assert, rank_main, under_torchrun, world_barrier
+from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main, under_torchrun, world_barrier
 from tests.ranks.data import DTYPES, ROW_SHAPES, as_bytes, count_matrix, expected_bytes, input_for
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "mpi"
@@ -25,25 +25,9 @@ def make_comm(**kw):
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            _init_gloo()
+            init_gloo_over_mpi()
         return moecomm.init(process_group=dist.group.WORLD, **kw)
     return moecomm.init(backend=BACKEND, **kw)
-
-
-def _init_gloo() -> None:
-    import socket
-
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size)
 
 
 COMM = make_comm(timeout=60)
@@ -240,7 +224,7 @@ def check_torch_dropin() -> None:
     import moecomm.distributed as mdist
 
     if not tdist.is_initialized():
-        _init_gloo()
+        init_gloo_over_mpi()
     group = tdist.new_group(backend="nccl") if DEV.type == "cuda" else tdist.group.WORLD
     seed = 21
     m = count_matrix(seed, W, 5, 0.3)

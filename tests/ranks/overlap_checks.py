@@ -22,7 +22,7 @@ import moecomm
 from moecomm import overlap
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk
-from tests.mpi_util import collective_assert, rank_main
+from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "mpi"
 
@@ -37,21 +37,9 @@ SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples
 
 def make_comm(**kw):
     if BACKEND == "torch":
-        import socket
-
         import torch.distributed as dist
-        from mpi4py import MPI
 
-        if not dist.is_initialized():
-            world = MPI.COMM_WORLD
-            port = None
-            if world.rank == 0:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-            port = world.bcast(port, root=0)
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
-                                    world_size=world.size)
+        init_gloo_over_mpi()
         return moecomm.init(process_group=dist.group.WORLD, **kw)
     return moecomm.init(backend=BACKEND, **kw)
 
