@@ -21,6 +21,9 @@ def normalize_splits(splits: Splits, name: str, size: int) -> list[int]:
         TypeError: ``splits`` is not a sequence of ints or a 1-D integer tensor/array.
         ValueError: wrong length or a negative entry; the message names ``name``.
     """
+    if type(splits) is list or type(splits) is tuple:  # the common case, checked cheaply
+        if len(splits) == size and all(type(v) is int and v >= 0 for v in splits):
+            return list(splits)
     if isinstance(splits, torch.Tensor):
         if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {splits.dtype}")
