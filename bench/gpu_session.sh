@@ -5,7 +5,8 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
-mkdir -p "$OUT"
+RES=$OUT/files   # JSON and PNG outputs; packed into $OUT/results.tgz at the end (one file back)
+mkdir -p "$RES"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 MOECOMM_TIMEOUT=120 OMP_NUM_THREADS=4
 MPI=(mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS)
@@ -31,20 +32,27 @@ run_step() {
     torchrun) step core_torchrun 120 torchrun --standalone --nproc-per-node 2 -m tests.ranks.core_collectives nccl ;;
     a2a)
       step alltoall_uniform 150 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
-        -b 256K -e 512M -f 2 -p uniform --compare -n 30 --no-progress --json "$OUT/alltoall_uniform.json"
+        -b 256K -e 512M -f 2 -p uniform --compare -n 30 --no-progress --json "$RES/alltoall_uniform.json"
       step alltoall_variable 120 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
-        -b 256K -e 512M -f 4 -p random,skewed --compare -n 30 --no-progress --json "$OUT/alltoall_variable.json" ;;
+        -b 256K -e 512M -f 4 -p random,skewed --compare -n 30 --no-progress --json "$RES/alltoall_variable.json" ;;
     hier)
-      step hier_1x2 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 2 --skew 1.0 --json "$OUT/hier_1x2.json"
-      step hier_2x1 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 1 --skew 1.0 --json "$OUT/hier_2x1.json" ;;
-    overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$OUT/overlap.json" ;;
-    kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$OUT/kernels.json" ;;
+      step hier_1x2 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 2 --skew 1.0 --json "$RES/hier_1x2.json"
+      step hier_2x1 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 1 --skew 1.0 --json "$RES/hier_2x1.json" ;;
+    overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
+    kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$RES/kernels.json" ;;
     gputests) step pytest_gpu 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
     moe)
-      step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$OUT/moe_layer.json"
+      step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
       step moe_dropless 60 "${MPI[@]}" python3 -m bench.moe_layer --dropless --top-k 2 ;;
     moetests) step moe_checks 120 "${MPI[@]}" python3 -m tests.ranks.moe_layer_checks all cuda ;;
     overlaptests) step overlap_checks 60 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl ;;
+    topology)
+      step probe_1x2 90 "${MPI[@]}" python3 -m topology probe --local-size 2 --out "$RES/probe_1x2.json"
+      step tune_2x1 150 "${MPI[@]}" python3 -m topology tune --local-size 1 --sizes 64K,1M,16M,256M --degrees 1,2,4 \
+        --out "$RES/profile_2x1.json"
+      step show_2x1 30 python3 -m topology show "$RES/profile_2x1.json" --png "$RES/profile_2x1.png"
+      step simulate_2x1 30 python3 -m topology simulate --nodes 2 --local-size 1 --profile "$RES/profile_2x1.json"
+      step simulate_h200 30 python3 -m topology simulate --nodes 64 --local-size 8 ;;
     *) echo "unknown step $1" >> "$LOG" ;;
   esac
 }
@@ -53,8 +61,9 @@ run_step() {
   python3 -c "import torch, nccl.core as n; print('torch', torch.__version__, 'nccl4py', n.__version__)"; } >> "$LOG" 2>&1
 
 # Steps run in the order given (default: all of them).
-for name in ${*:-core torchrun a2a hier overlap kernels gputests moe moetests overlaptests}; do
+for name in ${*:-core torchrun a2a hier topology overlap kernels gputests moe moetests overlaptests}; do
   run_step "$name"
 done
 
+tar czf "$OUT/results.tgz" -C "$RES" . && rm -rf "$RES"
 printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG"
