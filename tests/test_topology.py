@@ -167,3 +167,20 @@ def test_cli_errors(tmp_path, capsys):
     assert cli.main(["simulate", "--nodes", "0", "--local-size", "2"]) == 2
     with pytest.raises(SystemExit):
         cli.main(["tune", "--sizes", "lots"])
+
+
+def test_tune_expert_fn():
+    """``tune --expert-hidden``: the overlap sweep times a real FFN over rows of --row-bytes."""
+    import torch
+
+    from topology.cli import _expert_fn
+
+    assert _expert_fn(0, 64, torch.float32, torch.device("cpu")) is None
+    fn = _expert_fn(8, 64, torch.float32, torch.device("cpu"))
+    rows = torch.randn(5, 16)
+    out = fn(rows, None)
+    assert out.shape == (5, 16) and torch.isfinite(out).all()
+    with pytest.raises(SystemExit, match="whole torch.float32 elements"):
+        _expert_fn(8, 6, torch.float32, torch.device("cpu"))
+    with pytest.raises(SystemExit, match="floating --dtype"):
+        _expert_fn(8, 64, torch.int32, torch.device("cpu"))

@@ -103,6 +103,24 @@ def _print_links(links: dict) -> None:
 # -- tune ------------------------------------------------------------------------------------
 
 
+def _expert_fn(hidden: int, row_bytes: int, dtype, device):
+    """An expert FFN (two matmuls with a ReLU) over rows of ``row_bytes``, for the overlap
+    sweep; None (identity compute) when ``hidden`` is 0."""
+    if not hidden:
+        return None
+    import torch
+
+    width = row_bytes // torch.empty((), dtype=dtype).element_size()
+    if width < 1 or width * torch.empty((), dtype=dtype).element_size() != row_bytes:
+        raise SystemExit(f"--expert-hidden needs --row-bytes to hold whole {dtype} elements, got {row_bytes}")
+    if not dtype.is_floating_point:
+        raise SystemExit(f"--expert-hidden needs a floating --dtype, got {dtype}")
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(width, hidden, generator=g) / width ** 0.5).to(device=device, dtype=dtype)
+    w2 = (torch.randn(hidden, width, generator=g) / hidden ** 0.5).to(device=device, dtype=dtype)
+    return lambda rows, chunk: torch.relu(rows @ w1) @ w2
+
+
 def cmd_tune(args) -> int:
     from .tune import default_output, tune
 
@@ -112,7 +130,8 @@ def cmd_tune(args) -> int:
               f"fingerprint {comm._hier.fingerprint.key()}")
     profile = tune(comm, args.sizes, iters=args.iters, warmup=args.warmup, row_bytes=args.row_bytes,
                    dtype=args.dtype, skew=args.skew, known_counts=args.known_counts,
-                   probe_sizes=[] if args.no_probe else args.probe_sizes, degrees=args.degrees or ())
+                   probe_sizes=[] if args.no_probe else args.probe_sizes, degrees=args.degrees or (),
+                   expert_fn=_expert_fn(args.expert_hidden, args.row_bytes, args.dtype, comm.device))
     if comm.rank == 0:
         out = args.out or default_output(profile)
         path = profile.save(out)
@@ -329,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--known-counts", action="store_true", help="pass recv_splits (no count exchange timed)")
     tu.add_argument("--degrees", type=_ints, default=None,
                     help="overlap chunk counts to time through comm.scatter_compute_gather (identity compute) with each size's chosen algorithm; the best is stored as the entry's degree")
+    tu.add_argument("--expert-hidden", type=int, default=0,
+                    help="with --degrees: overlap an expert FFN of this hidden size (default 0: identity compute)")
     tu.add_argument("--out", default=None, help="profile path (default: <profile dir>/<fingerprint>.json)")
     tu.set_defaults(func=cmd_tune)
 
