@@ -98,7 +98,7 @@ class Communicator:
         self._pool = pool
         self._closed: Optional[str] = None
         self._abandoned: list[Request] = []
-        self._counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
 
     # -- identity ---------------------------------------------------------------------------
@@ -472,51 +472,61 @@ class Communicator:
         check_split_total(values, t.shape[0], name, tensor_name)
         return values
 
-    def _staging(self, count: int, dtype: torch.dtype, *, host: bool) -> torch.Tensor:
+    def _staging(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` elements of pooled device memory for work on this communicator's stream."""
         nbytes = count * torch.empty((), dtype=dtype).element_size()
-        dev = torch.device("cpu") if host else self.device
-        pinned = host and self.device.type == "cuda"
-        return self._pool.take(nbytes, dev, id(self._backend), pinned=pinned).view(dtype)
+        return self._pool.take(nbytes, self.device, id(self._backend)).view(dtype)
 
-    def _unstage(self, buf: torch.Tensor, *, host: bool) -> None:
-        dev = torch.device("cpu") if host else self.device
-        self._pool.give(buf, dev, id(self._backend), pinned=host and self.device.type == "cuda")
+    def _unstage(self, buf: torch.Tensor) -> None:
+        self._pool.give(buf, self.device, id(self._backend))
 
-    def _count_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This communicator's own staging for counts: ``[2 * size]`` int64 on the device and
-        (pinned) on the host. Count exchanges block the host until done, so one pair serves all."""
-        if self._counts is None:
-            w = self.size
-            dev = torch.empty(2 * w, dtype=torch.int64, device=self.device)
-            host = dev if self.device.type == "cpu" else torch.empty(2 * w, dtype=torch.int64, pin_memory=True)
-            self._counts = (dev, host)
-        return self._counts
+    def _count_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This communicator's own staging for ``n`` ints out and ``n`` in: ``[2 * n]`` int64 on
+        the device and (pinned) on the host. Exchanges of ints block the host until done, so
+        one pair per size serves every call (an explicit cache, keyed by ``n``)."""
+        bufs = self._counts.get(n)
+        if bufs is None:
+            dev = torch.empty(2 * n, dtype=torch.int64, device=self.device)
+            host = dev if self.device.type == "cpu" else torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+            bufs = self._counts[n] = (dev, host)
+        return bufs
+
+    def _exchange_ints(self, values: Union[torch.Tensor, Sequence[int]], per_peer: int, op: str) -> tuple[list[int], list[int]]:
+        """All-to-all of ``per_peer`` int64s with every rank (blocks the host until done).
+
+        ``values`` holds ``size * per_peer`` ints, peer by peer (a host sequence or an integer
+        tensor on any device). Returns (sent, received) as host lists in the same layout.
+        """
+        n = self.size * per_peer
+        if n == 0:
+            return [], []
+        dev, host = self._count_buffers(n)
+        if isinstance(values, torch.Tensor):
+            dev[:n].copy_(values, non_blocking=True)
+        else:
+            dev[:n].copy_(torch.tensor(values, dtype=torch.int64))
+        if self._backend.stream_ordered:
+            # One stream-ordered request: the exchange and the copy to pinned host memory.
+            self._wait_host(self._backend.exchange_counts(dev, host), op, None)
+        else:
+            if self.size == 1:
+                dev[n:].copy_(dev[:n])
+            else:
+                self._wait_host(self._backend.alltoall(dev[:n], dev[n:]), op, None)
+            if host is not dev:
+                host.copy_(dev)
+        values_out = host.tolist()
+        return values_out[:n], values_out[n:]
 
     def _exchange_counts(self, send_splits: Union[torch.Tensor, list[int]], name: str) -> tuple[list[int], list[int]]:
         """One all-to-all of row counts; returns (send, recv) as host lists."""
         w = self.size
-        dev, host = self._count_buffers()
         if isinstance(send_splits, torch.Tensor):
             if send_splits.dtype.is_floating_point or send_splits.dtype == torch.bool or send_splits.dtype.is_complex:
                 raise TypeError(f"{name} must be an integer tensor, got dtype {send_splits.dtype}")
             if send_splits.shape != (w,):
                 raise ValueError(f"{name} must be 1-D with {w} entries, got shape {tuple(send_splits.shape)}")
-            dev[:w].copy_(send_splits, non_blocking=True)
-        else:
-            dev[:w].copy_(torch.tensor(send_splits, dtype=torch.int64), non_blocking=False)
-        op = "all_to_all_v (count exchange)"
-        if self._backend.stream_ordered:
-            # One stream-ordered request: the exchange and the copy to pinned host memory.
-            self._wait_host(self._backend.exchange_counts(dev, host), op, None)
-        else:
-            if w == 1:
-                dev[w:].copy_(dev[:w])
-            else:
-                self._wait_host(self._backend.alltoall(dev[:w], dev[w:]), op, None)
-            if host is not dev:
-                host.copy_(dev)
-        values = host.tolist()
-        return values[:w], values[w:]
+        return self._exchange_ints(send_splits, 1, "all_to_all_v (count exchange)")
 
     def _gather_ints(self, values: list[int], op: str) -> list[list[int]]:
         """All-gather a short list of ints from every rank (blocks the host)."""

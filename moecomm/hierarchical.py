@@ -360,26 +360,9 @@ class Plan:
 
 def _alltoall_ints(sub: "Communicator", values: list[int], what: str) -> list[int]:
     """Equal blocks of ints to every member of ``sub`` (blocks the host)."""
-    n = len(values)
     if sub.size == 1:
         return list(values)
-    dev = sub._staging(2 * n, torch.int64, host=False)
-    dev[:n].copy_(torch.tensor(values, dtype=torch.int64))
-    request = sub._backend.alltoall(dev[:n], dev[n:])
-    host = dev
-    if sub.device.type == "cuda":
-        if not sub._backend.stream_ordered:
-            # e.g. the torch backend over an NCCL group: the copy below runs on the current
-            # stream, which is ordered after the exchange only once the exchange has completed.
-            sub._wait_host(request, what, None)
-        host = sub._staging(2 * n, torch.int64, host=True)
-        request = sub._backend.copy_to_host(dev, host)
-    sub._wait_host(request, what, None)
-    out = host[n:].tolist()
-    if host is not dev:
-        sub._unstage(host, host=True)
-    sub._unstage(dev, host=False)
-    return out
+    return sub._exchange_ints(values, len(values) // sub.size, what)[1]
 
 
 def _make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]]) -> Plan:
@@ -509,7 +492,7 @@ class _Chain(Request):
         if last:
             return self._out
         count = rows * math.prod(self._row_shape)
-        buf = self._comm._staging(count, self._out.dtype, host=False).view((rows,) + self._row_shape)
+        buf = self._comm._staging(count, self._out.dtype).view((rows,) + self._row_shape)
         self._pooled.append(buf)
         return buf
 
@@ -517,7 +500,7 @@ class _Chain(Request):
         for i, b in enumerate(self._pooled):
             if b is buf:
                 del self._pooled[i]
-                self._comm._unstage(b, host=False)
+                self._comm._unstage(b)
                 return
 
     # -- steps --
@@ -599,7 +582,7 @@ class _Chain(Request):
         self._done = True
         self._unpend()
         for b in self._pooled:
-            self._comm._unstage(b, host=False)
+            self._comm._unstage(b)
         self._pooled = []
         self._buf = self._out
 

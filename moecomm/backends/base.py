@@ -81,8 +81,9 @@ class Backend(abc.ABC):
         return DoneRequest()
 
     def exchange_counts(self, counts: torch.Tensor, host: torch.Tensor) -> Request:
-        """Stream-ordered backends only: all-to-all ``counts[:size]`` into ``counts[size:]`` (one
-        int64 per peer), then copy all of ``counts`` into the pinned host tensor ``host``."""
+        """Stream-ordered backends only: all-to-all the first half of the int64 tensor
+        ``counts`` (equal blocks per peer) into its second half, then copy all of ``counts``
+        into the pinned host tensor ``host``."""
         raise NotImplementedError(f"the {self.name} backend is not stream-ordered")
 
     @abc.abstractmethod

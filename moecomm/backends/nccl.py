@@ -223,9 +223,9 @@ class NcclBackend(Backend):
 
     def exchange_counts(self, counts, host) -> Request:
         h = self._begin(counts)
-        w = self.size
+        half = counts.numel() // 2  # int64s out, then as many in
         p = counts.data_ptr()
-        self._raw.allto_all(p, p + 8 * w, 8, _UINT8, self._handle, h)
+        self._raw.allto_all(p, p + 8 * half, 8 * half // self.size, _UINT8, self._handle, h)
         with torch.cuda.stream(self.stream):
             host.copy_(counts, non_blocking=True)
         return self._end("all_to_all_v (count exchange)")
