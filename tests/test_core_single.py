@@ -154,3 +154,23 @@ def test_pool_reuse_and_bound():
     pool.give(big, dev, "s")
     st_ = pool.stats()
     assert st_.cached_bytes <= 4096 and st_.in_use_bytes == 0
+
+
+def test_work_handle(comm):
+    x = torch.arange(6.0).reshape(3, 2)
+    work = comm.all_to_all_v(x, [3], async_op=True)
+    out, recv = work.synchronize(timeout=10)
+    assert work.is_completed() and recv == [3] and torch.equal(out, x)
+    assert work.wait() == (out, recv)  # waiting again returns the same result
+    y = torch.empty_like(x)
+    assert comm.all_to_all_single(y, x, async_op=True).wait() is True and torch.equal(y, x)
+    t = torch.ones(3)
+    assert comm.allreduce(t, async_op=True).wait() is True and torch.equal(t, torch.ones(3))
+
+
+def test_pool_stats_after_calls(comm):
+    before = comm.pool_stats()
+    for _ in range(3):
+        comm.all_to_all_v(torch.zeros(4, 3), [4])
+    after = comm.pool_stats()
+    assert after.in_use_bytes == 0 and after.capacity_bytes == before.capacity_bytes
