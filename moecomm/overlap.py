@@ -673,30 +673,6 @@ class _Collect(torch.autograd.Function):
 # -- the entry point --------------------------------------------------------------------------
 
 
-def _a2a_kwargs(comm: Any, algorithm: Optional[str]) -> dict:
-    if algorithm is None:
-        return {}
-    import inspect
-
-    try:
-        accepts = "algorithm" in inspect.signature(comm.all_to_all_v).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    if accepts:
-        return {"algorithm": algorithm}
-    if algorithm == "flat":
-        return {}
-    raise ValueError(f"algorithm={algorithm!r}: this communicator's all_to_all_v has no 'algorithm' argument "
-                     f"(only the flat all-to-all exists); pass algorithm=None or 'flat'")
-
-
-def _exchange_counts(comm: Any, send: list[int]) -> list[int]:
-    w = comm.size
-    t = torch.tensor(send, dtype=torch.int64, device=comm.device).view(w, 1)
-    out, _ = comm.all_to_all_v(t, [1] * w, [1] * w)
-    return [int(v) for v in out.view(-1).tolist()]
-
-
 def scatter_compute_gather(
     comm: Any,
     input: torch.Tensor,
@@ -720,8 +696,8 @@ def scatter_compute_gather(
         degree: chunks per peer, 1 to :data:`MAX_DEGREE`, or ``"auto"``
             (:func:`auto_pieces`). 1 is the non-overlapped computation.
         recv_splits: rows from each rank, if known (else exchanged once, up front).
-        algorithm: passed to every ``all_to_all_v`` of the pipeline (e.g. ``"2dh"``), where
-            the communicator supports it; None: its default.
+        algorithm: passed to every ``all_to_all_v`` of the pipeline (e.g. ``"2dh"``); None:
+            its default. ``"auto"`` is decided once per call, for the whole input.
 
     Returns:
         ``[N, *out_shape]``: row ``i`` is ``fn``'s result for ``input`` row ``i``, exactly
@@ -742,11 +718,17 @@ def scatter_compute_gather(
     if input.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"input has unsupported dtype {input.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
     degree = _check_degree(degree)
-    kw = _a2a_kwargs(comm, algorithm)
+    if algorithm == "auto":
+        # Decided once for the whole call (one collective), not once per stage.
+        from .hierarchical import choose_algorithm
+
+        algorithm = choose_algorithm(comm, input)
+    kw = {} if algorithm is None else {"algorithm": algorithm}
     w = comm.size
     send = normalize_splits(send_splits, "send_splits", w)
     check_split_total(send, input.shape[0], "send_splits", "input")
-    recv = _exchange_counts(comm, send) if recv_splits is None else normalize_splits(recv_splits, "recv_splits", w)
+    recv = comm._exchange_counts(send, "send_splits")[1] if recv_splits is None else \
+        normalize_splits(recv_splits, "recv_splits", w)
 
     if degree == "auto":
         row_bytes = math.prod(input.shape[1:]) * input.element_size()
