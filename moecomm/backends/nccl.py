@@ -179,6 +179,7 @@ class NcclBackend(Backend):
                 rc = recv_counts[peer] * row_bytes
                 if send_displs is not None:
                     so = send_displs[peer] * row_bytes
+                if recv_displs is not None:
                     ro = recv_displs[peer] * row_bytes
                 if sc:
                     raw.send(sp + so, sc, _UINT8, peer, comm, h)
