@@ -30,24 +30,22 @@ import numpy as np
 import torch
 
 import moecomm
+from topology.measure import parse_bytes
 
 __all__ = ["main", "parse_size", "count_matrix"]
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def parse_size(text: str) -> int:
-    """'64K' -> 65536 (binary units, like nccl-tests)."""
-    t = text.strip().upper().rstrip("B") or "0"
-    unit = t[-1] if t[-1] in _UNITS else ""
+    """'64K' -> 65536 (binary units, like nccl-tests); sizes must be > 0."""
     try:
-        value = float(t[:-1] if unit else t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must look like 1K, 16M or 1G, got {text!r}") from None
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return int(value * _UNITS[unit])
+    return value
 
 
 def count_matrix(pattern: str, size: int, rows_per_rank: int, seed: int) -> np.ndarray:

@@ -365,11 +365,11 @@ class Communicator:
         self._check_open(name)
         t = self._check_tensor(tensor, "tensor", min_dim=0)
         op_name = _reduce_op_name(op)
+        if t.dtype.is_complex or t.dtype in _float8_dtypes():
+            raise TypeError(f"tensor: allreduce does not support dtype {t.dtype}")
         work_tensor = t
         if self.backend == "mpi" and t.dtype in (torch.float16, torch.bfloat16):
             work_tensor = t.float()
-        if t.dtype.is_complex or t.dtype in _float8_dtypes():
-            raise TypeError(f"tensor: allreduce does not support dtype {t.dtype}")
         request = self._backend.allreduce(work_tensor, op_name)
         then = (lambda: t.copy_(work_tensor)) if work_tensor is not t else None
         return self._finish(request, name, True if async_op else None, async_op, then=then)

@@ -77,7 +77,7 @@ class MpiBackend(Backend):
             torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.bool: MPI.C_BOOL,
         }
         if dtype not in table:
-            raise TypeError(f"the MPI backend cannot reduce dtype {dtype}")
+            raise TypeError(f"tensor: the MPI backend cannot reduce dtype {dtype}")
         return table[dtype]
 
     def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:

@@ -107,6 +107,7 @@ class NcclBackend(Backend):
         self.timeout_s = timeout_s
         self.stream = torch.cuda.Stream(device, priority=-1)
         self._ready = torch.cuda.Event()  # re-recorded by every operation: the caller's stream point
+        self._barrier_token = torch.zeros(1, dtype=torch.int32, device=device)
         self._watchdog = _Watchdog(self)
         self._aborted = False
 
@@ -247,7 +248,7 @@ class NcclBackend(Backend):
 
     def allreduce(self, tensor, op) -> Request:
         if tensor.dtype not in _NCCL_DTYPES:
-            raise TypeError(f"the NCCL backend cannot reduce dtype {tensor.dtype}")
+            raise TypeError(f"tensor: the NCCL backend cannot reduce dtype {tensor.dtype} (NCCL has no such type)")
         h = self._begin(tensor)
         if tensor.numel():
             p = tensor.data_ptr()
@@ -263,8 +264,8 @@ class NcclBackend(Backend):
         return self._end("broadcast")
 
     def barrier(self) -> Request:
-        token = torch.zeros(1, dtype=torch.int32, device=self.device)
-        return self.allreduce(token, "sum")
+        # One kept zero, reduced with max: no allocation per barrier, and it stays zero.
+        return self.allreduce(self._barrier_token, "max")
 
     def split(self, color: Optional[int], key: int) -> Optional["NcclBackend"]:
         self.check_health()

@@ -8,6 +8,8 @@ of its own parameters summed over all ranks' tokens.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional, Sequence
 
 import torch
@@ -23,9 +25,7 @@ def _assemble(parts: Tensor, shapes: list, specs: list, world: int, shards: int)
         if shape is None:
             out.append(None)
             continue
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         per_rank = parts[:, off:off + n].reshape(world, *shape)  # [W, El, ...]
         off += n
         _, shard_axis, replicated = spec
@@ -86,9 +86,7 @@ class _GatherExperts(torch.autograd.Function):
             if shape is None:
                 out.append(None)
                 continue
-            n = 1
-            for s in shape:
-                n *= s
+            n = math.prod(shape)
             out.append(summed[off:off + n].view(shape))
             off += n
         return (None, None, None, *out)

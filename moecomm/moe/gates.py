@@ -13,16 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._args import int_arg
+
 __all__ = ["TopKGate", "LinearTopKGate", "CosineTopKGate", "GATE_TYPES", "make_gate"]
-
-
-def _check_int(name: str, value, lo: int, hi: Optional[int] = None, what: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}{what}, got {value}")
-    return value
 
 
 def _check_float(name: str, value) -> float:
@@ -44,9 +37,9 @@ class TopKGate(nn.Module):
     def __init__(self, model_dim: int, num_experts: int, *, k: int = 2, capacity_factor: float = 1.0,
                  gate_noise: float = 0.0, fp32_gate: bool = True) -> None:
         super().__init__()
-        self.model_dim = _check_int("model_dim", model_dim, 1)
-        self.num_experts = _check_int("num_experts", num_experts, 1)
-        self.k = _check_int("k", k, 1, num_experts, f" (num_experts={num_experts})")
+        self.model_dim = int_arg("model_dim", model_dim, 1)
+        self.num_experts = int_arg("num_experts", num_experts, 1)
+        self.k = int_arg("k", k, 1, num_experts, f" (num_experts={num_experts})")
         self.capacity_factor = _check_float("capacity_factor", capacity_factor)
         self.gate_noise = _check_float("gate_noise", gate_noise)
         if self.gate_noise < 0:
@@ -105,7 +98,7 @@ class CosineTopKGate(TopKGate):
                  device=None) -> None:
         super().__init__(model_dim, num_experts, k=k, capacity_factor=capacity_factor, gate_noise=gate_noise,
                          fp32_gate=fp32_gate)
-        self.proj_dim = _check_int("proj_dim", proj_dim, 1)
+        self.proj_dim = int_arg("proj_dim", proj_dim, 1)
         init_t = _check_float("init_t", init_t)
         if init_t <= 0:
             raise ValueError(f"init_t must be > 0, got {init_t}")

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 import moecomm_ext
 
 from . import _comm
+from ._args import int_arg
 from ._gather import gather_expert_params
 from .experts import BatchedExperts, ExpertList, FFNExperts, Segments
 from .gates import GATE_TYPES, TopKGate, make_gate
@@ -22,15 +23,6 @@ from .routing import Routing, capacity_slots, dropless_slots, fixed_capacity, pi
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
 PARALLEL_MODES = ("expert", "data", "auto")
-
-
-def _int_arg(name: str, value: Any, lo: int, hi: Optional[int] = None, what: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}{what}, got {value}")
-    return value
 
 
 def _float_arg(name: str, value: Any) -> float:
@@ -109,11 +101,11 @@ class MoELayer(nn.Module):
         device: Union[None, str, torch.device] = None,
     ) -> None:
         super().__init__()
-        self.model_dim = _int_arg("model_dim", model_dim, 1)
+        self.model_dim = int_arg("model_dim", model_dim, 1)
         if num_experts is None:
             raise TypeError("num_experts is required (the total number of experts over all ranks)")
-        self.num_experts = E = _int_arg("num_experts", num_experts, 1)
-        self.output_dim = self.model_dim if output_dim is None else _int_arg("output_dim", output_dim, 1)
+        self.num_experts = E = int_arg("num_experts", num_experts, 1)
+        self.output_dim = self.model_dim if output_dim is None else int_arg("output_dim", output_dim, 1)
         self.comm = comm = _comm.resolve_comm(comm)
         W = comm.size
         if E >= W:
@@ -132,7 +124,7 @@ class MoELayer(nn.Module):
         self.first_expert = (comm.rank // self.shards) * self.num_local_experts if self.shards > 1 else \
             comm.rank * self.num_local_experts
 
-        self.k = _int_arg("k", k, 1, E, f" (num_experts={E})")
+        self.k = int_arg("k", k, 1, E, f" (num_experts={E})")
         self.capacity_factor = _float_arg("capacity_factor", capacity_factor)
         self.normalize_gate = _bool_arg("normalize_gate", normalize_gate)
         self.batch_prioritized_routing = _bool_arg("batch_prioritized_routing", batch_prioritized_routing)
@@ -149,7 +141,7 @@ class MoELayer(nn.Module):
         self.overlap_degree = self._check_degree(overlap_degree)
         self.algorithm = self._check_algorithm(algorithm)
         if seed is not None:
-            _int_arg("seed", seed, 0)
+            int_arg("seed", seed, 0)
         else:
             seed = self._shared_random_seed()
         self.seed = seed
@@ -190,7 +182,7 @@ class MoELayer(nn.Module):
         if experts is None:
             if hidden_size is None:
                 raise TypeError("hidden_size is required for the built-in feed-forward experts")
-            _int_arg("hidden_size", hidden_size, 1)
+            int_arg("hidden_size", hidden_size, 1)
             if hidden_size % S:
                 raise ValueError(f"hidden_size={hidden_size} must be divisible by {S}, the number of ranks each "
                                  f"of the num_experts={E} experts is sharded over ({W} ranks)")
@@ -198,7 +190,7 @@ class MoELayer(nn.Module):
                                       activation=activation, fc1_bias=_bool_arg("fc1_bias", fc1_bias),
                                       fc2_bias=_bool_arg("fc2_bias", fc2_bias), shards=S,
                                       shard_index=self.shard_index, first_expert=self.first_expert,
-                                      seed=seed + 1 if expert_seed is None else _int_arg("expert_seed", expert_seed, 0),
+                                      seed=seed + 1 if expert_seed is None else int_arg("expert_seed", expert_seed, 0),
                                       dtype=dtype, device=device)
         else:
             if S > 1:
@@ -268,7 +260,7 @@ class MoELayer(nn.Module):
         if degree == "auto" or (isinstance(degree, int) and not isinstance(degree, bool) and degree == 1):
             pass
         else:
-            _int_arg("overlap_degree", degree, 1, 16, " or 'auto'")
+            int_arg("overlap_degree", degree, 1, 16, " or 'auto'")
         if degree != 1 and not _comm.has_scatter_compute_gather(self.comm):
             raise ValueError(f"overlap_degree={degree!r}: this moecomm core has no "
                              f"Communicator.scatter_compute_gather; only overlap_degree=1 is possible")
@@ -322,13 +314,13 @@ class MoELayer(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.model_dim:
             raise ValueError(f"x must be [..., model_dim={self.model_dim}], got shape {tuple(x.shape)}")
-        gate_index = _int_arg("gate_index", gate_index, 0, len(self.gates) - 1)
+        gate_index = int_arg("gate_index", gate_index, 0, len(self.gates) - 1)
         gate = self.gates[gate_index]
         E = self.num_experts
         if k is not None and top_k is not None and k != top_k:
             raise ValueError(f"k={k} and top_k={top_k} disagree (they are the same argument)")
         kk = k if k is not None else top_k
-        kk = gate.k if kk is None else _int_arg("k", kk, 1, E, f" (num_experts={E})")
+        kk = gate.k if kk is None else int_arg("k", kk, 1, E, f" (num_experts={E})")
         if overlap_degree is not None and a2a_ffn_overlap_degree is not None and \
                 overlap_degree != a2a_ffn_overlap_degree:
             raise ValueError(f"overlap_degree={overlap_degree} and a2a_ffn_overlap_degree={a2a_ffn_overlap_degree} "
