@@ -27,8 +27,8 @@ step() {
 run_step() {
   case $1 in
     core)
-      step core_mpirun 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives nccl -check_timeout
-      step core_timeout 60 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 -x NCCL_DEBUG=WARN python3 -m tests.ranks.core_collectives nccl check_timeout ;;
+      step core_mpirun 90 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives nccl -check_timeout
+      step core_timeout 50 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 -x NCCL_DEBUG=WARN python3 -m tests.ranks.core_collectives nccl check_timeout ;;
     torchrun) step core_torchrun 120 torchrun --standalone --nproc-per-node 2 -m tests.ranks.core_collectives nccl ;;
     a2a)
       step alltoall_uniform 150 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
@@ -38,9 +38,10 @@ run_step() {
     hier)
       step hier_1x2 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 2 --skew 1.0 --json "$RES/hier_1x2.json"
       step hier_2x1 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 1 --skew 1.0 --json "$RES/hier_2x1.json" ;;
+    latency) step latency 120 "${MPI[@]}" python3 -m bench.latency --json "$RES/latency.json" ;;
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
     kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$RES/kernels.json" ;;
-    gputests) step pytest_gpu 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    gputests) step pytest_gpu 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
     moe)
       step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
       step moe_dropless 60 "${MPI[@]}" python3 -m bench.moe_layer --dropless --top-k 2 ;;

@@ -501,14 +501,24 @@ class Communicator:
         if n == 0:
             return [], []
         dev, host = self._count_buffers(n)
-        if isinstance(values, torch.Tensor):
-            dev[:n].copy_(values, non_blocking=True)
-        else:
-            dev[:n].copy_(torch.tensor(values, dtype=torch.int64))
         if self._backend.stream_ordered:
-            # One stream-ordered request: the exchange and the copy to pinned host memory.
-            self._wait_host(self._backend.exchange_counts(dev, host), op, None)
+            # One stream-ordered request: (the copy in,) the exchange and the copy to pinned memory.
+            send: Optional[torch.Tensor] = None
+            if not isinstance(values, torch.Tensor):
+                host[:n] = torch.tensor(values, dtype=torch.int64)
+            elif values.device.type == "cpu":
+                host[:n].copy_(values.reshape(-1))
+            elif values.dtype == torch.int64 and values.is_contiguous() and values.device == self.device:
+                send = values.reshape(-1)  # the caller's own counts go out as they are
+            else:
+                send = dev[:n]
+                send.copy_(values.reshape(-1), non_blocking=True)
+            self._wait_host(self._backend.exchange_counts(send, dev, host), op, None)
         else:
+            if isinstance(values, torch.Tensor):
+                dev[:n].copy_(values.reshape(-1), non_blocking=True)
+            else:
+                dev[:n].copy_(torch.tensor(values, dtype=torch.int64))
             if self.size == 1:
                 dev[n:].copy_(dev[:n])
             else:

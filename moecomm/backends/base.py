@@ -80,10 +80,14 @@ class Backend(abc.ABC):
         dst.copy_(src)
         return DoneRequest()
 
-    def exchange_counts(self, counts: torch.Tensor, host: torch.Tensor) -> Request:
-        """Stream-ordered backends only: all-to-all the first half of the int64 tensor
-        ``counts`` (equal blocks per peer) into its second half, then copy all of ``counts``
-        into the pinned host tensor ``host``."""
+    def exchange_counts(self, send: Optional[torch.Tensor], dev: torch.Tensor, host: torch.Tensor) -> Request:
+        """Stream-ordered backends only: an all-to-all of ``n = host.numel() // 2`` int64s
+        (equal blocks per peer) whose results land in ``host[n:]``.
+
+        The values sent are ``send`` (a contiguous int64 device tensor of ``n``), or, when
+        ``send`` is None, ``host[:n]``. ``dev`` is ``2n`` int64s of device staging. When the
+        request completes, ``host`` holds the values sent, then the values received.
+        """
         raise NotImplementedError(f"the {self.name} backend is not stream-ordered")
 
     @abc.abstractmethod

@@ -18,6 +18,11 @@ import torch
 
 from .base import Backend, Request
 
+try:
+    from . import _cudart
+except Exception:  # noqa: BLE001 - no CUDA runtime bindings: then no nccl4py either (it needs them)
+    _cudart = None
+
 __all__ = ["NcclBackend", "nccl_available"]
 
 _UINT8 = 1
@@ -29,8 +34,8 @@ _NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 
 
 def nccl_available() -> bool:
-    """True when CUDA is usable and nccl4py imports."""
-    if not torch.cuda.is_available():
+    """True when CUDA is usable and nccl4py (with its cuda-bindings) imports."""
+    if not torch.cuda.is_available() or _cudart is None:
         return False
     try:
         import nccl.core  # noqa: F401  (import check only)
@@ -40,43 +45,52 @@ def nccl_available() -> bool:
 
 
 class _EventRequest(Request):
-    __slots__ = ("event", "_device")
+    """Done when a CUDA event recorded after the operation on the backend's stream completes."""
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+    __slots__ = ("event", "_device_index")
+
+    def __init__(self, event: object, device_index: int) -> None:
         self.event = event
-        self._device = device
+        self._device_index = device_index
 
     def test(self) -> bool:
-        return self.event.query()
+        return _cudart.query(self.event)
 
     def join(self) -> None:
-        torch.cuda.current_stream(self._device).wait_event(self.event)
+        _cudart.wait(_cudart.current_stream(self._device_index), self.event)
+
+    def __del__(self) -> None:
+        if _cudart is not None:  # None while the interpreter shuts down
+            _cudart.destroy_event(self.event)
 
 
 class _Watchdog:
-    """Polls the events of operations in flight; aborts the communicator past a deadline."""
+    """Polls the requests in flight; aborts the communicator past a deadline."""
 
     def __init__(self, backend: "NcclBackend", period_s: float = 0.05) -> None:
         self._backend = backend
         self._period = period_s
-        self._pending: collections.deque = collections.deque()
-        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()  # appends and pops are atomic
         self._stop = threading.Event()
         self.failure: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="moecomm-nccl-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, event: torch.cuda.Event, op: str, timeout_s: float) -> None:
-        with self._lock:
-            self._pending.append((event, time.monotonic() + timeout_s, op, timeout_s))
+    def watch(self, request: _EventRequest, op: str, timeout_s: float) -> None:
+        self._pending.append((request, time.monotonic() + timeout_s, op, timeout_s))
 
     def _run(self) -> None:
+        _cudart.set_device(self._backend.device.index)
+        pending = self._pending
         while not self._stop.wait(self._period):
-            with self._lock:
-                while self._pending and self._pending[0][0].query():
-                    self._pending.popleft()
-                head = self._pending[0] if self._pending else None
-            if head is not None and time.monotonic() > head[1]:
+            # Operations on the backend's stream complete in issue order: only the oldest
+            # unfinished one can be late.
+            while pending and pending[0][0].test():
+                pending.popleft()
+            if not pending:
+                continue
+            head = pending[0]
+            if time.monotonic() > head[1]:
                 self.failure = TimeoutError(
                     f"moecomm: {head[2]} did not complete on the GPU within {head[3]:g} s on rank "
                     f"{self._backend.rank}; the NCCL communicator was aborted"
@@ -106,7 +120,11 @@ class NcclBackend(Backend):
         self.device = device
         self.timeout_s = timeout_s
         self.stream = torch.cuda.Stream(device, priority=-1)
-        self._ready = torch.cuda.Event()  # re-recorded by every operation: the caller's stream point
+        self._stream = self.stream.cuda_stream  # the raw handle, for the hot path
+        self._index = device.index
+        # Re-recorded by every operation at the caller's stream point: a wait takes the
+        # state an event had when it was enqueued, so one event serves every call.
+        self._ready = _cudart.new_event()
         self._barrier_token = torch.zeros(1, dtype=torch.int32, device=device)
         self._watchdog = _Watchdog(self)
         self._aborted = False
@@ -153,18 +171,20 @@ class NcclBackend(Backend):
             raise self._watchdog.failure
 
     def _begin(self, *tensors: torch.Tensor) -> int:
+        """Order the backend's stream after the caller's; returns the backend stream's handle."""
         self.check_health()
-        self._ready.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(self._ready)
+        _cudart.record(self._ready, _cudart.current_stream(self._index))
+        _cudart.wait(self._stream, self._ready)
         for t in tensors:
             t.record_stream(self.stream)
-        return self.stream.cuda_stream
+        return self._stream
 
     def _end(self, op: str) -> _EventRequest:
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        self._watchdog.watch(event, op, self.timeout_s)
-        return _EventRequest(event, self.device)
+        event = _cudart.new_event()
+        _cudart.record(event, self._stream)
+        request = _EventRequest(event, self._index)
+        self._watchdog.watch(request, op, self.timeout_s)
+        return request
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -223,13 +243,20 @@ class NcclBackend(Backend):
             dst.copy_(src, non_blocking=True)
         return self._end("copy to the host")
 
-    def exchange_counts(self, counts, host) -> Request:
-        h = self._begin(counts)
-        half = counts.numel() // 2  # int64s out, then as many in
-        p = counts.data_ptr()
-        self._raw.allto_all(p, p + 8 * half, 8 * half // self.size, _UINT8, self._handle, h)
-        with torch.cuda.stream(self.stream):
-            host.copy_(counts, non_blocking=True)
+    def exchange_counts(self, send, dev, host) -> Request:
+        n = host.numel() // 2  # int64s out, then as many in
+        nbytes = 8 * n
+        if send is None:
+            h = self._begin(dev)
+            _cudart.copy_async(dev.data_ptr(), host.data_ptr(), nbytes, _cudart.H2D, h)
+            src = dev.data_ptr()
+        else:
+            h = self._begin(send, dev)
+            src = send.data_ptr()
+        self._raw.allto_all(src, dev.data_ptr() + nbytes, nbytes // self.size, _UINT8, self._handle, h)
+        if send is not None:
+            _cudart.copy_async(host.data_ptr(), src, nbytes, _cudart.D2H, h)
+        _cudart.copy_async(host.data_ptr() + nbytes, dev.data_ptr() + nbytes, nbytes, _cudart.D2H, h)
         return self._end("all_to_all_v (count exchange)")
 
     def alltoall(self, send, recv) -> Request:
@@ -281,6 +308,7 @@ class NcclBackend(Backend):
         self._watchdog.stop()
         if not self._aborted:
             self._comm.destroy()
+        _cudart.destroy_event(self._ready)
 
     def abort(self) -> None:
         if self._aborted:

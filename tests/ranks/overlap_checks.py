@@ -414,6 +414,10 @@ def check_fn_errors() -> None:
         t0 = time.monotonic()
         try:
             c.scatter_compute_gather(x, send, fn, degree=degree, recv_splits=recv)
+            # On a stream-ordered backend (NCCL) the peers' exchanges may still be queued on
+            # the GPU when the call returns: the failure must surface at the next host wait.
+            if c.backend == "nccl":
+                c.barrier()
             got = None
         except Exception as e:  # noqa: BLE001
             got = e

@@ -1,0 +1,150 @@
+"""Where the time of a small all-to-all goes on NCCL: the count round trip, piece by piece.
+
+Run under MPI on GPUs (NCCL backend)::
+
+    mpirun -n 2 python -m bench.latency --sizes 256K,1M,16M
+
+Every method is timed round-robin with the others (MPI barrier, call, device synchronize),
+the slowest rank's time per call, median over ``--iters``. The methods, from the floor up:
+
+  nccl-tiny        one 16-byte-per-peer ncclAlltoAll on the current stream, then synchronize
+  nccl-tiny-d2h    the same plus the copy of the counts to pinned host memory and ``tolist``
+  counts           ``Communicator._exchange_counts`` (what ``all_to_all_v`` does first)
+  torch-counts     torch's count exchange: ``all_to_all_single`` + ``.tolist()``
+  grouped-known    the data exchange alone, grouped send/recv from the raw bindings
+  known            ``all_to_all_v(x, send, recv)``
+  gpu-counts       ``all_to_all_v(x, counts_on_gpu)``
+  torch            torch's MoE pattern (counts, ``.tolist()``, data)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from bench.alltoall import Bench, count_matrix, parse_size
+
+__all__ = ["main"]
+
+
+def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callable[[], object]]:
+    comm = bench.comm
+    backend = comm._backend
+    raw, handle = backend._raw, backend._handle
+    W, R, dev = comm.size, comm.rank, comm.device
+    row_bytes = row_elems * 2
+    rows = max(size_bytes // row_bytes, W)
+    m = count_matrix("random", W, rows, seed=size_bytes)
+    send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
+    counts_dev = torch.tensor(send, dtype=torch.int64, device=dev)
+    tiny = torch.zeros(4 * W, dtype=torch.int64, device=dev)
+    pinned = torch.empty(4 * W, dtype=torch.int64, pin_memory=True)
+
+    def nccl_tiny():
+        s = torch.cuda.current_stream(dev)
+        p = tiny.data_ptr()
+        raw.allto_all(p, p + 16 * W, 16, 1, handle, s.cuda_stream)
+        return None
+
+    def nccl_tiny_d2h():
+        nccl_tiny()
+        pinned.copy_(tiny, non_blocking=True)
+        torch.cuda.current_stream(dev).synchronize()
+        return pinned.tolist()
+
+    def grouped_known():
+        s = torch.cuda.current_stream(dev).cuda_stream
+        out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
+        sp, rp, so, ro = x.data_ptr(), out.data_ptr(), 0, 0
+        raw.group_start()
+        for peer in range(W):
+            sc, rc = send[peer] * row_bytes, recv[peer] * row_bytes
+            if sc:
+                raw.send(sp + so, sc, 1, peer, handle, s)
+            if rc:
+                raw.recv(rp + ro, rc, 1, peer, handle, s)
+            so, ro = so + sc, ro + rc
+        raw.group_end()
+        return out
+
+    methods: dict[str, Callable[[], object]] = {
+        "nccl-tiny": nccl_tiny,
+        "nccl-tiny-d2h": nccl_tiny_d2h,
+        "counts": lambda: comm._exchange_counts(counts_dev, "send_splits"),
+        "grouped-known": grouped_known,
+        "known": lambda: comm.all_to_all_v(x, send, recv)[0],
+        "gpu-counts": lambda: comm.all_to_all_v(x, counts_dev)[0],
+    }
+    if bench.pg is not None:
+        import torch.distributed as dist
+
+        def torch_counts():
+            r = torch.empty_like(counts_dev)
+            dist.all_to_all_single(r, counts_dev, group=bench.pg)
+            return r.tolist()
+
+        methods["torch-counts"] = torch_counts
+        methods["torch"] = lambda: bench._torch_pattern(x, counts_dev)
+    return methods
+
+
+def _phases(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[str, float]:
+    """Host timestamps inside one counts-on-GPU ``all_to_all_v``: medians in microseconds."""
+    comm = bench.comm
+    W, R, dev = comm.size, comm.rank, comm.device
+    rows = max(size_bytes // (row_elems * 2), W)
+    m = count_matrix("random", W, rows, seed=size_bytes)
+    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
+    counts_dev = torch.tensor([int(v) for v in m[R]], dtype=torch.int64, device=dev)
+    marks: dict[str, list[float]] = {"counts on host": [], "data issued": [], "data done": []}
+    for _ in range(iters):
+        bench.world.Barrier()
+        t0 = time.perf_counter()
+        send, recv = comm._exchange_counts(counts_dev, "send_splits")
+        t1 = time.perf_counter()
+        out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
+        request = comm._alltoallv(x, send, out, recv)
+        request.join()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize(dev)
+        t3 = time.perf_counter()
+        for k, v in zip(marks, (t1 - t0, t2 - t1, t3 - t2)):
+            marks[k].append(v * 1e6)
+    return {k: float(np.median(v)) for k, v in marks.items()}
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="256K,1M,16M", help="bytes per rank, comma list (256K,1M,16M)")
+    p.add_argument("--row-elems", type=int, default=2048)
+    p.add_argument("-n", "--iters", type=int, default=200)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    bench_args = argparse.Namespace(backend="nccl", timeout=120.0, dtype="bfloat16", compare=True,
+                                    warmup=10, iters=args.iters, row_elems=args.row_elems)
+    bench = Bench(bench_args)
+    report: dict = {"sizes": {}}
+    for text in args.sizes.split(","):
+        size = parse_size(text)
+        timed = bench.time_methods(_methods(bench, size, args.row_elems))
+        row = {name: float(np.median(t)) * 1e6 for name, (t, _) in timed.items()}
+        row["phases of gpu-counts"] = _phases(bench, size, args.row_elems, args.iters)
+        report["sizes"][text] = row
+        if bench.comm.rank == 0:
+            print(f"# {text} per rank, {bench.comm.size} ranks: median us per call (slowest rank)", flush=True)
+            for name, us in row.items():
+                print(f"  {name:>20}: {us if isinstance(us, dict) else f'{us:9.1f}'}", flush=True)
+    if args.json and bench.comm.rank == 0:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
