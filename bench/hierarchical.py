@@ -10,6 +10,12 @@ exchange, the slowest rank's, over ``--iters`` timed runs after ``--warmup`` unt
 By default the counts are exchanged in every call (``recv_splits`` unknown, as in MoE);
 ``--known-counts`` passes them. ``--skew s`` draws variable splits (Dirichlet(1/s)).
 Every size is checked once: the 2DH output must equal the flat one byte for byte.
+
+Flat, 2DH and ``copies`` are timed round-robin in one loop. ``copies`` is the two layout
+copies (pack and regroup, ``moecomm_ext.permute_blocks`` on a 2 x 2 block grid of this
+rank's data) that a layout with several nodes *and* several ranks per node adds to the 2DH
+exchange. On layouts where either is 1 (all that 2 GPUs allow) 2DH needs no copy, so the
+column ``2dh+copies/flat`` is what those copies would cost on top, measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import sys
 import torch
 
 import moecomm
-from topology.measure import alltoall_input, format_bytes, format_seconds, parse_bytes, time_collective
+from moecomm import _blocks
+from topology.measure import alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
 
 __all__ = ["main"]
 
@@ -32,7 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="1M,16M,256M", help="bytes per rank (default 1M,16M,256M)")
     p.add_argument("--local-size", type=int, default=None, help="ranks per node (default: from host names)")
     p.add_argument("--backend", default=None, help="moecomm backend (default: $MOECOMM_BACKEND or auto)")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "int8"])
     p.add_argument("--row-bytes", type=int, default=4096, help="bytes per row (default 4096: a 2048-wide bf16 token)")
@@ -50,7 +57,7 @@ def main(argv=None) -> int:
         f"{'known' if args.known_counts else 'exchanged'} counts, skew {args.skew:g}, "
         f"{args.iters} iters (+{args.warmup} warmup)")
     say(f"{'size':>10s} {'flat median':>12s} {'flat p99':>10s} {'2dh median':>12s} {'2dh p99':>10s} "
-        f"{'flat/2dh':>9s} {'2dh algbw':>11s}  check")
+        f"{'flat/2dh':>9s} {'copies':>10s} {'2dh+copies/flat':>16s} {'2dh algbw':>11s}  check")
     results = []
     for size in sizes:
         x, send = alltoall_input(comm, size, row_bytes=args.row_bytes, dtype=dtype, skew=args.skew, seed=size)
@@ -61,13 +68,21 @@ def main(argv=None) -> int:
         comm.allreduce(same, "min")
         del flat_out, hdh_out
         known = recv if args.known_counts else None
-        t = {alg: time_collective(comm, lambda alg=alg: comm.all_to_all_v(x, send, known, algorithm=alg),
-                                  iters=args.iters, warmup=args.warmup) for alg in ("flat", "2dh")}
+        rows = x.shape[0]
+        grid = [[rows // 4, rows // 4], [rows // 4, rows - 3 * (rows // 4)]]
+
+        def copies() -> None:
+            _blocks.permute_blocks(_blocks.permute_blocks(x, grid), grid, inverse=True)
+
+        fns = {alg: (lambda alg=alg: comm.all_to_all_v(x, send, known, algorithm=alg)) for alg in ("flat", "2dh")}
+        t = time_collectives(comm, {**fns, "copies": copies}, iters=args.iters, warmup=args.warmup)
         nbytes = x.numel() * x.element_size()
         ok = bool(same.item())
         say(f"{format_bytes(nbytes):>10s} {format_seconds(t['flat'].median_s):>12s} {format_seconds(t['flat'].p99_s):>10s} "
             f"{format_seconds(t['2dh'].median_s):>12s} {format_seconds(t['2dh'].p99_s):>10s} "
-            f"{t['flat'].median_s / t['2dh'].median_s:9.2f} {nbytes / t['2dh'].median_s / 1e9:8.2f} GB/s  "
+            f"{t['flat'].median_s / t['2dh'].median_s:9.2f} {format_seconds(t['copies'].median_s):>10s} "
+            f"{(t['2dh'].median_s + t['copies'].median_s) / t['flat'].median_s:16.2f} "
+            f"{nbytes / t['2dh'].median_s / 1e9:8.2f} GB/s  "
             f"{'ok' if ok else 'MISMATCH'}")
         results.append({"bytes_per_rank": nbytes, "check": ok, **{a: v.to_json() for a, v in t.items()}})
         if not ok:

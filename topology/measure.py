@@ -22,6 +22,7 @@ from moecomm import _blocks
 __all__ = [
     "Timing",
     "time_collective",
+    "time_collectives",
     "uniform_splits",
     "alltoall_input",
     "probe_links",
@@ -53,23 +54,35 @@ def _sync(comm: "moecomm.Communicator") -> None:
 
 def time_collective(comm: "moecomm.Communicator", fn: Callable[[], object], *, iters: int, warmup: int) -> Timing:
     """Time ``fn`` (a collective over ``comm``): barrier, run, synchronize; ``iters`` times."""
+    return time_collectives(comm, {"fn": fn}, iters=iters, warmup=warmup)["fn"]
+
+
+def time_collectives(comm: "moecomm.Communicator", fns: dict[str, Callable[[], object]], *, iters: int,
+                     warmup: int) -> dict[str, Timing]:
+    """Time several ``fns`` round-robin: iteration ``i`` runs each of them once in turn
+    (barrier, run, synchronize), so that a noisy moment on a shared machine hits all alike."""
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    for _ in range(warmup):
-        fn()
-        _sync(comm)
-    times = torch.zeros(iters, dtype=torch.float64)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+            _sync(comm)
+    times = torch.zeros(len(fns), iters, dtype=torch.float64)
     for i in range(iters):
-        comm.barrier()
-        t0 = time.perf_counter()
-        fn()
-        _sync(comm)
-        times[i] = time.perf_counter() - t0
+        for j, fn in enumerate(fns.values()):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            _sync(comm)
+            times[j, i] = time.perf_counter() - t0
     worst = times.to(comm.device)
     comm.allreduce(worst, "max")
-    t = np.sort(worst.cpu().numpy())
-    p99 = float(t[min(len(t) - 1, int(math.ceil(0.99 * len(t))) - 1)])
-    return Timing(float(np.median(t)), p99, float(t[0]), iters)
+    result = {}
+    for j, name in enumerate(fns):
+        t = np.sort(worst[j].cpu().numpy())
+        p99 = float(t[min(len(t) - 1, int(math.ceil(0.99 * len(t))) - 1)])
+        result[name] = Timing(float(np.median(t)), p99, float(t[0]), iters)
+    return result
 
 
 def uniform_splits(total_rows: int, size: int) -> list[int]:

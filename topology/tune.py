@@ -10,7 +10,8 @@ import torch
 import moecomm
 from moecomm.profile import Profile, ProfileEntry, default_profile_path
 
-from .measure import Timing, alltoall_input, format_bytes, format_seconds, probe_links, time_collective
+from .measure import (Timing, alltoall_input, format_bytes, format_seconds, probe_links, time_collective,
+                      time_collectives)
 
 __all__ = ["tune", "ExpertFn"]
 
@@ -56,10 +57,9 @@ def tune(
         recv = None
         if known_counts:
             _, recv = comm.all_to_all_v(x, send)
-        timings: dict[str, Timing] = {}
-        for alg in ("flat", "2dh"):
-            timings[alg] = time_collective(
-                comm, lambda: comm.all_to_all_v(x, send, recv, algorithm=alg), iters=iters, warmup=warmup)
+        timings: dict[str, Timing] = time_collectives(
+            comm, {alg: (lambda alg=alg: comm.all_to_all_v(x, send, recv, algorithm=alg)) for alg in ("flat", "2dh")},
+            iters=iters, warmup=warmup)
         choice = "2dh" if timings["2dh"].median_s < timings["flat"].median_s else "flat"
         best_degree = None
         if degrees:
