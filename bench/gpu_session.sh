@@ -39,6 +39,12 @@ run_step() {
       step hier_1x2 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 2 --skew 1.0 --json "$RES/hier_1x2.json"
       step hier_2x1 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 1 --skew 1.0 --json "$RES/hier_2x1.json" ;;
     latency) step latency 120 "${MPI[@]}" python3 -m bench.latency --json "$RES/latency.json" ;;
+    overlaptrace)
+      step overlap_trace 90 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2 -n 5 --trace /tmp/traces
+      step overlap_trace_summary 60 python3 -m bench.trace_summary /tmp/traces/trace_1.json /tmp/traces/trace_2.json ;;
+    moeprofile)
+      step moe_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 5 --profile /tmp/moe_trace.json
+      step moe_trace_summary 60 python3 -m bench.trace_summary /tmp/moe_trace.json --top 40 ;;
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
     kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$RES/kernels.json" ;;
     gputests) step pytest_gpu 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;

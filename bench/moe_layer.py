@@ -10,7 +10,8 @@ capacity factor 1.0, top-2 and top-3, bf16. One *step* is ``y = layer(x)`` and t
 of ``y`` and the auxiliary loss (``x`` requires grad, parameter grads are reset to None).
 ``--steps`` steps run back to back between two synchronisations (the host runs ahead of the
 GPU, as in training); the slowest rank's time per step; median and 10th/90th percentiles
-over ``--iters`` samples.
+over ``--iters`` samples. ``host_ms`` is the time the host took to issue a step (median):
+close to the step time means the step is bound by the host, not the GPU.
 
 TFLOP/s counts the expert matmuls actually run per rank (``12 * rows * model_dim * hidden``
 for forward + backward, rows = the slots this rank's experts process, padding included);
@@ -126,17 +127,19 @@ class Bench:
         self.sync()
         if self.comm.size > 1:
             self.comm.barrier()
-        samples = []
+        samples, issue = [], []
         for _ in range(a.iters):
             self.sync()
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 self.step(**kw)
+            issue.append((time.perf_counter() - t0) / a.steps)
             self.sync()
             samples.append((time.perf_counter() - t0) / a.steps)
         s = self.slowest(samples)
+        h = self.slowest(issue)
         return {"median_ms": float(np.median(s)) * 1e3, "p10_ms": float(np.percentile(s, 10)) * 1e3,
-                "p90_ms": float(np.percentile(s, 90)) * 1e3}
+                "p90_ms": float(np.percentile(s, 90)) * 1e3, "host_ms": float(np.median(h)) * 1e3}
 
 
 def _peak_bytes(comm) -> int:
@@ -194,11 +197,12 @@ def main(argv: Optional[list] = None) -> list:
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
                        f"slowest rank; peak memory: {'max_memory_allocated' if cuda else 'max RSS'}",
                  f"{'k':>2} {'deg':>4} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
-                 f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9}"]
+                 f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9} {'host_ms':>8}"]
         for r in results:
             lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
                          f"{r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} {r['tokens_per_s']:>11.4g} "
-                         f"{r['tflops_per_rank']:>8.2f} {r['useful_tflops_per_rank']:>7.2f} {r['peak_mem_gib']:>9.3f}")
+                         f"{r['tflops_per_rank']:>8.2f} {r['useful_tflops_per_rank']:>7.2f} {r['peak_mem_gib']:>9.3f} "
+                         f"{r['host_ms']:>8.3f}")
         print("\n".join(lines), flush=True)
         if args.json:
             with open(args.json, "w") as fh:

@@ -1,0 +1,93 @@
+"""Summarise a torch.profiler chrome trace: GPU busy time per stream, overlap, idle gaps.
+
+    python -m bench.trace_summary TRACE.json [--top 25]
+
+For each CUDA stream: kernels, busy time (union of its kernel intervals) and what share
+of it overlaps work on other streams. For the device: the span from the first kernel to
+the last, the time some stream was busy, and the idle time (a GPU idle inside the span
+waits on the host or on a peer). Then the kernels with the largest total time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from typing import Iterable, Optional
+
+__all__ = ["main", "summarize", "union_length", "intersection_length"]
+
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by the intervals."""
+    return sum(b - a for a, b in _merge(intervals))
+
+
+def intersection_length(xs: Iterable[tuple[float, float]], ys: Iterable[tuple[float, float]]) -> float:
+    """Length covered by both interval sets."""
+    mx, my = _merge(xs), _merge(ys)
+    i = j = 0
+    total = 0.0
+    while i < len(mx) and j < len(my):
+        a, b = max(mx[i][0], my[j][0]), min(mx[i][1], my[j][1])
+        if b > a:
+            total += b - a
+        if mx[i][1] < my[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(trace: dict, top: int = 25) -> str:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in _GPU_CATS]
+    if not events:
+        return "no GPU events in the trace"
+    by_stream: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        stream = str(e.get("args", {}).get("stream", e.get("tid")))
+        start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        by_stream[stream].append((start, start + dur))
+        by_name[e.get("name", "?")].append(dur)
+    everything = [iv for ivs in by_stream.values() for iv in ivs]
+    span = max(b for _, b in everything) - min(a for a, _ in everything)
+    busy = union_length(everything)
+    lines = [f"span {span / 1e3:.3f} ms, some stream busy {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f} ms "
+             f"({100 * (span - busy) / span:.1f}%)", f"{'stream':>8} {'kernels':>8} {'busy_ms':>9} {'overlapped':>11}"]
+    for stream, ivs in sorted(by_stream.items(), key=lambda kv: -union_length(kv[1])):
+        others = [iv for s, o in by_stream.items() if s != stream for iv in o]
+        own = union_length(ivs)
+        shared = intersection_length(ivs, others)
+        lines.append(f"{stream:>8} {len(ivs):>8} {own / 1e3:>9.3f} {100 * shared / own if own else 0:>10.1f}%")
+    lines.append(f"{'total_ms':>9} {'count':>6}  kernel")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"{sum(durs) / 1e3:>9.3f} {len(durs):>6}  {name[:110]}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.trace_summary", description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="+", help="chrome trace JSON files (torch.profiler export_chrome_trace)")
+    p.add_argument("--top", type=int, default=25, help="kernels to list (25)")
+    args = p.parse_args(argv)
+    for path in args.traces:
+        with open(path) as fh:
+            trace = json.load(fh)
+        print(f"# {path}\n{summarize(trace, args.top)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
