@@ -54,8 +54,8 @@ run_step() {
     moetests) step moe_checks 120 "${MPI[@]}" python3 -m tests.ranks.moe_layer_checks all cuda ;;
     overlaptests) step overlap_checks 60 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl ;;
     topology)
-      step probe_1x2 90 "${MPI[@]}" python3 -m topology probe --local-size 2 --out "$RES/probe_1x2.json"
-      step tune_2x1 150 "${MPI[@]}" python3 -m topology tune --local-size 1 --sizes 64K,1M,16M,256M --degrees 1,2,4 \
+      step probe_1x2 90 "${MPI[@]}" python3 -m topology probe --local-size 2 --sizes 256,4K,64K,1M,16M,64M --out "$RES/probe_1x2.json"
+      step tune_2x1 150 "${MPI[@]}" python3 -m topology tune --local-size 1 --sizes 64K,1M,16M,256M --probe-sizes 256,4K,64K,1M,16M,64M --degrees 1,2,4 \
         --out "$RES/profile_2x1.json"
       step show_2x1 30 python3 -m topology show "$RES/profile_2x1.json" --png "$RES/profile_2x1.png"
       step simulate_2x1 30 python3 -m topology simulate --nodes 2 --local-size 1 --profile "$RES/profile_2x1.json"

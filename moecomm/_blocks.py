@@ -6,9 +6,13 @@ kernels (native where built, else their torch references; rows move bit for bit,
 
 * :func:`permute_blocks` -- an ``A x B`` grid of blocks stored a-major (block ``(a, b)``
   at position ``a * B + b``) rewritten b-major (at ``b * A + a``), or back with
-  ``inverse``: ``moecomm_ext.permute_blocks``.
+  ``inverse``.
 * :func:`reorder_blocks` -- any block order (for node layouts whose ranks are not
-  numbered node by node): one ``moecomm_ext.gather_rows`` with a precomputed row index.
+  numbered node by node).
+
+Both are one ``moecomm_ext.gather_rows`` whose row index is built on the device from the
+host-known block table (``moecomm_ext.permute_blocks`` would validate a device tensor of
+counts with host synchronisations; the counts here are host ints already checked).
 
 Both return ``x`` itself when the order does not change, and never build an autograd
 graph (the hierarchical all-to-all has its own backward).
@@ -33,13 +37,33 @@ def block_order_index(counts: Sequence[int], order: Sequence[int]) -> np.ndarray
     ``counts[k]`` is the row count of input block ``k`` (blocks stored in ``k`` order);
     output block ``i`` is input block ``order[i]``.
     """
+    shift, picked = _block_shifts(counts, order)
+    total = int(picked.sum())
+    return np.repeat(shift, picked) + np.arange(total, dtype=np.int64)
+
+
+def _block_shifts(counts: Sequence[int], order: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per output block: (input start - output start, row count)."""
     c = np.asarray(counts, dtype=np.int64)
     o = np.asarray(order, dtype=np.int64)
     starts = np.cumsum(c) - c
     picked = c[o]
     out_starts = np.cumsum(picked) - picked
+    return starts[o] - out_starts, picked
+
+
+def _device_index(counts: Sequence[int], order: Sequence[int], device: torch.device) -> torch.Tensor:
+    """:func:`block_order_index` built on ``device`` from the small block table: one copy of
+    ``2 * len(order)`` ints to the device, no host synchronisation, no per-row host work."""
+    shift, picked = _block_shifts(counts, order)
     total = int(picked.sum())
-    return np.repeat(starts[o] - out_starts, picked) + np.arange(total, dtype=np.int64)
+    table = torch.from_numpy(np.concatenate([shift, picked]))
+    if device.type == "cuda":
+        table = table.pin_memory()
+    table = table.to(device, non_blocking=True)
+    k = len(order)
+    rows = torch.arange(total, dtype=torch.int64, device=device)
+    return rows + torch.repeat_interleave(table[:k], table[k:], output_size=total)
 
 
 def permute_blocks(x: torch.Tensor, counts: Sequence[Sequence[int]], inverse: bool = False) -> torch.Tensor:
@@ -47,17 +71,24 @@ def permute_blocks(x: torch.Tensor, counts: Sequence[Sequence[int]], inverse: bo
 
     ``counts[a][b]`` is the row count of block ``(a, b)`` (in either order).
     """
-    if len(counts) <= 1 or len(counts[0]) <= 1:
+    A = len(counts)
+    B = len(counts[0]) if A else 0
+    if A <= 1 or B <= 1:
         return x
-    with torch.no_grad():
-        return moecomm_ext.permute_blocks(x, [list(r) for r in counts], inverse=inverse)
+    if not inverse:  # input a-major; output position b * A + a takes input block a * B + b
+        stored = [counts[a][b] for a in range(A) for b in range(B)]
+        order = [a * B + b for b in range(B) for a in range(A)]
+    else:  # input b-major; output position a * B + b takes input block b * A + a
+        stored = [counts[a][b] for b in range(B) for a in range(A)]
+        order = [b * A + a for a in range(A) for b in range(B)]
+    return reorder_blocks(x, stored, order)
 
 
 def reorder_blocks(x: torch.Tensor, counts: Sequence[int], order: Sequence[int]) -> torch.Tensor:
     """Output block ``i`` is input block ``order[i]`` (``counts`` in input block order)."""
     if list(order) == list(range(len(order))):
         return x
-    index = torch.from_numpy(block_order_index(counts, order)).to(x.device, non_blocking=True)
+    index = _device_index(counts, order, x.device)
     rows, row_shape = x.shape[0], tuple(x.shape[1:])
     with torch.no_grad():
         out = moecomm_ext.gather_rows(x.reshape(rows, math.prod(row_shape)), index, check=False)

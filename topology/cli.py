@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 __all__ = ["main"]
 
 DEFAULT_TUNE_SIZES = "4K,16K,64K,256K,1M,4M,16M"
-DEFAULT_PROBE_SIZES = "256,4K,64K,1M"
+DEFAULT_PROBE_SIZES = "256,4K,64K,1M,16M"  # 16M per peer: enough to see the bandwidth of NVLink
 DEFAULT_SIM_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 DEFAULT_GPUS = "64,128,256,512,1024,2048,4096"
 
