@@ -45,6 +45,12 @@ run_step() {
     moeprofile)
       step moe_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 5 --profile /tmp/moe_trace.json
       step moe_trace_summary 60 python3 -m bench.trace_summary /tmp/moe_trace.json --top 40 ;;
+    overlapctas)
+      for c in 4 8 16; do
+        step overlap_ctas$c 60 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2,4 -n 15 --max-ctas $c --json "$RES/overlap_ctas$c.json"
+      done ;;
+    moectas)
+      step moe_ctas8 60 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --max-ctas 8 --json "$RES/moe_layer_ctas8.json" ;;
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
     kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$RES/kernels.json" ;;
     gputests) step pytest_gpu 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=None, help="untimed steps first (GPU 5, CPU 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--max-ctas", type=int, default=None, help="NCCL: most CTAs per communication kernel (init(max_ctas=))")
     p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
@@ -155,7 +156,7 @@ def main(argv: Optional[list] = None) -> list:
     backend = args.backend or ("auto" if cuda else "mpi")
     if not cuda:
         torch.set_num_threads(1)
-    comm = moecomm.init(backend=backend, timeout=args.timeout)
+    comm = moecomm.init(backend=backend, timeout=args.timeout, max_ctas=args.max_ctas)
     _defaults(args, cuda, comm.size)
     if cuda:
         torch.cuda.set_device(comm.device)
@@ -193,7 +194,8 @@ def main(argv: Optional[list] = None) -> list:
                 f"{' (autocast)' if args.autocast else ''}, {args.tokens} tokens/rank, model_dim {args.model_dim}, "
                 f"hidden {args.hidden}, {args.experts} experts, "
                 f"{'dropless' if args.dropless else f'capacity_factor {args.capacity_factor}'}, "
-                f"gate {args.gate}, {args.parallel_mode}-parallel, torch {torch.__version__}")
+                f"gate {args.gate}, {args.parallel_mode}-parallel, max_ctas {args.max_ctas or 'NCCL default'}, "
+                f"torch {torch.__version__}")
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
                        f"slowest rank; peak memory: {'max_memory_allocated' if cuda else 'max RSS'}",
                  f"{'k':>2} {'deg':>4} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "

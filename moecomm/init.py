@@ -64,6 +64,7 @@ def init(
     set_default: bool = True,
     hierarchy: Optional[bool] = None,
     profile: Any = None,
+    max_ctas: Optional[int] = None,
 ) -> Communicator:
     """Create a communicator over every rank of this launch (or of ``process_group``).
 
@@ -90,6 +91,10 @@ def init(
             :class:`moecomm.profile.Profile`. Default: ``<dir>/<fingerprint>.json`` if it
             exists, ``<dir>`` = ``$MOECOMM_PROFILE_DIR`` or ``~/.cache/moecomm/profiles``;
             without one, "auto" follows the rule in :mod:`moecomm.hierarchical`.
+        max_ctas: NCCL backend only: the most thread blocks (CTAs, one per SM) each of the
+            communicator's kernels may occupy, 1 to 32 (NCCL's ``ncclConfig_t.maxCTAs``).
+            Fewer leave more SMs to compute that runs beside the exchanges (overlap), at
+            some cost in bandwidth. Default: NCCL's own choice.
     """
     backend = env.default_backend() if backend is None else backend
     if backend not in BACKENDS:
@@ -97,11 +102,13 @@ def init(
     timeout_s = _seconds(timeout)
     validate = env.default_validate() if validate is None else bool(validate)
     pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else int(pool_bytes))
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or not 1 <= max_ctas <= 32):
+        raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
 
     if process_group is not None:
-        backend_obj, hosts, rank = _from_process_group(process_group, backend, device, timeout_s)
+        backend_obj, hosts, rank = _from_process_group(process_group, backend, device, timeout_s, None, max_ctas)
     else:
-        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size)
+        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size, max_ctas)
     layout = (
         Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
         else Layout.from_hosts(rank, hosts)
@@ -137,7 +144,12 @@ def _local_rank(rank: int, hosts: list[str], local_size: Optional[int]) -> int:
     return Layout.from_hosts(rank, hosts).local_rank
 
 
-def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int]):
+def _nccl_only(max_ctas: Optional[int], backend: str) -> None:
+    if max_ctas is not None and backend != "nccl":
+        raise ValueError(f"max_ctas applies to the NCCL backend only; this communicator's backend is {backend!r}")
+
+
+def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int]):
     from .backends.nccl import NcclBackend, nccl_available
 
     launcher = detect_launcher()
@@ -155,12 +167,13 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size)
+        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas)
 
     world = mpi_world()
     hosts = [h.decode() for h in mpi_exchange(world, host_name().encode(), root_only=False,
                                               timeout_s=timeout_s, what="host-name exchange")]
     rank = world.Get_rank()
+    _nccl_only(max_ctas, backend)
     if backend == "mpi":
         from .backends.mpi import MpiBackend
 
@@ -170,10 +183,11 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
     uid = mpi_exchange(world, NcclBackend.new_unique_id() if rank == 0 else b"", root_only=True,
                        timeout_s=timeout_s, what="NCCL unique-id broadcast")[0]
-    return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s), hosts, rank
+    return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s, max_ctas), hosts, rank
 
 
-def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int] = None):
+def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],
+                        max_ctas: Optional[int]):
     import torch.distributed as dist
 
     from .backends.nccl import NcclBackend
@@ -190,6 +204,7 @@ def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float,
         backend = "nccl" if "nccl" in pg_backend else "torch"
     if backend == "mpi":
         raise ValueError("backend='mpi' cannot be built on a torch process_group; use 'torch' or 'nccl'")
+    _nccl_only(max_ctas, backend)
     if backend == "torch":
         dev = torch.device("cpu") if "nccl" not in pg_backend else _cuda_device(device, _local_rank(rank, hosts, local_size))
         return TorchBackend(group, dev), hosts, rank
@@ -198,5 +213,5 @@ def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float,
     if "nccl" in pg_backend:
         torch.cuda.set_device(dev)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return NcclBackend.create(size, rank, box[0], dev, timeout_s), hosts, rank
+    return NcclBackend.create(size, rank, box[0], dev, timeout_s, max_ctas), hosts, rank
 

@@ -85,6 +85,11 @@ def test_other_bad_input(comm):
         moecomm.init(backend="mpi", timeout=0)
     with pytest.raises(ValueError, match="local_size=2 does not divide"):
         moecomm.init(backend="mpi", local_size=2, set_default=False)
+    for bad in (0, 33, 2.0, True):
+        with pytest.raises(ValueError, match=f"max_ctas must be an int from 1 to 32 \\(or None\\), got {bad!r}"):
+            moecomm.init(backend="mpi", max_ctas=bad, set_default=False)
+    with pytest.raises(ValueError, match="max_ctas applies to the NCCL backend only; .* backend is 'mpi'"):
+        moecomm.init(backend="mpi", max_ctas=8, set_default=False)
 
 
 def test_env_defaults(monkeypatch):

@@ -130,11 +130,13 @@ class NcclBackend(Backend):
         self._aborted = False
 
     @classmethod
-    def create(cls, size: int, rank: int, unique_id: bytes, device: torch.device, timeout_s: float) -> "NcclBackend":
+    def create(cls, size: int, rank: int, unique_id: bytes, device: torch.device, timeout_s: float,
+               max_ctas: Optional[int] = None) -> "NcclBackend":
         import nccl.core as nc
 
         torch.cuda.set_device(device)
-        comm = nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(unique_id))
+        config = None if max_ctas is None else nc.NCCLConfig(max_ctas=max_ctas)
+        comm = nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(unique_id), config)
         backend = cls(comm, device, timeout_s)
         backend.connect_peers()
         return backend

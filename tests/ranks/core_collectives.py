@@ -217,6 +217,19 @@ def check_timeout() -> None:
     collective_assert(ok, f"timeout message: {message!r}")
 
 
+def check_max_ctas() -> None:
+    """An NCCL communicator limited to a few CTAs per kernel moves the same bytes."""
+    if BACKEND != "nccl":
+        return
+    small = make_comm(timeout=60, max_ctas=2, set_default=False)
+    m = count_matrix(33, W, 7, 0.3)
+    x = input_for(33, R, m, (5,), torch.bfloat16).to(DEV)
+    out, recv = small.all_to_all_v(x, torch.tensor(m[R], device=DEV))
+    collective_assert(recv == m[:, R].tolist(), f"max_ctas counts {recv}")
+    collective_assert(np.array_equal(as_bytes(out), expected_bytes(33, R, m, (5,), torch.bfloat16)), "max_ctas data")
+    small.close()
+
+
 def check_torch_dropin() -> None:
     """moecomm.distributed vs torch.distributed (gloo) on the same data, in the same ranks."""
     import torch.distributed as tdist
@@ -251,7 +264,7 @@ def check_torch_dropin() -> None:
 if __name__ == "__main__":
     ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
-               check_torch_dropin]
+               check_max_ctas, check_torch_dropin]
     if ONLY and ONLY.startswith("-"):
         ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
     elif ONLY:
