@@ -159,3 +159,20 @@ def test_out_of_range_raises_on_host():
     x = torch.randn(5, 3, device="cuda")
     with pytest.raises(ValueError, match="'index'"):
         me.gather_rows(x, torch.tensor([0, 5], device="cuda"))
+
+
+@pytest.mark.parametrize("A,B", [(2, 2), (3, 5), (8, 4)])
+def test_hierarchical_block_moves_on_gpu_match_cpu(A, B):
+    from moecomm import _blocks
+
+    g = torch.Generator().manual_seed(A * 10 + B)
+    counts = torch.randint(0, 5, (A, B), generator=g).tolist()
+    rows = sum(map(sum, counts))
+    x = torch.randn(rows, 7, generator=g).to(torch.bfloat16)
+    for inverse in (False, True):
+        got = _blocks.permute_blocks(x.cuda(), counts, inverse=inverse).cpu()
+        assert torch.equal(got.view(torch.int16), _blocks.permute_blocks(x, counts, inverse=inverse).view(torch.int16))
+    order = torch.randperm(A * B, generator=g).tolist()
+    flat = [c for r in counts for c in r]
+    got = _blocks.reorder_blocks(x.cuda(), flat, order).cpu()
+    assert torch.equal(got.view(torch.int16), _blocks.reorder_blocks(x, flat, order).view(torch.int16))
