@@ -12,6 +12,8 @@ Methods (``--compare`` adds the last two):
   moecomm        ``comm.all_to_all_v(x, send_counts)`` with the counts in a tensor on the
                  communicator's device, as MoE code has them (counts exchanged each call)
   moecomm-known  ``comm.all_to_all_v(x, send, recv)`` with both sides' counts known
+  moecomm-p2p    as ``moecomm``, on a communicator made with ``p2p_bytes`` (GPUs of one node:
+                 the rows move through peer memory with the counts still on the GPU)
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
                  all_to_all_single with splits (gloo on CPU, NCCL on GPU)
   raw            the backend itself: mpi4py ``Alltoallv`` (CPU), nccl4py ``ncclAlltoAll``
@@ -87,6 +89,9 @@ class Bench:
         self.cuda = self.device.type == "cuda"
         self.dtype = _DTYPES[args.dtype]
         self.pg = self._torch_group() if args.compare else None
+        self.p2p = None
+        if self.cuda and args.p2p_bytes:
+            self.p2p = moecomm.init(backend="nccl", timeout=args.timeout, p2p_bytes=args.p2p_bytes, set_default=False)
 
     def _torch_group(self):
         import socket
@@ -157,6 +162,8 @@ class Bench:
             "moecomm": lambda: self.comm.all_to_all_v(x, counts_dev)[0],
             "moecomm-known": lambda: self.comm.all_to_all_v(x, send, recv)[0],
         }
+        if self.p2p is not None:
+            methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
         if self.pg is not None:
             methods["torch"] = lambda: self._torch_pattern(x, counts_dev)
             methods["raw"] = self._raw_method(x, send, recv, pattern)
@@ -265,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="moecomm backend (default: auto)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
     p.add_argument("--compare", action="store_true", help="also time torch's MoE pattern and the raw backend")
+    p.add_argument("--p2p-bytes", type=parse_size, default=None,
+                   help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p

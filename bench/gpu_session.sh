@@ -32,9 +32,9 @@ run_step() {
     torchrun) step core_torchrun 120 torchrun --standalone --nproc-per-node 2 -m tests.ranks.core_collectives nccl ;;
     a2a)
       step alltoall_uniform 150 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
-        -b 256K -e 512M -f 2 -p uniform --compare -n 30 --no-progress --json "$RES/alltoall_uniform.json"
+        -b 256K -e 512M -f 2 -p uniform --compare --p2p-bytes 2G -n 30 --no-progress --json "$RES/alltoall_uniform.json"
       step alltoall_variable 120 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
-        -b 256K -e 512M -f 4 -p random,skewed --compare -n 30 --no-progress --json "$RES/alltoall_variable.json" ;;
+        -b 256K -e 512M -f 4 -p random,skewed --compare --p2p-bytes 2G -n 30 --no-progress --json "$RES/alltoall_variable.json" ;;
     hier)
       step hier_1x2 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 2 --skew 1.0 --json "$RES/hier_1x2.json"
       step hier_2x1 60 "${MPI[@]}" python3 -m bench.hierarchical --local-size 1 --skew 1.0 --json "$RES/hier_2x1.json" ;;
@@ -51,6 +51,7 @@ run_step() {
       done ;;
     moectas)
       step moe_ctas8 60 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --max-ctas 8 --json "$RES/moe_layer_ctas8.json" ;;
+    copies) step layout_copies 60 python3 -m bench.layout_copies ;;
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
     kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$RES/kernels.json" ;;
     gputests) step pytest_gpu 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;

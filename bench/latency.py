@@ -14,6 +14,7 @@ the slowest rank's time per call, median over ``--iters``. The methods, from the
   grouped-known    the data exchange alone, grouped send/recv from the raw bindings
   known            ``all_to_all_v(x, send, recv)``
   gpu-counts       ``all_to_all_v(x, counts_on_gpu)``
+  p2p              the same on a communicator with peer memory (``init(p2p_bytes=)``)
   torch            torch's MoE pattern (counts, ``.tolist()``, data)
 """
 
@@ -81,6 +82,8 @@ def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callabl
         "known": lambda: comm.all_to_all_v(x, send, recv)[0],
         "gpu-counts": lambda: comm.all_to_all_v(x, counts_dev)[0],
     }
+    if bench.p2p is not None:
+        methods["p2p"] = lambda: bench.p2p.all_to_all_v(x, counts_dev)[0]
     if bench.pg is not None:
         import torch.distributed as dist
 
@@ -170,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     bench_args = argparse.Namespace(backend="nccl", timeout=120.0, dtype="bfloat16", compare=True,
-                                    warmup=10, iters=args.iters, row_elems=args.row_elems)
+                                    warmup=10, iters=args.iters, row_elems=args.row_elems, p2p_bytes=1 << 30)
     bench = Bench(bench_args)
     report: dict = {"sizes": {}}
     for text in args.sizes.split(","):

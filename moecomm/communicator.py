@@ -30,6 +30,7 @@ SUPPORTED_DTYPES: frozenset = frozenset(
 """Dtypes every collective moves (as raw bytes, so bit for bit)."""
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate(sorted(SUPPORTED_DTYPES, key=str))}
+_P2P_ROW_ALIGN = 16  # moecomm.backends.p2p.ROW_ALIGN (not imported: that module needs CUDA)
 
 
 class Work:
@@ -100,6 +101,7 @@ class Communicator:
         self._abandoned: list[Request] = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
+        self._p2p: Any = None  # moecomm.backends.p2p.PeerTransport, set by init (p2p_bytes=)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -200,6 +202,9 @@ class Communicator:
         device_counts = (
             recv_splits is None and isinstance(send_splits, torch.Tensor) and send_splits.device.type != "cpu"
         )
+        row_bytes = math.prod(row_shape) * x.element_size()
+        if device_counts and self._p2p is not None and row_bytes > 0 and row_bytes % _P2P_ROW_ALIGN == 0:
+            return self._start_peer_exchange(x, send_splits, row_bytes)
         if device_counts:
             send, recv = self._exchange_counts(send_splits, "send_splits")
             try:
@@ -224,6 +229,39 @@ class Communicator:
         out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
         request = self._alltoallv(x, send, out, recv)
         return out, send, recv, request
+
+    def _start_peer_exchange(self, x: torch.Tensor, counts: torch.Tensor,
+                             row_bytes: int) -> tuple[torch.Tensor, list[int], list[int], Request]:
+        """``all_to_all_v`` with the counts on the GPU through peer memory (``init(p2p_bytes=)``):
+        the rows move with the counts, in one round (see :mod:`moecomm.backends.p2p`)."""
+        op = "all_to_all_v"
+        self._check_count_tensor(counts, "send_splits")
+        c = counts if counts.dtype == torch.int64 and counts.is_contiguous() else counts.to(torch.int64).contiguous()
+        if x.data_ptr() % _P2P_ROW_ALIGN:
+            x = x.clone()  # the kernels move 16-byte vectors
+        request = self._p2p.start(x, c, row_bytes)
+        self._wait_host(request, f"{op} (peer memory)", None)
+        send, recv, timed_out = self._p2p.counts()
+        if timed_out:
+            self.abort()
+            raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
+                               f"{self.timeout:g} s on rank {self.rank}; the communicator was aborted")
+        problem: Optional[str] = None
+        try:
+            check_split_total(send, x.shape[0], "send_splits", "input")
+            for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
+                if any(v < 0 for v in vals):
+                    raise ValueError(f"{name} must be >= 0, got {vals}")
+        except ValueError as exc:
+            if not self.validate:
+                self.abort()
+                raise ValueError(f"{exc} (the communicator was aborted: peers had received the rows)") from None
+            problem = str(exc)
+        if self.validate:
+            self._cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
+        out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        request.join()  # the caller's stream reads the arena after the kernels
+        return out, send, recv, self._p2p.finish(x, out, send, recv, row_bytes)
 
     def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int]) -> Request:
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
@@ -413,6 +451,9 @@ class Communicator:
     def close(self) -> None:
         """Release the communicator (collective on NCCL). Idempotent."""
         if self._closed is None:
+            if self._p2p is not None:
+                self._p2p.close(self)
+                self._p2p = None
             self._closed = "closed"
             if self._hier is not None and self._hier.hierarchy is not None:
                 self._hier.hierarchy.close()
@@ -528,14 +569,16 @@ class Communicator:
         values_out = host.tolist()
         return values_out[:n], values_out[n:]
 
+    def _check_count_tensor(self, counts: torch.Tensor, name: str) -> None:
+        if counts.dtype.is_floating_point or counts.dtype == torch.bool or counts.dtype.is_complex:
+            raise TypeError(f"{name} must be an integer tensor, got dtype {counts.dtype}")
+        if counts.shape != (self.size,):
+            raise ValueError(f"{name} must be 1-D with {self.size} entries, got shape {tuple(counts.shape)}")
+
     def _exchange_counts(self, send_splits: Union[torch.Tensor, list[int]], name: str) -> tuple[list[int], list[int]]:
         """One all-to-all of row counts; returns (send, recv) as host lists."""
-        w = self.size
         if isinstance(send_splits, torch.Tensor):
-            if send_splits.dtype.is_floating_point or send_splits.dtype == torch.bool or send_splits.dtype.is_complex:
-                raise TypeError(f"{name} must be an integer tensor, got dtype {send_splits.dtype}")
-            if send_splits.shape != (w,):
-                raise ValueError(f"{name} must be 1-D with {w} entries, got shape {tuple(send_splits.shape)}")
+            self._check_count_tensor(send_splits, name)
         return self._exchange_ints(send_splits, 1, "all_to_all_v (count exchange)")
 
     def _gather_ints(self, values: list[int], op: str) -> list[list[int]]:

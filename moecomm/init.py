@@ -65,6 +65,7 @@ def init(
     hierarchy: Optional[bool] = None,
     profile: Any = None,
     max_ctas: Optional[int] = None,
+    p2p_bytes: Optional[int] = None,
 ) -> Communicator:
     """Create a communicator over every rank of this launch (or of ``process_group``).
 
@@ -95,6 +96,12 @@ def init(
             communicator's kernels may occupy, 1 to 32 (NCCL's ``ncclConfig_t.maxCTAs``).
             Fewer leave more SMs to compute that runs beside the exchanges (overlap), at
             some cost in bandwidth. Default: NCCL's own choice.
+        p2p_bytes: NCCL backend on one node only: device memory (bytes, per rank) for the
+            peer-memory transport, which moves the rows of ``all_to_all_v`` with its counts
+            still on the GPU in one round instead of two (:mod:`moecomm.backends.p2p`).
+            Each source gets ``p2p_bytes / (2 * size)`` of it per exchange; rows beyond go
+            through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
+            peer access); otherwise ValueError. Default: None (off).
     """
     backend = env.default_backend() if backend is None else backend
     if backend not in BACKENDS:
@@ -104,11 +111,14 @@ def init(
     pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else int(pool_bytes))
     if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or not 1 <= max_ctas <= 32):
         raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
+    if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
+        raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
 
     if process_group is not None:
-        backend_obj, hosts, rank = _from_process_group(process_group, backend, device, timeout_s, None, max_ctas)
+        backend_obj, hosts, rank = _from_process_group(process_group, backend, device, timeout_s, None, max_ctas,
+                                                       p2p_bytes)
     else:
-        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size, max_ctas)
+        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size, max_ctas, p2p_bytes)
     layout = (
         Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
         else Layout.from_hosts(rank, hosts)
@@ -118,12 +128,23 @@ def init(
 
     try:
         attach(comm, hierarchy=hierarchy, profile=profile, hosts=hosts, local_size_given=local_size is not None)
+        if p2p_bytes is not None:
+            _attach_peer_transport(comm, p2p_bytes, hosts)
     except BaseException:
         comm.abort()
         raise
     if set_default:
         set_default_communicator(comm)
     return comm
+
+
+def _attach_peer_transport(comm: Communicator, p2p_bytes: int, hosts: list) -> None:
+    if len(set(hosts)) != 1:
+        raise ValueError(f"p2p_bytes needs every rank on one host (peer memory), but the ranks run on "
+                         f"{len(set(hosts))} hosts")
+    from .backends.p2p import PeerTransport
+
+    comm._p2p = PeerTransport(comm, p2p_bytes)
 
 
 def _cuda_device(device: Union[None, int, str, torch.device], local_rank: int) -> torch.device:
@@ -144,12 +165,15 @@ def _local_rank(rank: int, hosts: list[str], local_size: Optional[int]) -> int:
     return Layout.from_hosts(rank, hosts).local_rank
 
 
-def _nccl_only(max_ctas: Optional[int], backend: str) -> None:
-    if max_ctas is not None and backend != "nccl":
-        raise ValueError(f"max_ctas applies to the NCCL backend only; this communicator's backend is {backend!r}")
+def _nccl_only(options: dict, backend: str) -> None:
+    for name, value in options.items():
+        if value is not None and backend != "nccl":
+            raise ValueError(f"{name} applies to the NCCL backend only; this communicator's backend is {backend!r}")
 
 
-def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int]):
+def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int],
+                   p2p_bytes: Optional[int]):
+    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes}
     from .backends.nccl import NcclBackend, nccl_available
 
     launcher = detect_launcher()
@@ -167,13 +191,13 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas)
+        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas, p2p_bytes)
 
     world = mpi_world()
     hosts = [h.decode() for h in mpi_exchange(world, host_name().encode(), root_only=False,
                                               timeout_s=timeout_s, what="host-name exchange")]
     rank = world.Get_rank()
-    _nccl_only(max_ctas, backend)
+    _nccl_only(nccl_only, backend)
     if backend == "mpi":
         from .backends.mpi import MpiBackend
 
@@ -187,7 +211,8 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
 
 
 def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],
-                        max_ctas: Optional[int]):
+                        max_ctas: Optional[int], p2p_bytes: Optional[int]):
+    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes}
     import torch.distributed as dist
 
     from .backends.nccl import NcclBackend
@@ -204,7 +229,7 @@ def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float,
         backend = "nccl" if "nccl" in pg_backend else "torch"
     if backend == "mpi":
         raise ValueError("backend='mpi' cannot be built on a torch process_group; use 'torch' or 'nccl'")
-    _nccl_only(max_ctas, backend)
+    _nccl_only(nccl_only, backend)
     if backend == "torch":
         dev = torch.device("cpu") if "nccl" not in pg_backend else _cuda_device(device, _local_rank(rank, hosts, local_size))
         return TorchBackend(group, dev), hosts, rank

@@ -48,6 +48,7 @@ __all__ = [
     "default_cache_dir",
     "default_use_native",
     "load_native",
+    "load_p2p",
     "native_available",
     "implementation",
 ]
@@ -58,6 +59,7 @@ ENV_CACHE = "MOECOMM_EXT_CACHE"
 ENV_DISABLE = "MOECOMM_EXT_DISABLE"
 
 DEVICE_TYPES = ("cpu", "cuda")
+P2P = "cuda-p2p"  # the peer-memory transport's own extension (moecomm/backends/p2p.py)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
@@ -158,8 +160,20 @@ def _build_spec(device_type: str) -> dict:
             extra_ldflags=ldflags,
             with_cuda=False,
             tag="cpu",
+            functions=("gather_rows", "gather_reduce_rows", "gather_rowdot"),
         )
     arch_flags, tag = _cuda_arch_flags()
+    if device_type == P2P:
+        return dict(
+            base="moecomm_ext_p2p_cuda",
+            sources=[_CSRC / "p2p_cuda.cu"],
+            extra_cflags=["-O3", "-DNDEBUG"],
+            extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
+            extra_ldflags=[],
+            with_cuda=True,
+            tag=tag,
+            functions=("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "launch_send", "launch_wait"),
+        )
     return dict(
         base="moecomm_ext_rows_cuda",
         sources=[_CSRC / "rows_cuda.cu", _CSRC / "rows_cuda_bind.cpp"],
@@ -170,6 +184,7 @@ def _build_spec(device_type: str) -> dict:
         extra_ldflags=[],
         with_cuda=True,
         tag=tag,
+        functions=("gather_rows", "gather_reduce_rows", "gather_rowdot"),
     )
 
 
@@ -243,7 +258,7 @@ def _torch_load(**kwargs) -> types.ModuleType:
 
 def _attempt(device_type: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
     start = time.perf_counter()
-    if device_type == "cuda":
+    if device_type in ("cuda", P2P):
         if torch.version.cuda is None or not torch.cuda.is_available():
             # No CUDA tensor can exist, so nothing can silently go wrong:
             # report unavailability without a warning.
@@ -285,7 +300,7 @@ def _attempt(device_type: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
             )
         for msg in _first_lines(records) + capture.messages:
             logger.debug("torch.utils.cpp_extension warned while building %s: %s", spec["base"], msg)
-        for fn in ("gather_rows", "gather_reduce_rows", "gather_rowdot"):
+        for fn in spec["functions"]:
             if not hasattr(module, fn):
                 raise ImportError(f"loaded module {module!r} lacks function {fn!r}")
     except Exception as exc:
@@ -347,6 +362,22 @@ def load_native(
         raise RuntimeError(
             f"moecomm_ext: native {device_type} extension unavailable: {outcome.reason}"
         )
+    return outcome.module
+
+
+def load_p2p() -> types.ModuleType:
+    """Build (if needed) and load the peer-memory transport's CUDA extension.
+
+    Unlike the row kernels it has no reference fallback (it is what an explicit
+    ``moecomm.init(p2p_bytes=...)`` asked for): raises ``RuntimeError`` with the reason
+    when it cannot be built or loaded.
+    """
+    with _LOCK:
+        outcome = _LOADED.get(P2P)
+        if outcome is None:
+            outcome = _LOADED[P2P] = _attempt(P2P, default_cache_dir(), False)
+    if outcome.module is None:
+        raise RuntimeError(f"moecomm_ext: the peer-memory (p2p) CUDA extension is unavailable: {outcome.reason}")
     return outcome.module
 
 

@@ -230,6 +230,38 @@ def check_max_ctas() -> None:
     small.close()
 
 
+def check_peer_memory() -> None:
+    """init(p2p_bytes=): counts on the GPU, rows through peer memory, equal the numpy reference,
+    over many calls (both arena halves), with rows beyond a region's capacity (through NCCL)
+    and rows that are not a multiple of 16 bytes (NCCL path)."""
+    if BACKEND != "nccl" or under_torchrun():
+        if BACKEND != "nccl":
+            try:
+                make_comm(p2p_bytes=1 << 20, set_default=False)
+                raised = None
+            except ValueError as exc:
+                raised = str(exc)
+            collective_assert(raised is not None and "p2p_bytes applies to the NCCL backend only" in raised,
+                              f"p2p_bytes on {BACKEND}: {raised!r}")
+        return
+    for arena in (1 << 24, 24 << 10):  # ample; and small enough that big blocks overflow into NCCL
+        peer = make_comm(timeout=60, p2p_bytes=arena, set_default=False)
+        for i in range(12):
+            seed = 400 + i
+            m = count_matrix(seed, W, 40 if i % 3 else 3, 0.3)
+            for dtype, shape in ((torch.bfloat16, (8,)), (torch.float32, (4, 2)), (torch.float32, (10,))):
+                x = input_for(seed, R, m, shape, dtype).to(DEV)
+                counts = torch.tensor(m[R], device=DEV, dtype=torch.int32 if i % 2 else torch.int64)
+                if i % 4 == 3:
+                    out, recv = peer.all_to_all_v(x, counts, async_op=True).wait()
+                else:
+                    out, recv = peer.all_to_all_v(x, counts)
+                collective_assert(recv == m[:, R].tolist(), f"p2p {arena} call {i} {dtype}{shape}: counts {recv}")
+                same = np.array_equal(as_bytes(out), expected_bytes(seed, R, m, shape, dtype))
+                collective_assert(same, f"p2p {arena} call {i} {dtype}{shape}: data")
+        peer.close()
+
+
 def check_torch_dropin() -> None:
     """moecomm.distributed vs torch.distributed (gloo) on the same data, in the same ranks."""
     import torch.distributed as tdist
@@ -264,7 +296,7 @@ def check_torch_dropin() -> None:
 if __name__ == "__main__":
     ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
-               check_max_ctas, check_torch_dropin]
+               check_max_ctas, check_peer_memory, check_torch_dropin]
     if ONLY and ONLY.startswith("-"):
         ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
     elif ONLY:

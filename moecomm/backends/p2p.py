@@ -1,0 +1,186 @@
+"""All-to-all through NVLink peer memory, for the ranks of one node, counts read on the GPU.
+
+The NCCL exchange of a variable all-to-all whose counts live on the GPU needs two rounds
+with the host in between: the counts go first, the host reads them, then the rows go.
+This transport needs one. Every rank owns an *arena* (``p2p_bytes`` of device memory)
+that its node mates map through CUDA IPC. One kernel writes each destination's rows
+straight into the destination's arena, reading the counts on the GPU, and then a header
+(count, sequence number); a second kernel waits for every source's header (with a
+timeout). The host then learns the counts (one copy to pinned memory), allocates the
+output and copies the rows out of its arena. Rows beyond a region's capacity (``cap``
+rows per source) follow through NCCL, counts then known on both sides.
+
+Made by ``moecomm.init(p2p_bytes=...)`` (NCCL backend, one node, every GPU pair able to
+map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU tensor,
+``recv_splits`` is not given and rows are a multiple of 16 bytes. See
+``moecomm_ext/csrc/p2p_cuda.cu`` for the arena layout and why two buffers suffice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import _cudart
+from .base import DoneRequest, Request
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..communicator import Communicator
+    from .nccl import NcclBackend
+
+__all__ = ["PeerTransport", "ROW_ALIGN"]
+
+ROW_ALIGN = 16
+"""Rows must be a multiple of this many bytes (the kernels move 16-byte vectors)."""
+
+_HEADER_BYTES = 64
+_SMS_PER_EXCHANGE = 64  # thread blocks of the send kernel, shared among the destinations
+
+
+class _ArenaView:
+    """``__cuda_array_interface__`` of raw device memory, so that torch can view it."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+class PeerTransport:
+    """The arenas of one communicator's ranks and the state of their exchanges."""
+
+    def __init__(self, comm: "Communicator", arena_bytes: int) -> None:
+        from moecomm_ext._loader import load_p2p
+
+        backend: "NcclBackend" = comm._backend
+        self._ext = load_p2p()
+        self._backend = backend
+        self.size, self.rank = backend.size, backend.rank
+        self._device = backend.device.index
+        W = self.size
+        dev = backend.device
+        devices = [row[0] for row in comm._gather_ints([dev.index], "p2p setup")]
+        for r, d in enumerate(devices):
+            if r != self.rank and not self._ext.can_access_peer(dev.index, d):
+                raise ValueError(f"p2p_bytes: GPU {dev.index} (rank {self.rank}) cannot map the memory of GPU {d} "
+                                 f"(rank {r}); the peer-memory transport needs every pair of GPUs linked")
+        self.header_off = 0
+        self.data_off = _round_up(2 * W * _HEADER_BYTES, 4096)
+        self.region_bytes = (arena_bytes - self.data_off) // (2 * W) // 256 * 256
+        if self.region_bytes < 256:
+            raise ValueError(f"p2p_bytes={arena_bytes} leaves no room for rows: it needs at least "
+                             f"{self.data_off + 2 * W * 256} bytes for {W} ranks")
+        self.arena_bytes = arena_bytes
+        self._base = self._ext.alloc(dev.index, arena_bytes)
+        self._opened: list[int] = []
+        try:
+            handle = torch.frombuffer(bytearray(self._ext.ipc_handle(self._base)), dtype=torch.uint8).to(dev)
+            table, _ = comm.all_gather_v(handle)
+            table = table.cpu().reshape(W, -1)
+            bases = []
+            for r in range(W):
+                if r == self.rank:
+                    bases.append(self._base)
+                else:
+                    ptr = self._ext.ipc_open(dev.index, bytes(table[r].tolist()))
+                    self._opened.append(ptr)
+                    bases.append(ptr)
+        except BaseException:
+            self._release()
+            raise
+        self._bases = torch.tensor(bases, dtype=torch.int64, device=dev)  # uint64 pointers, below 2**63
+        self._done = torch.zeros(W, dtype=torch.int32, device=dev)
+        self._result = torch.zeros(2 * W + 1, dtype=torch.int64, device=dev)
+        self._host = torch.zeros(2 * W + 1, dtype=torch.int64, pin_memory=True)
+        self._arena = torch.as_tensor(_ArenaView(self._base, arena_bytes), device=dev)
+        self._seq = 0
+        self._parity = 0
+        comm.barrier()  # every rank has mapped every arena before any exchange writes to one
+
+    def capacity_rows(self, row_bytes: int) -> int:
+        """Rows of ``row_bytes`` one source can put in one region."""
+        return self.region_bytes // row_bytes
+
+    def start(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int) -> Request:
+        """Enqueue the send and wait kernels and the copy of the counts to the host.
+
+        ``x``: contiguous, 16-byte aligned rows grouped by destination; ``counts``:
+        contiguous int64 ``[size]`` on the device. When the request completes,
+        :meth:`counts` holds (sent, received, timed out).
+        """
+        b = self._backend
+        self._seq += 1
+        self._parity = self._seq % 2
+        stream = b._begin(x, counts)
+        blocks = max(1, _SMS_PER_EXCHANGE // self.size)
+        self._ext.launch_send(self._device, x.data_ptr(), counts.data_ptr(), row_bytes, self._bases.data_ptr(),
+                              self.rank, self.size, self._seq, self._parity, self.region_bytes, self.data_off,
+                              self.header_off, self._done.data_ptr(), blocks, stream)
+        timeout_ns = int(b.timeout_s * 1e9)
+        self._ext.launch_wait(self._device, self._base, self.header_off, self._parity, self.size, self._seq,
+                              counts.data_ptr(), self._result.data_ptr(), timeout_ns, stream)
+        _cudart.copy_async(self._host.data_ptr(), self._result.data_ptr(), 8 * (2 * self.size + 1), _cudart.D2H, stream)
+        return b._end("all_to_all_v (peer memory)")
+
+    def counts(self) -> tuple[list[int], list[int], bool]:
+        """(sent, received, timed out) of the exchange :meth:`start` issued last."""
+        values = self._host.tolist()
+        W = self.size
+        return values[W:2 * W], values[:W], bool(values[2 * W])
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], row_bytes: int) -> Request:
+        """Copy the rows out of this rank's arena into ``out`` (on the caller's current
+        stream, which must already be ordered after :meth:`start`'s request), then send
+        the rows beyond a region's capacity through NCCL. Returns the request of that
+        remainder (done at once when there is none)."""
+        cap = self.capacity_rows(row_bytes)
+        dst = out.view(-1).view(torch.uint8)
+        first = self.data_off + self._parity * self.size * self.region_bytes
+        offset = 0
+        for p, n in enumerate(recv):
+            moved = min(n, cap) * row_bytes
+            if moved:
+                src = first + p * self.region_bytes
+                dst[offset:offset + moved].copy_(self._arena[src:src + moved])
+            offset += n * row_bytes
+        extra_send = [max(0, n - cap) for n in send]
+        extra_recv = [max(0, n - cap) for n in recv]
+        if not any(extra_send) and not any(extra_recv):
+            return DoneRequest()
+        send_displs = [s + min(n, cap) for s, n in zip(_starts(send), send)]
+        recv_displs = [s + min(n, cap) for s, n in zip(_starts(recv), recv)]
+        return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes, send_displs, recv_displs)
+
+    def _release(self) -> None:
+        for ptr in self._opened:
+            self._ext.ipc_close(ptr)
+        self._opened = []
+        if self._base:
+            self._ext.free(self._base)
+            self._base = 0
+
+    def close(self, comm: "Communicator") -> None:
+        """Collective: unmap the peers' arenas, then (after a barrier, so that no peer still
+        maps it) free this rank's. After an abort nothing is freed: a kernel may still
+        run, and the memory goes with the process."""
+        if not self._base:
+            return
+        torch.cuda.synchronize(self._backend.device)
+        for ptr in self._opened:
+            self._ext.ipc_close(ptr)
+        self._opened = []
+        comm.barrier()
+        self._arena = None
+        self._ext.free(self._base)
+        self._base = 0
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def _starts(counts: list[int]) -> list[int]:
+    out, s = [], 0
+    for n in counts:
+        out.append(s)
+        s += n
+    return out

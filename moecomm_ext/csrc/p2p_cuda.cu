@@ -1,0 +1,183 @@
+// Peer-memory all-to-all of moecomm's NVLink transport (moecomm/backends/p2p.py).
+//
+// Every rank owns one arena (cudaMalloc, shared with the other ranks of the node through
+// CUDA IPC). Arena layout, for W ranks:
+//   [hdr_off, hdr_off + 2 * W * 64)        headers: parity x source, 64 bytes each
+//                                          (int64 count, then int64 sequence number)
+//   [data_off, data_off + 2 * W * region)  data regions: parity x source
+// Exchange number `seq` uses parity seq % 2. The sender writes its rows for rank p into
+// rank p's region (parity, sender), then the header (count, then seq, each behind a
+// system-scope fence). The receiver waits until every header of its parity carries
+// `seq`. Why parity suffices: a sender reaches exchange s only after it saw every peer's
+// header of s - 1, and a peer writes that header only after its own stream passed the
+// copy-out of exchange s - 2, which read the region that s now overwrites.
+//
+// Only the counts live on the GPU; the host never learns them before the rows move.
+
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("moecomm p2p: ") + what + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+// Makes `device` current for the guard's lifetime (kernels must launch on their stream's device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Grid: W * blocks_per_peer blocks; the blocks of group p copy this rank's rows for rank p.
+__global__ void send_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ counts, int64_t row_bytes,
+                            const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq, int parity,
+                            int64_t region_bytes, int64_t data_off, int64_t hdr_off, unsigned int* done,
+                            int blocks_per_peer) {
+  const int p = blockIdx.x / blocks_per_peer;
+  const int b = blockIdx.x % blocks_per_peer;
+  int64_t offset = 0;
+  for (int q = 0; q < p; ++q) offset += counts[q];
+  const int64_t count = counts[p];
+  const int64_t cap = region_bytes / row_bytes;
+  int64_t rows = count < cap ? count : cap;
+  if (rows < 0 || offset < 0) rows = 0;  // bad counts: the host rejects them after the exchange
+  const int64_t vectors = rows * row_bytes / 16;
+  char* base = reinterpret_cast<char*>(peer_bases[p]);
+  uint4* dst = reinterpret_cast<uint4*>(base + data_off + (int64_t(parity) * world + me) * region_bytes);
+  const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(x) + offset * row_bytes);
+  const int64_t stride = int64_t(blocks_per_peer) * blockDim.x;
+  for (int64_t i = int64_t(b) * blockDim.x + threadIdx.x; i < vectors; i += stride) dst[i] = src[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's rows are visible before it counts itself done
+    const unsigned int before = atomicAdd(&done[p], 1u);
+    if (before == unsigned(blocks_per_peer - 1)) {  // the last block of the group signals
+      done[p] = 0;
+      __threadfence_system();
+      volatile int64_t* hdr =
+          reinterpret_cast<volatile int64_t*>(base + hdr_off + (int64_t(parity) * world + me) * 64);
+      hdr[0] = count;
+      __threadfence_system();
+      hdr[1] = seq;
+    }
+  }
+}
+
+// One block of `world` threads: thread p waits for rank p's header of exchange `seq`.
+// out[0:W] = counts received, out[W:2W] = this rank's own counts, out[2W] = 1 on timeout.
+__global__ void wait_kernel(const char* my_base, int64_t hdr_off, int parity, int world, int64_t seq,
+                            const int64_t* __restrict__ counts, int64_t* out, uint64_t timeout_ns) {
+  const int p = threadIdx.x;
+  if (p == 0) out[2 * world] = 0;
+  __syncthreads();
+  if (p >= world) return;
+  volatile const int64_t* hdr =
+      reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
+  const uint64_t start = global_ns();
+  while (hdr[1] != seq) {
+    if (global_ns() - start > timeout_ns) {
+      out[2 * world] = 1;
+      return;
+    }
+    __nanosleep(64);
+  }
+  __threadfence_system();
+  out[p] = hdr[0];
+  out[world + p] = counts[p];
+}
+
+uint64_t alloc(int device, int64_t nbytes) {
+  DeviceGuard guard(device);
+  void* ptr = nullptr;
+  check(cudaMalloc(&ptr, size_t(nbytes)), "cudaMalloc");
+  check(cudaMemset(ptr, 0, size_t(nbytes)), "cudaMemset");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return reinterpret_cast<uint64_t>(ptr);
+}
+
+void release(uint64_t ptr) { check(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree"); }
+
+py::bytes ipc_handle(uint64_t ptr) {
+  cudaIpcMemHandle_t handle;
+  check(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(ptr)), "cudaIpcGetMemHandle");
+  return py::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+uint64_t ipc_open(int device, const std::string& bytes) {
+  DeviceGuard guard(device);
+  if (bytes.size() != sizeof(cudaIpcMemHandle_t)) throw std::invalid_argument("moecomm p2p: bad IPC handle size");
+  cudaIpcMemHandle_t handle;
+  memcpy(&handle, bytes.data(), sizeof(handle));
+  void* ptr = nullptr;
+  check(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  return reinterpret_cast<uint64_t>(ptr);
+}
+
+void ipc_close(uint64_t ptr) { check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)), "cudaIpcCloseMemHandle"); }
+
+void launch_send(int device, uint64_t x, uint64_t counts, int64_t row_bytes, uint64_t peer_bases, int me, int world, int64_t seq,
+                 int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off, uint64_t done,
+                 int blocks_per_peer, uint64_t stream) {
+  DeviceGuard guard(device);
+  send_kernel<<<world * blocks_per_peer, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const uint4*>(x), reinterpret_cast<const int64_t*>(counts), row_bytes,
+      reinterpret_cast<const uint64_t*>(peer_bases), me, world, seq, parity, region_bytes, data_off, hdr_off,
+      reinterpret_cast<unsigned int*>(done), blocks_per_peer);
+  check(cudaGetLastError(), "send kernel launch");
+}
+
+void launch_wait(int device, uint64_t my_base, int64_t hdr_off, int parity, int world, int64_t seq, uint64_t counts, uint64_t out,
+                 uint64_t timeout_ns, uint64_t stream) {
+  DeviceGuard guard(device);
+  wait_kernel<<<1, 32 * ((world + 31) / 32), 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const char*>(my_base), hdr_off, parity, world, seq, reinterpret_cast<const int64_t*>(counts),
+      reinterpret_cast<int64_t*>(out), timeout_ns);
+  check(cudaGetLastError(), "wait kernel launch");
+}
+
+bool can_access_peer(int device, int peer) {
+  int ok = 0;
+  check(cudaDeviceCanAccessPeer(&ok, device, peer), "cudaDeviceCanAccessPeer");
+  return ok != 0;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "moecomm peer-memory all-to-all kernels and CUDA IPC helpers (raw pointers as ints)";
+  m.def("alloc", &alloc, "cudaMalloc nbytes, zeroed; returns the pointer");
+  m.def("free", &release, "cudaFree");
+  m.def("ipc_handle", &ipc_handle, "CUDA IPC handle (bytes) of an allocation");
+  m.def("ipc_open", &ipc_open, "map a peer's allocation from its IPC handle; returns the pointer");
+  m.def("ipc_close", &ipc_close, "unmap a peer's allocation");
+  m.def("launch_send", &launch_send, "enqueue the send kernel on a stream");
+  m.def("launch_wait", &launch_wait, "enqueue the wait kernel on a stream");
+  m.def("can_access_peer", &can_access_peer, "cudaDeviceCanAccessPeer");
+}
