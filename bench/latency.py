@@ -165,6 +165,44 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
     return {k: float(np.median(v)) for k, v in marks.items()}
 
 
+def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[str, float]:
+    """Host timestamps inside one peer-memory ``all_to_all_v`` (``init(p2p_bytes=)``), and the
+    GPU time from the send kernel's start to the counts' arrival in host memory (CUDA
+    events): medians in microseconds."""
+    comm = bench.p2p
+    t = comm._p2p
+    W, R, dev = comm.size, comm.rank, comm.device
+    row_bytes = row_elems * 2
+    rows = max(size_bytes // row_bytes, W)
+    m = count_matrix("random", W, rows, seed=size_bytes)
+    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
+    counts_dev = torch.tensor([int(v) for v in m[R]], dtype=torch.int64, device=dev)
+    names = ("start", "wait", "counts+empty", "finish", "gpu done")
+    marks: dict[str, list[float]] = {k: [] for k in names + ("gpu kernels+copy",)}
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        bench.world.Barrier()
+        stamps = [time.perf_counter()]
+        ev0.record(comm._backend.stream)
+        request = t.start(x, counts_dev, row_bytes)
+        ev1.record(comm._backend.stream)
+        stamps.append(time.perf_counter())
+        comm._wait_host(request, "p2p", None)
+        stamps.append(time.perf_counter())
+        send, recv, _ = t.counts()
+        out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
+        request.join()
+        stamps.append(time.perf_counter())
+        t.finish(x, out, send, recv, row_bytes).join()
+        stamps.append(time.perf_counter())
+        torch.cuda.synchronize(dev)
+        stamps.append(time.perf_counter())
+        for i, k in enumerate(names):
+            marks[k].append((stamps[i + 1] - stamps[i]) * 1e6)
+        marks["gpu kernels+copy"].append(ev0.elapsed_time(ev1) * 1e3)
+    return {k: float(np.median(v)) for k, v in marks.items()}
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="256K,1M,16M", help="bytes per rank, comma list (256K,1M,16M)")
@@ -182,6 +220,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         row = {name: float(np.median(t)) * 1e6 for name, (t, _) in timed.items()}
         row["phases of gpu-counts"] = _phases(bench, size, args.row_elems, args.iters)
         row["host steps of issuing known counts"] = _issue_steps(bench, size, args.row_elems, args.iters)
+        if bench.p2p is not None:
+            row["steps of p2p"] = _p2p_steps(bench, size, args.row_elems, args.iters)
         report["sizes"][text] = row
         if bench.comm.rank == 0:
             print(f"# {text} per rank, {bench.comm.size} ranks: median us per call (slowest rank)", flush=True)

@@ -161,7 +161,7 @@ def test_out_of_range_raises_on_host():
         me.gather_rows(x, torch.tensor([0, 5], device="cuda"))
 
 
-@pytest.mark.parametrize("A,B", [(2, 2), (3, 5), (8, 4)])
+@pytest.mark.parametrize("A,B", [(2, 2), (3, 5), (8, 4), (9, 8)])  # 72 blocks: the gather_rows path
 def test_hierarchical_block_moves_on_gpu_match_cpu(A, B):
     from moecomm import _blocks
 

@@ -292,9 +292,12 @@ def test_profile_dir_env(monkeypatch, tmp_path):
     assert "MOECOMM_PROFILE_DIR" in env.__doc__
 
 
+@pytest.mark.parametrize("cat_max_blocks", [64, 0])  # one torch.cat of views; the gather_rows path
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 5), st.data())
-def test_permute_blocks_matches_numpy_block_moves(A, B, data):
+@given(A=st.integers(1, 5), B=st.integers(1, 5), data=st.data())
+def test_permute_blocks_matches_numpy_block_moves(cat_max_blocks, A, B, data):
+    from unittest import mock
+
     counts = [[data.draw(st.integers(0, 4)) for _ in range(B)] for _ in range(A)]
     rows = sum(map(sum, counts))
     x = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
@@ -304,10 +307,13 @@ def test_permute_blocks_matches_numpy_block_moves(A, B, data):
             blocks[a, b] = x[start:start + counts[a][b]].numpy()
             start += counts[a][b]
     expect = np.concatenate([blocks[a, b] for b in range(B) for a in range(A)]) if rows else np.zeros((0, 3))
-    out = _blocks.permute_blocks(x, counts)
-    np.testing.assert_array_equal(out.numpy(), expect)
-    np.testing.assert_array_equal(_blocks.permute_blocks(out, counts, inverse=True).numpy(), x.numpy())
     order = data.draw(st.permutations(range(A * B)))
     flat = [c for row in counts for c in row]
+    with mock.patch.object(_blocks, "CAT_MAX_BLOCKS", cat_max_blocks):
+        out = _blocks.permute_blocks(x, counts)
+        np.testing.assert_array_equal(out.numpy(), expect)
+        np.testing.assert_array_equal(_blocks.permute_blocks(out, counts, inverse=True).numpy(), x.numpy())
+        np.testing.assert_array_equal(_blocks.reorder_blocks(x, flat, order).numpy(),
+                                      x.numpy()[_blocks.block_order_index(flat, order)])
     np.testing.assert_array_equal(_blocks._device_index(flat, order, x.device).numpy(),
                                   _blocks.block_order_index(flat, order))
