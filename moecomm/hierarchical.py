@@ -39,6 +39,10 @@ Why intra-node first
   reusing the forward's counts: no count exchange at all, and the other phase order is
   exercised by every backward.
 
+A layout of one node, or of one rank per node (ranks numbered node by node), has a single
+non-empty phase and no copies: 2DH runs that phase as the flat exchange of its
+sub-communicator, with the sub-communicator's count exchange.
+
 Counts are exchanged hierarchically too, along the same route (never a flat ``W x W``
 exchange): an intra-node all-to-all of ``N`` counts per peer (which gives each rank its
 phase-1 counts ``C[(n, l) -> (m, k)]`` for all ``l, m``), then, only when ``recv_splits`` is
@@ -647,6 +651,12 @@ def start_all_to_all_v(
     recv = None if recv_splits is None else normalize_splits(recv_splits, "recv_splits", comm.size)
     if h._pending:  # count exchanges use the sub-communicators too: keep their call order
         comm._wait_host(_Flush(h), "all_to_all_v (2dh, earlier exchanges)", None)
+    if h.contiguous and (h.num_nodes == 1 or h.local_size == 1):
+        # One node, or one rank per node: the other phase and both copies are empty, and
+        # the sub-communicator holds every rank in rank order. Run the one phase as its flat
+        # exchange (no plan: the backward is the flat reverse, the same exchange).
+        sub = h.intra if h.num_nodes == 1 else h.rail
+        return sub._start_all_to_all_v(x, send, recv)
     plan = _make_plan(h, send, recv)
     if comm.validate:
         comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)

@@ -163,9 +163,13 @@ def _profile(fp: Fingerprint, choices: dict) -> Profile:
 
 
 def _ran(comm, x) -> str:
-    _, _, _, req = comm._start_all_to_all_v(x, [x.shape[0]], None, algorithm="auto")
-    comm._complete(req, "all_to_all_v", None)
-    return "2dh" if getattr(req, "plan", None) is not None else "flat"
+    """Which algorithm ``auto`` ran: 2DH is the path that asks for the hierarchy groups."""
+    from unittest import mock
+
+    with mock.patch.object(hierarchical, "_require_hierarchy", wraps=hierarchical._require_hierarchy) as spy:
+        _, _, _, req = comm._start_all_to_all_v(x, [x.shape[0]], None, algorithm="auto")
+        comm._complete(req, "all_to_all_v", None)
+    return "2dh" if spy.called else "flat"
 
 
 def test_auto_follows_profile(profile_dir, tmp_path):
