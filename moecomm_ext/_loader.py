@@ -172,7 +172,8 @@ def _build_spec(device_type: str) -> dict:
             extra_ldflags=[],
             with_cuda=True,
             tag=tag,
-            functions=("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "launch_send", "launch_wait"),
+            functions=("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "launch_send", "launch_wait",
+                       "launch_copy_out"),
         )
     return dict(
         base="moecomm_ext_rows_cuda",

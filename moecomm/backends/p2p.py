@@ -38,13 +38,6 @@ _HEADER_BYTES = 64
 _SMS_PER_EXCHANGE = 64  # thread blocks of the send kernel, shared among the destinations
 
 
-class _ArenaView:
-    """``__cuda_array_interface__`` of raw device memory, so that torch can view it."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
-
-
 class PeerTransport:
     """The arenas of one communicator's ranks and the state of their exchanges."""
 
@@ -91,9 +84,11 @@ class PeerTransport:
         self._done = torch.zeros(W, dtype=torch.int32, device=dev)
         self._result = torch.zeros(2 * W + 1, dtype=torch.int64, device=dev)
         self._host = torch.zeros(2 * W + 1, dtype=torch.int64, pin_memory=True)
-        self._arena = torch.as_tensor(_ArenaView(self._base, arena_bytes), device=dev)
         self._seq = 0
         self._parity = 0
+        self._blocks = max(1, _SMS_PER_EXCHANGE // W)
+        self._timeout_ns = int(backend.timeout_s * 1e9)
+        self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         comm.barrier()  # every rank has mapped every arena before any exchange writes to one
 
     def capacity_rows(self, row_bytes: int) -> int:
@@ -110,15 +105,14 @@ class PeerTransport:
         b = self._backend
         self._seq += 1
         self._parity = self._seq % 2
+        bases, done, result, host = self._ptrs
         stream = b._begin(x, counts)
-        blocks = max(1, _SMS_PER_EXCHANGE // self.size)
-        self._ext.launch_send(self._device, x.data_ptr(), counts.data_ptr(), row_bytes, self._bases.data_ptr(),
-                              self.rank, self.size, self._seq, self._parity, self.region_bytes, self.data_off,
-                              self.header_off, self._done.data_ptr(), blocks, stream)
-        timeout_ns = int(b.timeout_s * 1e9)
+        self._ext.launch_send(self._device, x.data_ptr(), counts.data_ptr(), row_bytes, bases, self.rank, self.size,
+                              self._seq, self._parity, self.region_bytes, self.data_off, self.header_off, done,
+                              self._blocks, stream)
         self._ext.launch_wait(self._device, self._base, self.header_off, self._parity, self.size, self._seq,
-                              counts.data_ptr(), self._result.data_ptr(), timeout_ns, stream)
-        _cudart.copy_async(self._host.data_ptr(), self._result.data_ptr(), 8 * (2 * self.size + 1), _cudart.D2H, stream)
+                              counts.data_ptr(), result, self._timeout_ns, stream)
+        _cudart.copy_async(host, result, 8 * (2 * self.size + 1), _cudart.D2H, stream)
         return b._end("all_to_all_v (peer memory)")
 
     def counts(self) -> tuple[list[int], list[int], bool]:
@@ -128,24 +122,19 @@ class PeerTransport:
         return values[W:2 * W], values[:W], bool(values[2 * W])
 
     def finish(self, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], row_bytes: int) -> Request:
-        """Copy the rows out of this rank's arena into ``out`` (on the caller's current
-        stream, which must already be ordered after :meth:`start`'s request), then send
-        the rows beyond a region's capacity through NCCL. Returns the request of that
-        remainder (done at once when there is none)."""
+        """Copy the rows out of this rank's arena into ``out`` (one kernel on the caller's
+        current stream, which must already be ordered after :meth:`start`'s request; it
+        reads the counts on the device), then send the rows beyond a region's capacity
+        through NCCL. Returns the request of that remainder (done at once when there is none)."""
         cap = self.capacity_rows(row_bytes)
-        dst = out.view(-1).view(torch.uint8)
-        first = self.data_off + self._parity * self.size * self.region_bytes
-        offset = 0
-        for p, n in enumerate(recv):
-            moved = min(n, cap) * row_bytes
-            if moved:
-                src = first + p * self.region_bytes
-                dst[offset:offset + moved].copy_(self._arena[src:src + moved])
-            offset += n * row_bytes
+        if out.numel():
+            self._ext.launch_copy_out(self._device, self._base, self.data_off, self._parity, self.size,
+                                      self.region_bytes, row_bytes, self._ptrs[2], out.data_ptr(), self._blocks,
+                                      _cudart.current_stream(self._device))
+        if max(send) <= cap and max(recv) <= cap:
+            return DoneRequest()
         extra_send = [max(0, n - cap) for n in send]
         extra_recv = [max(0, n - cap) for n in recv]
-        if not any(extra_send) and not any(extra_recv):
-            return DoneRequest()
         send_displs = [s + min(n, cap) for s, n in zip(_starts(send), send)]
         recv_displs = [s + min(n, cap) for s, n in zip(_starts(recv), recv)]
         return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes, send_displs, recv_displs)
@@ -169,7 +158,6 @@ class PeerTransport:
             self._ext.ipc_close(ptr)
         self._opened = []
         comm.barrier()
-        self._arena = None
         self._ext.free(self._base)
         self._base = 0
 

@@ -113,6 +113,26 @@ __global__ void wait_kernel(const char* my_base, int64_t hdr_off, int parity, in
   out[world + p] = counts[p];
 }
 
+// Grid: W * blocks_per_source blocks; group p copies the rows rank p left in this rank's
+// region (parity, p), at most a region's capacity, to their place in `out` (sources in rank
+// order). `received` holds the counts (the wait kernel's output).
+__global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parity, int world, int64_t region_bytes,
+                                int64_t row_bytes, const int64_t* __restrict__ received, uint4* out,
+                                int blocks_per_source) {
+  const int p = blockIdx.x / blocks_per_source;
+  const int b = blockIdx.x % blocks_per_source;
+  int64_t offset = 0;
+  for (int q = 0; q < p; ++q) offset += received[q];
+  const int64_t cap = region_bytes / row_bytes;
+  const int64_t count = received[p];
+  const int64_t rows = count < cap ? count : cap;
+  const int64_t vectors = rows * row_bytes / 16;
+  const uint4* src = reinterpret_cast<const uint4*>(my_base + data_off + (int64_t(parity) * world + p) * region_bytes);
+  uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(out) + offset * row_bytes);
+  const int64_t stride = int64_t(blocks_per_source) * blockDim.x;
+  for (int64_t i = int64_t(b) * blockDim.x + threadIdx.x; i < vectors; i += stride) dst[i] = src[i];
+}
+
 uint64_t alloc(int device, int64_t nbytes) {
   DeviceGuard guard(device);
   void* ptr = nullptr;
@@ -162,6 +182,15 @@ void launch_wait(int device, uint64_t my_base, int64_t hdr_off, int parity, int 
   check(cudaGetLastError(), "wait kernel launch");
 }
 
+void launch_copy_out(int device, uint64_t my_base, int64_t data_off, int parity, int world, int64_t region_bytes,
+                     int64_t row_bytes, uint64_t received, uint64_t out, int blocks_per_source, uint64_t stream) {
+  DeviceGuard guard(device);
+  copy_out_kernel<<<world * blocks_per_source, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<const char*>(my_base), data_off, parity, world, region_bytes, row_bytes,
+      reinterpret_cast<const int64_t*>(received), reinterpret_cast<uint4*>(out), blocks_per_source);
+  check(cudaGetLastError(), "copy-out kernel launch");
+}
+
 bool can_access_peer(int device, int peer) {
   int ok = 0;
   check(cudaDeviceCanAccessPeer(&ok, device, peer), "cudaDeviceCanAccessPeer");
@@ -179,5 +208,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ipc_close", &ipc_close, "unmap a peer's allocation");
   m.def("launch_send", &launch_send, "enqueue the send kernel on a stream");
   m.def("launch_wait", &launch_wait, "enqueue the wait kernel on a stream");
+  m.def("launch_copy_out", &launch_copy_out, "enqueue the copy of the received rows into the output");
   m.def("can_access_peer", &can_access_peer, "cudaDeviceCanAccessPeer");
 }
