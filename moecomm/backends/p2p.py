@@ -35,7 +35,12 @@ ROW_ALIGN = 16
 """Rows must be a multiple of this many bytes (the kernels move 16-byte vectors)."""
 
 _HEADER_BYTES = 64
-_SMS_PER_EXCHANGE = 64  # thread blocks of the send kernel, shared among the destinations
+
+
+def _copy_blocks(nbytes: int, world: int) -> int:
+    """Thread blocks per peer for moving ``nbytes`` in all: one per 256 KiB, 16 to 128 in all
+    (each rank picks its own: the protocol does not depend on it)."""
+    return max(1, min(128, max(16, nbytes >> 18)) // world)
 
 
 class PeerTransport:
@@ -86,7 +91,6 @@ class PeerTransport:
         self._host = torch.zeros(2 * W + 1, dtype=torch.int64, pin_memory=True)
         self._seq = 0
         self._parity = 0
-        self._blocks = max(1, _SMS_PER_EXCHANGE // W)
         self._timeout_ns = int(backend.timeout_s * 1e9)
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         comm.barrier()  # every rank has mapped every arena before any exchange writes to one
@@ -109,7 +113,7 @@ class PeerTransport:
         stream = b._begin(x, counts)
         self._ext.launch_send(self._device, x.data_ptr(), counts.data_ptr(), row_bytes, bases, self.rank, self.size,
                               self._seq, self._parity, self.region_bytes, self.data_off, self.header_off, done,
-                              self._blocks, stream)
+                              _copy_blocks(x.numel() * x.element_size(), self.size), stream)
         self._ext.launch_wait(self._device, self._base, self.header_off, self._parity, self.size, self._seq,
                               counts.data_ptr(), result, self._timeout_ns, stream)
         _cudart.copy_async(host, result, 8 * (2 * self.size + 1), _cudart.D2H, stream)
@@ -129,7 +133,8 @@ class PeerTransport:
         cap = self.capacity_rows(row_bytes)
         if out.numel():
             self._ext.launch_copy_out(self._device, self._base, self.data_off, self._parity, self.size,
-                                      self.region_bytes, row_bytes, self._ptrs[2], out.data_ptr(), self._blocks,
+                                      self.region_bytes, row_bytes, self._ptrs[2], out.data_ptr(),
+                                      _copy_blocks(out.numel() * out.element_size(), self.size),
                                       _cudart.current_stream(self._device))
         if max(send) <= cap and max(recv) <= cap:
             return DoneRequest()

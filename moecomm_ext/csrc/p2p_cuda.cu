@@ -55,6 +55,19 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// dst[i] = src[i] for i = first, first + stride, ... < n, four vectors in flight per thread.
+__device__ __forceinline__ void copy_vectors(uint4* dst, const uint4* src, int64_t n, int64_t first, int64_t stride) {
+  int64_t i = first;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+    dst[i] = a;
+    dst[i + stride] = b;
+    dst[i + 2 * stride] = c;
+    dst[i + 3 * stride] = d;
+  }
+  for (; i < n; i += stride) dst[i] = src[i];
+}
+
 // Grid: W * blocks_per_peer blocks; the blocks of group p copy this rank's rows for rank p.
 __global__ void send_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ counts, int64_t row_bytes,
                             const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq, int parity,
@@ -72,8 +85,7 @@ __global__ void send_kernel(const uint4* __restrict__ x, const int64_t* __restri
   char* base = reinterpret_cast<char*>(peer_bases[p]);
   uint4* dst = reinterpret_cast<uint4*>(base + data_off + (int64_t(parity) * world + me) * region_bytes);
   const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(x) + offset * row_bytes);
-  const int64_t stride = int64_t(blocks_per_peer) * blockDim.x;
-  for (int64_t i = int64_t(b) * blockDim.x + threadIdx.x; i < vectors; i += stride) dst[i] = src[i];
+  copy_vectors(dst, src, vectors, int64_t(b) * blockDim.x + threadIdx.x, int64_t(blocks_per_peer) * blockDim.x);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();  // this block's rows are visible before it counts itself done
@@ -129,8 +141,7 @@ __global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parit
   const int64_t vectors = rows * row_bytes / 16;
   const uint4* src = reinterpret_cast<const uint4*>(my_base + data_off + (int64_t(parity) * world + p) * region_bytes);
   uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(out) + offset * row_bytes);
-  const int64_t stride = int64_t(blocks_per_source) * blockDim.x;
-  for (int64_t i = int64_t(b) * blockDim.x + threadIdx.x; i < vectors; i += stride) dst[i] = src[i];
+  copy_vectors(dst, src, vectors, int64_t(b) * blockDim.x + threadIdx.x, int64_t(blocks_per_source) * blockDim.x);
 }
 
 uint64_t alloc(int device, int64_t nbytes) {
