@@ -33,17 +33,37 @@ from bench.alltoall import Bench, count_matrix, parse_size
 __all__ = ["main"]
 
 
+def _case(comm, size_bytes: int, row_elems: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """Random splits of about ``size_bytes`` of bf16 rows: (send, recv, input, send counts on the GPU)."""
+    W, R, dev = comm.size, comm.rank, comm.device
+    rows = max(size_bytes // (row_elems * 2), W)
+    m = count_matrix("random", W, rows, seed=size_bytes)
+    send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
+    return send, recv, x, torch.tensor(send, dtype=torch.int64, device=dev)
+
+
+def _grouped_send_recv(backend, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int],
+                       row_bytes: int, stream: int) -> None:
+    """The grouped send/recv calls of a known-counts exchange, from the raw bindings."""
+    raw, handle = backend._raw, backend._handle
+    sp, rp, so, ro = x.data_ptr(), out.data_ptr(), 0, 0
+    for peer in range(len(send)):
+        sc, rc = send[peer] * row_bytes, recv[peer] * row_bytes
+        if sc:
+            raw.send(sp + so, sc, 1, peer, handle, stream)
+        if rc:
+            raw.recv(rp + ro, rc, 1, peer, handle, stream)
+        so, ro = so + sc, ro + rc
+
+
 def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callable[[], object]]:
     comm = bench.comm
     backend = comm._backend
     raw, handle = backend._raw, backend._handle
-    W, R, dev = comm.size, comm.rank, comm.device
+    W, dev = comm.size, comm.device
     row_bytes = row_elems * 2
-    rows = max(size_bytes // row_bytes, W)
-    m = count_matrix("random", W, rows, seed=size_bytes)
-    send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
-    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
-    counts_dev = torch.tensor(send, dtype=torch.int64, device=dev)
+    send, recv, x, counts_dev = _case(comm, size_bytes, row_elems)
     tiny = torch.zeros(4 * W, dtype=torch.int64, device=dev)
     pinned = torch.empty(4 * W, dtype=torch.int64, pin_memory=True)
 
@@ -60,17 +80,9 @@ def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callabl
         return pinned.tolist()
 
     def grouped_known():
-        s = torch.cuda.current_stream(dev).cuda_stream
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
-        sp, rp, so, ro = x.data_ptr(), out.data_ptr(), 0, 0
         raw.group_start()
-        for peer in range(W):
-            sc, rc = send[peer] * row_bytes, recv[peer] * row_bytes
-            if sc:
-                raw.send(sp + so, sc, 1, peer, handle, s)
-            if rc:
-                raw.recv(rp + ro, rc, 1, peer, handle, s)
-            so, ro = so + sc, ro + rc
+        _grouped_send_recv(backend, x, out, send, recv, row_bytes, torch.cuda.current_stream(dev).cuda_stream)
         raw.group_end()
         return out
 
@@ -100,11 +112,8 @@ def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callabl
 def _phases(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[str, float]:
     """Host timestamps inside one counts-on-GPU ``all_to_all_v``: medians in microseconds."""
     comm = bench.comm
-    W, R, dev = comm.size, comm.rank, comm.device
-    rows = max(size_bytes // (row_elems * 2), W)
-    m = count_matrix("random", W, rows, seed=size_bytes)
-    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
-    counts_dev = torch.tensor([int(v) for v in m[R]], dtype=torch.int64, device=dev)
+    dev = comm.device
+    _, _, x, counts_dev = _case(comm, size_bytes, row_elems)
     marks: dict[str, list[float]] = {"counts on host": [], "data issued": [], "data done": []}
     for _ in range(iters):
         bench.world.Barrier()
@@ -127,13 +136,9 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
     (the backend's ``alltoallv`` taken apart): medians in microseconds."""
     comm = bench.comm
     b = comm._backend
-    raw, handle = b._raw, b._handle
-    W, R, dev = comm.size, comm.rank, comm.device
+    dev = comm.device
     row_bytes = row_elems * 2
-    rows = max(size_bytes // row_bytes, W)
-    m = count_matrix("random", W, rows, seed=size_bytes)
-    send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
-    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
+    send, recv, x, _ = _case(comm, size_bytes, row_elems)
     names = ("empty", "begin", "send/recv calls", "group_end", "end", "join")
     marks: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(iters):
@@ -143,17 +148,10 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
         t.append(time.perf_counter())
         h = b._begin(x, out)
         t.append(time.perf_counter())
-        raw.group_start()
-        sp, rp, so, ro = x.data_ptr(), out.data_ptr(), 0, 0
-        for peer in range(W):
-            sc, rc = send[peer] * row_bytes, recv[peer] * row_bytes
-            if sc:
-                raw.send(sp + so, sc, 1, peer, handle, h)
-            if rc:
-                raw.recv(rp + ro, rc, 1, peer, handle, h)
-            so, ro = so + sc, ro + rc
+        b._raw.group_start()
+        _grouped_send_recv(b, x, out, send, recv, row_bytes, h)
         t.append(time.perf_counter())
-        raw.group_end()
+        b._raw.group_end()
         t.append(time.perf_counter())
         request = b._end("all_to_all_v")
         t.append(time.perf_counter())
@@ -171,12 +169,9 @@ def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dic
     events): medians in microseconds."""
     comm = bench.p2p
     t = comm._p2p
-    W, R, dev = comm.size, comm.rank, comm.device
+    dev = comm.device
     row_bytes = row_elems * 2
-    rows = max(size_bytes // row_bytes, W)
-    m = count_matrix("random", W, rows, seed=size_bytes)
-    x = torch.randn(rows, row_elems, device=dev).to(torch.bfloat16)
-    counts_dev = torch.tensor([int(v) for v in m[R]], dtype=torch.int64, device=dev)
+    _, _, x, counts_dev = _case(comm, size_bytes, row_elems)
     names = ("start", "wait", "counts+empty", "finish", "gpu done")
     marks: dict[str, list[float]] = {k: [] for k in names + ("gpu kernels+copy",)}
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -207,16 +207,7 @@ class Communicator:
             return self._start_peer_exchange(x, send_splits, row_bytes)
         if device_counts:
             send, recv = self._exchange_counts(send_splits, "send_splits")
-            try:
-                check_split_total(send, rows, "send_splits", "input")
-                for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
-                    if any(v < 0 for v in vals):
-                        raise ValueError(f"{name} must be >= 0, got {vals}")
-            except ValueError as exc:
-                if not self.validate:
-                    self.abort()
-                    raise ValueError(f"{exc} (the communicator was aborted: peers had received the counts)") from None
-                problem = str(exc)
+            problem = self._check_exchanged_counts(send, recv, rows, "the counts")
         else:
             send = normalize_splits(send_splits, "send_splits", self.size)
             check_split_total(send, rows, "send_splits", "input")
@@ -229,6 +220,22 @@ class Communicator:
         out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
         request = self._alltoallv(x, send, out, recv)
         return out, send, recv, request
+
+    def _check_exchanged_counts(self, send: list[int], recv: list[int], rows: int, sent: str) -> Optional[str]:
+        """Counts from a GPU tensor, checked once they reach the host, after ``sent`` went out.
+        A bad count aborts the communicator (its peers have what was sent) and raises, unless
+        ``validate``, where it is returned for the cross-check to raise on every rank."""
+        try:
+            check_split_total(send, rows, "send_splits", "input")
+            for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
+                if any(v < 0 for v in vals):
+                    raise ValueError(f"{name} must be >= 0, got {vals}")
+        except ValueError as exc:
+            if not self.validate:
+                self.abort()
+                raise ValueError(f"{exc} (the communicator was aborted: peers had received {sent})") from None
+            return str(exc)
+        return None
 
     def _start_peer_exchange(self, x: torch.Tensor, counts: torch.Tensor,
                              row_bytes: int) -> tuple[torch.Tensor, list[int], list[int], Request]:
@@ -246,17 +253,7 @@ class Communicator:
             self.abort()
             raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
                                f"{self.timeout:g} s on rank {self.rank}; the communicator was aborted")
-        problem: Optional[str] = None
-        try:
-            check_split_total(send, x.shape[0], "send_splits", "input")
-            for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
-                if any(v < 0 for v in vals):
-                    raise ValueError(f"{name} must be >= 0, got {vals}")
-        except ValueError as exc:
-            if not self.validate:
-                self.abort()
-                raise ValueError(f"{exc} (the communicator was aborted: peers had received the rows)") from None
-            problem = str(exc)
+        problem = self._check_exchanged_counts(send, recv, x.shape[0], "the rows")
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
         out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
