@@ -13,18 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._args import int_arg
+from ._args import float_arg, int_arg
 
 __all__ = ["TopKGate", "LinearTopKGate", "CosineTopKGate", "GATE_TYPES", "make_gate"]
-
-
-def _check_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 class TopKGate(nn.Module):
@@ -40,8 +31,8 @@ class TopKGate(nn.Module):
         self.model_dim = int_arg("model_dim", model_dim, 1)
         self.num_experts = int_arg("num_experts", num_experts, 1)
         self.k = int_arg("k", k, 1, num_experts, f" (num_experts={num_experts})")
-        self.capacity_factor = _check_float("capacity_factor", capacity_factor)
-        self.gate_noise = _check_float("gate_noise", gate_noise)
+        self.capacity_factor = float_arg("capacity_factor", capacity_factor)
+        self.gate_noise = float_arg("gate_noise", gate_noise)
         if self.gate_noise < 0:
             raise ValueError(f"gate_noise must be >= 0, got {gate_noise}")
         if not isinstance(fp32_gate, bool):
@@ -99,7 +90,7 @@ class CosineTopKGate(TopKGate):
         super().__init__(model_dim, num_experts, k=k, capacity_factor=capacity_factor, gate_noise=gate_noise,
                          fp32_gate=fp32_gate)
         self.proj_dim = int_arg("proj_dim", proj_dim, 1)
-        init_t = _check_float("init_t", init_t)
+        init_t = float_arg("init_t", init_t)
         if init_t <= 0:
             raise ValueError(f"init_t must be > 0, got {init_t}")
         self.cosine_projector = nn.Linear(model_dim, proj_dim)

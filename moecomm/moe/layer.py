@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -13,7 +12,7 @@ from torch import Tensor, nn
 import moecomm_ext
 
 from . import _comm
-from ._args import int_arg
+from ._args import float_arg, int_arg
 from ._gather import gather_expert_params
 from .experts import BatchedExperts, ExpertList, FFNExperts, Segments
 from .gates import GATE_TYPES, TopKGate, make_gate
@@ -23,12 +22,6 @@ from .routing import Routing, capacity_slots, dropless_slots, fixed_capacity, pi
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
 PARALLEL_MODES = ("expert", "data", "auto")
-
-
-def _float_arg(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise TypeError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 def _bool_arg(name: str, value: Any) -> bool:
@@ -125,7 +118,7 @@ class MoELayer(nn.Module):
             comm.rank * self.num_local_experts
 
         self.k = int_arg("k", k, 1, E, f" (num_experts={E})")
-        self.capacity_factor = _float_arg("capacity_factor", capacity_factor)
+        self.capacity_factor = float_arg("capacity_factor", capacity_factor)
         self.normalize_gate = _bool_arg("normalize_gate", normalize_gate)
         self.batch_prioritized_routing = _bool_arg("batch_prioritized_routing", batch_prioritized_routing)
         self.is_postscore = _bool_arg("is_postscore", is_postscore)
@@ -134,7 +127,7 @@ class MoELayer(nn.Module):
         if balance_loss not in BALANCE_LOSSES:
             raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {balance_loss!r}")
         self.balance_loss_type = balance_loss
-        self.z_loss_weight = _float_arg("z_loss_weight", z_loss_weight)
+        self.z_loss_weight = float_arg("z_loss_weight", z_loss_weight)
         if parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"parallel_mode must be one of {PARALLEL_MODES}, got {parallel_mode!r}")
         self.parallel_mode = parallel_mode
@@ -327,7 +320,7 @@ class MoELayer(nn.Module):
                              f"disagree (they are the same argument)")
         deg = overlap_degree if overlap_degree is not None else a2a_ffn_overlap_degree
         deg = self.overlap_degree if deg is None else self._check_degree(deg)
-        cf = gate.capacity_factor if capacity_factor is None else _float_arg("capacity_factor", capacity_factor)
+        cf = gate.capacity_factor if capacity_factor is None else float_arg("capacity_factor", capacity_factor)
         algo = self.algorithm if algorithm is None else self._check_algorithm(algorithm)
         drop_less = self.dropless if dropless is None else _bool_arg("dropless", dropless)
         ineq = self.inequivalent_tokens if inequivalent_tokens is None else _bool_arg("inequivalent_tokens",
