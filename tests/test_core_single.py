@@ -184,3 +184,17 @@ def test_pool_stats_after_calls(comm):
         comm.all_to_all_v(torch.zeros(4, 3), [4])
     after = comm.pool_stats()
     assert after.in_use_bytes == 0 and after.capacity_bytes == before.capacity_bytes
+
+
+def test_counts_checked_after_an_exchange():
+    """Counts that reach the host only after going out (GPU counts): a bad one aborts the
+    communicator and names what the peers received; with validate=True it is returned for the
+    cross-check instead."""
+    c = moecomm.init(backend="mpi", set_default=False)
+    assert c._check_exchanged_counts([3], [3], 3, "the rows") is None
+    with pytest.raises(ValueError, match=r"send_splits .*3.* \(the communicator was aborted: peers had received the rows\)"):
+        c._check_exchanged_counts([3], [3], 4, "the rows")
+    assert c.closed
+    v = moecomm.init(backend="mpi", validate=True, set_default=False)
+    assert "must be >= 0" in v._check_exchanged_counts([0], [-1], 0, "the counts")
+    assert not v.closed
