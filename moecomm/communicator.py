@@ -436,7 +436,7 @@ class Communicator:
         if isinstance(key, bool) or not isinstance(key, int):
             raise TypeError(f"key must be an int, got {key!r}")
         table = self._gather_ints([-1 if color is None else color, key], "split")
-        sub_backend = self._backend.split(color, key)
+        sub_backend = self._backend.split(color, key, table)
         if color is None:
             return None
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]

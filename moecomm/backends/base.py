@@ -107,8 +107,12 @@ class Backend(abc.ABC):
         """Completes once every rank has entered the barrier."""
 
     @abc.abstractmethod
-    def split(self, color: Optional[int], key: int) -> Optional["Backend"]:
-        """Collective: a backend over the ranks that passed the same ``color`` (None: no group)."""
+    def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["Backend"]:
+        """Collective: a backend over the ranks that passed the same ``color`` (None: no group).
+
+        ``table[r]`` is rank ``r``'s ``(color or -1, key)``, already gathered by the
+        communicator (a backend that needs it uses it instead of gathering it again).
+        """
 
     def check_health(self) -> None:
         """Raise if the backend has failed asynchronously (a watchdog timeout, say)."""

@@ -7,7 +7,7 @@ and every torch dtype (bfloat16, float8, bool) moves bit for bit.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -129,7 +129,7 @@ class MpiBackend(Backend):
     def barrier(self) -> Request:
         return MpiRequest(self._comm.Ibarrier(), ())
 
-    def split(self, color: Optional[int], key: int) -> Optional["MpiBackend"]:
+    def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["MpiBackend"]:
         sub = self._comm.Split(self._MPI.UNDEFINED if color is None else color, key)
         if sub == self._MPI.COMM_NULL:
             return None

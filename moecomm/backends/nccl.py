@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -296,7 +296,7 @@ class NcclBackend(Backend):
         # One kept zero, reduced with max: no allocation per barrier, and it stays zero.
         return self.allreduce(self._barrier_token, "max")
 
-    def split(self, color: Optional[int], key: int) -> Optional["NcclBackend"]:
+    def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["NcclBackend"]:
         self.check_health()
         torch.cuda.current_stream(self.device).synchronize()
         sub = self._comm.split(color, key)

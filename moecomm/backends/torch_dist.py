@@ -6,7 +6,7 @@ It is what ``moecomm.init(process_group=pg)`` uses for a group that is not NCCL,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,14 +96,10 @@ class TorchBackend(Backend):
     def barrier(self) -> Request:
         return _WorkRequest(dist.barrier(group=self.group, async_op=True), ())
 
-    def split(self, color: Optional[int], key: int) -> Optional["TorchBackend"]:
-        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64, device=self.device)
-        table = torch.empty(self.size * 2, dtype=torch.int64, device=self.device)
-        _all_gather_single(table, mine, group=self.group)  # on the group's device: NCCL groups have no CPU
-        rows = table.view(self.size, 2).tolist()
+    def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["TorchBackend"]:
         if color is None:
             return None
-        members = sorted((k, r) for r, (c, k) in enumerate(rows) if c == color)
+        members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
         if [r for _, r in members] != sorted(r for _, r in members):
             raise ValueError(
                 "the torch backend keeps sub-group ranks in parent-rank order: key must not reorder "
