@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (2 x H200): the GPU test suites and the benchmarks, logged under $OUT.
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
-# Usage: bash bench/gpu_session.sh [STEP ...]   (default: every step, in the order of run_step)
+# Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
+# steps latency, copies, overlaptrace, moeprofile, overlapctas and moectas run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -75,7 +76,7 @@ run_step() {
   python3 -c "import torch, nccl.core as n; print('torch', torch.__version__, 'nccl4py', n.__version__)"; } >> "$LOG" 2>&1
 
 # Steps run in the order given (default: all of them).
-for name in ${*:-core torchrun a2a hier topology overlap kernels gputests moe moetests overlaptests}; do
+for name in ${*:-core torchrun latency a2a hier topology overlap kernels gputests moe moetests overlaptests}; do
   run_step "$name"
 done
 
