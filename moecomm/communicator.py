@@ -243,7 +243,7 @@ class Communicator:
         the rows move with the counts, in one round (see :mod:`moecomm.backends.p2p`)."""
         op = "all_to_all_v"
         self._check_count_tensor(counts, "send_splits")
-        c = counts if counts.dtype == torch.int64 and counts.is_contiguous() else counts.to(torch.int64).contiguous()
+        c = counts.to(device=self.device, dtype=torch.int64).contiguous()  # the kernels read them on this GPU
         if x.data_ptr() % _P2P_ROW_ALIGN:
             x = x.clone()  # the kernels move 16-byte vectors
         request = self._p2p.start(x, c, row_bytes)
@@ -480,7 +480,7 @@ class Communicator:
             raise CommunicatorClosedError(f"moecomm: cannot run {op}: the communicator is {self._closed}")
         try:
             self._backend.check_health()
-        except TimeoutError:
+        except Exception:  # the backend failed asynchronously (a watchdog timeout, a CUDA error) and aborted
             self._closed = "aborted"
             raise
 

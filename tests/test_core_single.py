@@ -198,3 +198,19 @@ def test_counts_checked_after_an_exchange():
     v = moecomm.init(backend="mpi", validate=True, set_default=False)
     assert "must be >= 0" in v._check_exchanged_counts([0], [-1], 0, "the counts")
     assert not v.closed
+
+
+def test_asynchronous_backend_failure_closes_the_communicator(monkeypatch):
+    """A failure the backend found on its own (the NCCL watchdog: a timeout or a CUDA error)
+    is raised by the next call, and the communicator counts as aborted after it."""
+    c = moecomm.init(backend="mpi", set_default=False)
+
+    def failed() -> None:
+        raise RuntimeError("moecomm: the NCCL watchdog on rank 0 could not poll the GPU (boom)")
+
+    monkeypatch.setattr(c._backend, "check_health", failed)
+    with pytest.raises(RuntimeError, match="could not poll the GPU"):
+        c.barrier()
+    assert c.closed
+    with pytest.raises(moecomm.CommunicatorClosedError):
+        c.barrier()

@@ -80,23 +80,30 @@ class _Watchdog:
         self._pending.append((request, time.monotonic() + timeout_s, op, timeout_s))
 
     def _run(self) -> None:
-        _cudart.set_device(self._backend.device.index)
+        failure: Optional[BaseException] = None
+        try:
+            _cudart.set_device(self._backend.device.index)
+            while failure is None and not self._stop.wait(self._period):
+                failure = self._overdue()
+        except Exception as exc:  # noqa: BLE001 - a CUDA error: nothing may wait on this context now
+            failure = RuntimeError(f"moecomm: the NCCL watchdog on rank {self._backend.rank} could not poll the "
+                                   f"GPU ({exc}); the NCCL communicator was aborted")
+        if failure is not None:
+            self.failure = failure
+            self._backend.abort()
+
+    def _overdue(self) -> Optional[TimeoutError]:
+        """Drop the finished requests; a TimeoutError naming the oldest if it is past its deadline."""
         pending = self._pending
-        while not self._stop.wait(self._period):
-            # Operations on the backend's stream complete in issue order: only the oldest
-            # unfinished one can be late.
-            while pending and pending[0][0].test():
-                pending.popleft()
-            if not pending:
-                continue
-            head = pending[0]
-            if time.monotonic() > head[1]:
-                self.failure = TimeoutError(
-                    f"moecomm: {head[2]} did not complete on the GPU within {head[3]:g} s on rank "
-                    f"{self._backend.rank}; the NCCL communicator was aborted"
-                )
-                self._backend.abort()
-                return
+        # Operations on the backend's stream complete in issue order: only the oldest
+        # unfinished one can be late.
+        while pending and pending[0][0].test():
+            pending.popleft()
+        if pending and time.monotonic() > pending[0][1]:
+            _, _, op, timeout_s = pending[0]
+            return TimeoutError(f"moecomm: {op} did not complete on the GPU within {timeout_s:g} s on rank "
+                                f"{self._backend.rank}; the NCCL communicator was aborted")
+        return None
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,65 @@
+"""The NCCL backend's watchdog, on the CPU: requests that finish, one that outlives its
+deadline, and a GPU poll that fails. The CUDA calls are replaced by a stand-in."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+
+from moecomm.backends import nccl
+
+
+class _Request:
+    def __init__(self, done_after_s: float = 0.0, error: Exception | None = None) -> None:
+        self._at = time.monotonic() + done_after_s
+        self._error = error
+
+    def test(self) -> bool:
+        if self._error is not None:
+            raise self._error
+        return time.monotonic() >= self._at
+
+
+def _backend() -> types.SimpleNamespace:
+    aborted = threading.Event()
+    return types.SimpleNamespace(rank=3, device=types.SimpleNamespace(index=0), abort=aborted.set, aborted=aborted)
+
+
+@pytest.fixture(autouse=True)
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(nccl, "_cudart", types.SimpleNamespace(set_device=lambda index: None))
+
+
+def test_finished_requests_leave_no_failure():
+    b = _backend()
+    w = nccl._Watchdog(b, period_s=0.005)
+    for i in range(20):
+        w.watch(_Request(0.001 * i), f"op {i}", timeout_s=5.0)
+    time.sleep(0.2)
+    w.stop()
+    assert w.failure is None and not b.aborted.is_set() and not w._pending
+
+
+def test_overdue_request_aborts_and_names_the_operation():
+    b = _backend()
+    w = nccl._Watchdog(b, period_s=0.005)
+    w.watch(_Request(0.0), "barrier", timeout_s=5.0)
+    w.watch(_Request(60.0), "all_to_all_v", timeout_s=0.05)
+    assert b.aborted.wait(5.0)
+    assert isinstance(w.failure, TimeoutError)
+    assert str(w.failure) == ("moecomm: all_to_all_v did not complete on the GPU within 0.05 s on rank 3; "
+                              "the NCCL communicator was aborted")
+
+
+def test_failing_gpu_poll_aborts_instead_of_killing_the_thread():
+    b = _backend()
+    w = nccl._Watchdog(b, period_s=0.005)
+    w.watch(_Request(error=RuntimeError("moecomm: CUDA cudaEventQuery failed: cudaErrorIllegalAddress")), "allreduce",
+            timeout_s=5.0)
+    assert b.aborted.wait(5.0)
+    assert isinstance(w.failure, RuntimeError)
+    assert "could not poll the GPU (moecomm: CUDA cudaEventQuery failed: cudaErrorIllegalAddress)" in str(w.failure)
+    assert "rank 3" in str(w.failure)
