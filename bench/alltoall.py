@@ -14,6 +14,7 @@ Methods (``--compare`` adds the last two):
   moecomm-known  ``comm.all_to_all_v(x, send, recv)`` with both sides' counts known
   moecomm-p2p    as ``moecomm``, on a communicator made with ``p2p_bytes`` (GPUs of one node:
                  the rows move through peer memory with the counts still on the GPU)
+  moecomm-p2p-known  as ``moecomm-known`` on that communicator: the rows move by copy engines
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
                  all_to_all_single with splits (gloo on CPU, NCCL on GPU)
   raw            the backend itself: mpi4py ``Alltoallv`` (CPU), nccl4py ``ncclAlltoAll``
@@ -164,6 +165,7 @@ class Bench:
         }
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
+            methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]
         if self.pg is not None:
             methods["torch"] = lambda: self._torch_pattern(x, counts_dev)
             methods["raw"] = self._raw_method(x, send, recv, pattern)

@@ -2,7 +2,8 @@
 # One device call (2 x H200): the GPU test suites and the benchmarks, logged under $OUT.
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
-# steps latency, copies, overlaptrace, moeprofile, overlapctas and moectas run when named)
+# steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce and
+# moece run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -61,6 +62,16 @@ run_step() {
       step moe_dropless 60 "${MPI[@]}" python3 -m bench.moe_layer --dropless --top-k 2 ;;
     moetests) step moe_checks 120 "${MPI[@]}" python3 -m tests.ranks.moe_layer_checks all cuda ;;
     overlaptests) step overlap_checks 60 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl ;;
+    p2ptests)
+      step core_p2p 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives nccl-p2p -check_timeout
+      step overlap_checks_p2p 90 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl-p2p ;;
+    ceprobe) step copy_engine_probe 90 "${MPI[@]}" python3 -m bench.copy_engine_probe --json "$RES/copy_engine_probe.json" ;;
+    overlapce)
+      step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json"
+      step overlap_ce 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --json "$RES/overlap_ce.json" ;;
+    moece)
+      step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
+      step moe_layer_ce 90 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 1G --overlap-degree 1,2 --json "$RES/moe_layer_ce.json" ;;
     topology)
       step probe_1x2 90 "${MPI[@]}" python3 -m topology probe --local-size 2 --sizes 256,4K,64K,1M,16M,64M --out "$RES/probe_1x2.json"
       step tune_2x1 150 "${MPI[@]}" python3 -m topology tune --local-size 1 --sizes 64K,1M,16M,256M --probe-sizes 256,4K,64K,1M,16M,64M --degrees 1,2,4 \

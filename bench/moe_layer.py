@@ -34,6 +34,8 @@ import torch
 import moecomm
 from moecomm.moe import MoELayer
 
+from .alltoall import parse_size
+
 __all__ = ["main", "build_parser"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--max-ctas", type=int, default=None, help="NCCL: most CTAs per communication kernel (init(max_ctas=))")
+    p.add_argument("--p2p-bytes", type=parse_size, default=None,
+                   help="GPUs of one node: peer memory per rank (init(p2p_bytes=)); exchanges then move by copy engines")
     p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
@@ -156,7 +160,7 @@ def main(argv: Optional[list] = None) -> list:
     backend = args.backend or ("auto" if cuda else "mpi")
     if not cuda:
         torch.set_num_threads(1)
-    comm = moecomm.init(backend=backend, timeout=args.timeout, max_ctas=args.max_ctas)
+    comm = moecomm.init(backend=backend, timeout=args.timeout, max_ctas=args.max_ctas, p2p_bytes=args.p2p_bytes)
     _defaults(args, cuda, comm.size)
     if cuda:
         torch.cuda.set_device(comm.device)
@@ -194,7 +198,7 @@ def main(argv: Optional[list] = None) -> list:
                 f"{' (autocast)' if args.autocast else ''}, {args.tokens} tokens/rank, model_dim {args.model_dim}, "
                 f"hidden {args.hidden}, {args.experts} experts, "
                 f"{'dropless' if args.dropless else f'capacity_factor {args.capacity_factor}'}, "
-                f"gate {args.gate}, {args.parallel_mode}-parallel, max_ctas {args.max_ctas or 'NCCL default'}, "
+                f"gate {args.gate}, {args.parallel_mode}-parallel, max_ctas {args.max_ctas or 'NCCL default'}, p2p_bytes {args.p2p_bytes or 'none'}, "
                 f"torch {torch.__version__}")
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
                        f"slowest rank; peak memory: {'max_memory_allocated' if cuda else 'max RSS'}",

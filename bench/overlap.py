@@ -47,6 +47,8 @@ import moecomm
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
 
+from .alltoall import parse_size
+
 __all__ = ["main", "build_parser"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -225,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
     p.add_argument("--max-ctas", type=int, default=None, help="NCCL: most CTAs per communication kernel (init(max_ctas=))")
+    p.add_argument("--p2p-bytes", type=parse_size, default=None,
+                   help="GPUs of one node: peer memory per rank (init(p2p_bytes=)); exchanges then move by copy engines")
     p.add_argument("--exchange-only", action="store_true",
                    help="also time each degree with an identity fn (the chunked exchange's own cost)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler chrome trace of a few steps per degree "
@@ -256,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         raise SystemExit("--tokens, --model-dim, --hidden, --experts-per-rank, --iters and --steps must be >= 1")
     if not cuda:
         torch.set_num_threads(1)
-    comm = moecomm.init(backend="nccl" if cuda else "mpi", timeout=args.timeout, max_ctas=args.max_ctas)
+    comm = moecomm.init(backend="nccl" if cuda else "mpi", timeout=args.timeout, max_ctas=args.max_ctas, p2p_bytes=args.p2p_bytes)
     layer = Layer(args, comm)
     timer = Timer(args, comm, world)
     rank0 = comm.rank == 0
@@ -303,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         lines = [
             f"# moecomm overlap: {comm.size} ranks, backend {comm.backend}, {name}, {args.dtype}, "
             f"{args.tokens} rows/rank of {args.model_dim} ({mib:.1f} MiB), hidden {args.hidden}, "
-            f"{args.experts_per_rank} expert(s)/rank, pattern {args.pattern}, max_ctas {args.max_ctas or 'NCCL default'}, "
+            f"{args.experts_per_rank} expert(s)/rank, pattern {args.pattern}, max_ctas {args.max_ctas or 'NCCL default'}, p2p_bytes {args.p2p_bytes or 'none'}, "
             f"torch {torch.__version__}",
             f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
             f"auto may use {auto_stages(comm)} stage(s)",

@@ -266,6 +266,8 @@ class Communicator:
         # no rows of its own must still join its peers' collective (MPI matches by order).
         if row_bytes == 0:
             return self._backend.barrier() if self.size > 1 else DoneRequest()
+        if self._p2p is not None:
+            return self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
         return self._backend.alltoallv(x, send, out, recv, row_bytes)
 
     # -- all-to-all overlapped with compute -------------------------------------------------

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+import moecomm
 from moecomm.backends import nccl
 
 
@@ -63,3 +64,31 @@ def test_failing_gpu_poll_aborts_instead_of_killing_the_thread():
     assert isinstance(w.failure, RuntimeError)
     assert "could not poll the GPU (moecomm: CUDA cudaEventQuery failed: cudaErrorIllegalAddress)" in str(w.failure)
     assert "rank 3" in str(w.failure)
+
+
+@pytest.mark.parametrize("reported", [
+    moecomm.CountMismatchError("moecomm: all_to_all_v (copy engines): rank 3 expected 4 rows from rank 0, but rank 0 "
+                               "sent 5 (the ranks' splits disagree); the communicator was aborted"),
+    TimeoutError("moecomm: all_to_all_v (copy engines) on rank 3 received nothing from rank 1 within 2 s; "
+                 "the communicator was aborted"),
+])
+def test_failure_reported_by_a_finished_exchange_is_kept_as_is(reported):
+    b = _backend()
+    w = nccl._Watchdog(b, period_s=0.005)
+    w.watch(_Request(0.0), "barrier", timeout_s=5.0)
+    w.watch(_Request(error=reported), "all_to_all_v (copy engines)", timeout_s=5.0)
+    assert b.aborted.wait(5.0)
+    assert w.failure is reported
+
+
+def test_event_request_reports_its_problem_once_complete(monkeypatch):
+    state = {"done": False}
+    monkeypatch.setattr(nccl, "_cudart", types.SimpleNamespace(query=lambda event: state["done"],
+                                                               destroy_event=lambda event: None))
+    problem = moecomm.CountMismatchError("counts disagree")
+    request = nccl._EventRequest(object(), 0, lambda: problem)
+    assert request.test() is False  # not complete: the status is not looked at yet
+    state["done"] = True
+    with pytest.raises(moecomm.CountMismatchError, match="counts disagree"):
+        request.test()
+    assert nccl._EventRequest(object(), 0, lambda: None).test() is True

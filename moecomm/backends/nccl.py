@@ -12,10 +12,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..errors import MoeCommError
 from .base import Backend, Request
 
 try:
@@ -47,14 +48,22 @@ def nccl_available() -> bool:
 class _EventRequest(Request):
     """Done when a CUDA event recorded after the operation on the backend's stream completes."""
 
-    __slots__ = ("event", "_device_index")
+    __slots__ = ("event", "_device_index", "_problem")
 
-    def __init__(self, event: object, device_index: int) -> None:
+    def __init__(self, event: object, device_index: int,
+                 problem: Optional[Callable[[], Optional[BaseException]]] = None) -> None:
         self.event = event
         self._device_index = device_index
+        self._problem = problem  # after completion: what the GPU reported as failed, if anything
 
     def test(self) -> bool:
-        return _cudart.query(self.event)
+        """True once complete; raises what ``problem`` reports (a transport's failed exchange)."""
+        done = _cudart.query(self.event)
+        if done and self._problem is not None:
+            exc = self._problem()
+            if exc is not None:
+                raise exc
+        return done
 
     def join(self) -> None:
         _cudart.wait(_cudart.current_stream(self._device_index), self.event)
@@ -92,13 +101,17 @@ class _Watchdog:
             self.failure = failure
             self._backend.abort()
 
-    def _overdue(self) -> Optional[TimeoutError]:
-        """Drop the finished requests; a TimeoutError naming the oldest if it is past its deadline."""
+    def _overdue(self) -> Optional[BaseException]:
+        """Drop the finished requests; a TimeoutError naming the oldest if it is past its deadline,
+        or the failure a finished one reported."""
         pending = self._pending
         # Operations on the backend's stream complete in issue order: only the oldest
         # unfinished one can be late.
-        while pending and pending[0][0].test():
-            pending.popleft()
+        try:
+            while pending and pending[0][0].test():
+                pending.popleft()
+        except (TimeoutError, MoeCommError) as exc:  # an exchange that completed with a reported failure
+            return exc
         if pending and time.monotonic() > pending[0][1]:
             _, _, op, timeout_s = pending[0]
             return TimeoutError(f"moecomm: {op} did not complete on the GPU within {timeout_s:g} s on rank "
@@ -188,10 +201,10 @@ class NcclBackend(Backend):
             t.record_stream(self.stream)
         return self._stream
 
-    def _end(self, op: str) -> _EventRequest:
+    def _end(self, op: str, problem: Optional[Callable[[], Optional[BaseException]]] = None) -> _EventRequest:
         event = _cudart.new_event()
         _cudart.record(event, self._stream)
-        request = _EventRequest(event, self._index)
+        request = _EventRequest(event, self._index, problem)
         self._watchdog.watch(request, op, self.timeout_s)
         return request
 

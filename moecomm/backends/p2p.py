@@ -10,18 +10,35 @@ timeout). The host then learns the counts (one copy to pinned memory), allocates
 output and copies the rows out of its arena. Rows beyond a region's capacity (``cap``
 rows per source) follow through NCCL, counts then known on both sides.
 
+Exchanges whose counts the host knows (``recv_splits`` given, or learned first; and every
+stage of ``scatter_compute_gather``) move through the same arenas by *copy engines*
+(:meth:`PeerTransport.exchange`): ``cudaMemcpyAsync`` into each peer's region, one small
+kernel writing the headers, a wait for the peers' headers (with a timeout, checking each
+count against what this rank expects), and copies out of the own regions; the rank's own
+rows are one device-local copy on a second stream. No SM moves a byte, so an exchange
+beside the experts' GEMMs does not take their SMs as NCCL's kernels do, and on NVLink the
+copy engines are also faster than NCCL's grouped send/recv (2 x H200:
+``bench/copy_engine_probe.py``). A failure the wait reports (a peer silent past the
+timeout, a peer sending another count than expected) aborts the communicator; the next
+call raises it, as after an NCCL timeout.
+
 Made by ``moecomm.init(p2p_bytes=...)`` (NCCL backend, one node, every GPU pair able to
 map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU tensor,
-``recv_splits`` is not given and rows are a multiple of 16 bytes. See
-``moecomm_ext/csrc/p2p_cuda.cu`` for the arena layout and why two buffers suffice.
+``recv_splits`` is not given and rows are a multiple of 16 bytes (kernels), and for every
+flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.cu`` for
+the arena layout and why two buffers suffice.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from typing import Optional, Sequence
+
+import numpy as np
 import torch
 
+from ..errors import CountMismatchError
 from . import _cudart
 from .base import DoneRequest, Request
 
@@ -93,6 +110,17 @@ class PeerTransport:
         self._parity = 0
         self._timeout_ns = int(backend.timeout_s * 1e9)
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
+        # the copy-engine path: peers' bases on the host, a stream for the own block, a
+        # status the wait kernel writes into host memory (code, count sent, count expected per source)
+        if W > self._ext.max_copy_engine_ranks():
+            raise ValueError(f"p2p_bytes: the peer-memory transport serves at most {self._ext.max_copy_engine_ranks()} "
+                             f"ranks, got {W}")
+        self._base_list = bases
+        self._aux = torch.cuda.Stream(dev)
+        self._fork = self._ext.new_event(dev.index)
+        self._join = self._ext.new_event(dev.index)
+        self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
+        self._status = self._status_t.numpy()
         comm.barrier()  # every rank has mapped every arena before any exchange writes to one
 
     def capacity_rows(self, row_bytes: int) -> int:
@@ -118,6 +146,53 @@ class PeerTransport:
                               counts.data_ptr(), result, self._timeout_ns, stream)
         _cudart.copy_async(host, result, 8 * (2 * self.size + 1), _cudart.D2H, stream)
         return b._end("all_to_all_v (peer memory)")
+
+    def exchange(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]], out: torch.Tensor,
+                 recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int) -> Request:
+        """Known-counts exchange by copy engines, on the backend's stream: ``send[p]`` rows from
+        row ``send_displs[p]`` of ``x`` to rank ``p``, ``recv[p]`` rows from rank ``p`` to row
+        ``recv_displs[p]`` of ``out`` (displacements None: blocks back to back). Collective:
+        every rank calls it, also with nothing to move. Rows beyond a region's capacity go
+        through NCCL afterwards, on the same stream."""
+        me = self.rank
+        if send[me] != recv[me]:
+            raise ValueError(f"send_splits[{me}] ({send[me]}) and recv_splits[{me}] ({recv[me]}) must be equal: "
+                             f"they are the rows rank {me} sends itself")
+        send_displs = _starts(send) if send_displs is None else send_displs
+        recv_displs = _starts(recv) if recv_displs is None else recv_displs
+        b = self._backend
+        stream = b._begin(x, out)
+        x.record_stream(self._aux)
+        out.record_stream(self._aux)
+        self._seq += 1
+        self._parity = self._seq % 2
+        self._ext.ce_exchange(self._device, stream, self._aux.cuda_stream, self._fork, self._join, x.data_ptr(),
+                              out.data_ptr(), row_bytes, send, send_displs, recv, recv_displs, self._base_list,
+                              self._ptrs[0], me, self._seq, self._parity, self.region_bytes, self.data_off,
+                              self.header_off, self._status_t.data_ptr(), self._timeout_ns)
+        request = b._end("all_to_all_v (copy engines)", self._problem)
+        cap = self.capacity_rows(row_bytes)
+        if max(send) <= cap and max(recv) <= cap:
+            return request
+        extra_send = [0 if p == me else max(0, n - cap) for p, n in enumerate(send)]
+        extra_recv = [0 if p == me else max(0, n - cap) for p, n in enumerate(recv)]
+        return b.alltoallv(x, extra_send, out, extra_recv, row_bytes,
+                           [d + min(n, cap) for d, n in zip(send_displs, send)],
+                           [d + min(n, cap) for d, n in zip(recv_displs, recv)])
+
+    def _problem(self) -> Optional[BaseException]:
+        """What the copy-engine wait kernel reported (checked once an exchange completes)."""
+        codes = self._status[0::3]
+        if not codes.any():
+            return None
+        p = int(np.flatnonzero(codes)[0])
+        code, sent, expected = (int(v) for v in self._status[3 * p: 3 * p + 3])
+        if code == 1:
+            return TimeoutError(f"moecomm: all_to_all_v (copy engines) on rank {self.rank} received nothing from "
+                                f"rank {p} within {self._timeout_ns / 1e9:g} s; the communicator was aborted")
+        return CountMismatchError(f"moecomm: all_to_all_v (copy engines): rank {self.rank} expected {expected} rows "
+                                  f"from rank {p}, but rank {p} sent {sent} (the ranks' splits disagree); the "
+                                  f"communicator was aborted")
 
     def counts(self) -> tuple[list[int], list[int], bool]:
         """(sent, received, timed out) of the exchange :meth:`start` issued last."""
@@ -145,6 +220,10 @@ class PeerTransport:
         return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes, send_displs, recv_displs)
 
     def _release(self) -> None:
+        for event in (getattr(self, "_fork", 0), getattr(self, "_join", 0)):
+            if event:
+                self._ext.destroy_event(event)
+        self._fork = self._join = 0
         for ptr in self._opened:
             self._ext.ipc_close(ptr)
         self._opened = []
@@ -165,6 +244,9 @@ class PeerTransport:
         comm.barrier()
         self._ext.free(self._base)
         self._base = 0
+        for event in (self._fork, self._join):
+            self._ext.destroy_event(event)
+        self._fork = self._join = 0
 
 
 def _round_up(n: int, k: int) -> int:

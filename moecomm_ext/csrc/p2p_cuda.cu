@@ -13,14 +13,25 @@
 // copy-out of exchange s - 2, which read the region that s now overwrites.
 //
 // Only the counts live on the GPU; the host never learns them before the rows move.
+//
+// Exchanges whose counts the host knows (ce_exchange) use the same arenas, headers and
+// sequence numbers, but move the rows with copy engines (cudaMemcpyAsync), not SMs: the
+// copies into the peers' regions, then one small kernel writing the headers (the stream
+// starts it only once the copies have completed), the wait for the peers' headers, and
+// the copies out of this rank's regions; the rank's own rows go straight from input to
+// output on a second stream. The parity argument above holds unchanged: the copy-out of
+// exchange s - 2 precedes, on the peer's stream, its header of exchange s - 1.
 
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -144,6 +155,55 @@ __global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parit
   copy_vectors(dst, src, vectors, int64_t(b) * blockDim.x + threadIdx.x, int64_t(blocks_per_source) * blockDim.x);
 }
 
+constexpr int kMaxCopyEngineRanks = 128;
+
+struct RankCounts {
+  int64_t v[kMaxCopyEngineRanks];
+};
+
+// One block: thread p writes this rank's header of exchange `seq` into rank p's arena.
+__global__ void signal_kernel(const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq, int parity,
+                              int64_t hdr_off, RankCounts sent) {
+  const int p = threadIdx.x;
+  if (p >= world) return;
+  __threadfence_system();
+  volatile int64_t* hdr = reinterpret_cast<volatile int64_t*>(reinterpret_cast<char*>(peer_bases[p]) + hdr_off +
+                                                               (int64_t(parity) * world + me) * 64);
+  hdr[0] = sent.v[p];
+  __threadfence_system();
+  hdr[1] = seq;
+}
+
+// One block: thread p waits for rank p's header of exchange `seq` and checks its count
+// against `expected`. On a problem it writes status[3p .. 3p + 2] (host memory, mapped;
+// plain stores, never cleared): code (1 = timed out, 2 = the counts disagree), the count
+// rank p sent, the count expected.
+__global__ void wait_known_kernel(const char* my_base, int64_t hdr_off, int parity, int world, int64_t seq,
+                                  RankCounts expected, volatile int64_t* status, uint64_t timeout_ns) {
+  const int p = threadIdx.x;
+  if (p >= world) return;
+  volatile const int64_t* hdr =
+      reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
+  const uint64_t start = global_ns();
+  while (hdr[1] != seq) {
+    if (global_ns() - start > timeout_ns) {
+      status[3 * p + 2] = expected.v[p];
+      status[3 * p] = 1;
+      __threadfence_system();
+      return;
+    }
+    __nanosleep(64);
+  }
+  __threadfence_system();
+  const int64_t got = hdr[0];
+  if (got != expected.v[p]) {
+    status[3 * p + 1] = got;
+    status[3 * p + 2] = expected.v[p];
+    status[3 * p] = 2;
+    __threadfence_system();
+  }
+}
+
 uint64_t alloc(int device, int64_t nbytes) {
   DeviceGuard guard(device);
   void* ptr = nullptr;
@@ -202,6 +262,80 @@ void launch_copy_out(int device, uint64_t my_base, int64_t data_off, int parity,
   check(cudaGetLastError(), "copy-out kernel launch");
 }
 
+uint64_t new_event(int device) {
+  DeviceGuard guard(device);
+  cudaEvent_t event;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  return reinterpret_cast<uint64_t>(event);
+}
+
+void destroy_event(uint64_t event) { cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)); }
+
+RankCounts pack_counts(const std::vector<int64_t>& values) {
+  RankCounts out{};
+  for (size_t i = 0; i < values.size(); ++i) out.v[i] = values[i];
+  return out;
+}
+
+// The known-counts exchange (see the top of this file). Counts and displacements are in
+// rows; the headers carry the whole counts (the receiver checks them), but rows beyond a
+// region's capacity per pair are left to the caller. Enqueued
+// on `stream`, the rank's own block on `aux_stream` (joined back into `stream`).
+void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64_t fork_event, uint64_t join_event,
+                 uint64_t x, uint64_t out, int64_t row_bytes, const std::vector<int64_t>& send_counts,
+                 const std::vector<int64_t>& send_displs, const std::vector<int64_t>& recv_counts,
+                 const std::vector<int64_t>& recv_displs, const std::vector<uint64_t>& bases, uint64_t bases_device,
+                 int me, int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
+                 uint64_t status, uint64_t timeout_ns) {
+  const int world = static_cast<int>(bases.size());
+  if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || send_displs.size() != size_t(world) ||
+      recv_counts.size() != size_t(world) || recv_displs.size() != size_t(world) || row_bytes <= 0) {
+    throw std::invalid_argument("moecomm p2p: ce_exchange got inconsistent arguments");
+  }
+  DeviceGuard guard(device);
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  auto aux = reinterpret_cast<cudaStream_t>(aux_handle);
+  const int64_t cap = region_bytes / row_bytes;
+  const char* src = reinterpret_cast<const char*>(x);
+  char* dst = reinterpret_cast<char*>(out);
+  const int64_t own = send_counts[me] * row_bytes;
+  if (own > 0) {
+    check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(fork_event), stream), "cudaEventRecord");
+    check(cudaStreamWaitEvent(aux, reinterpret_cast<cudaEvent_t>(fork_event), 0), "cudaStreamWaitEvent");
+    check(cudaMemcpyAsync(dst + recv_displs[me] * row_bytes, src + send_displs[me] * row_bytes, size_t(own),
+                          cudaMemcpyDeviceToDevice, aux),
+          "cudaMemcpyAsync (own rows)");
+    check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(join_event), aux), "cudaEventRecord");
+  }
+  for (int p = 0; p < world; ++p) {
+    const int64_t rows = std::min(send_counts[p], cap);
+    if (p != me && rows > 0) {
+      char* region = reinterpret_cast<char*>(bases[p]) + data_off + (int64_t(parity) * world + me) * region_bytes;
+      check(cudaMemcpyAsync(region, src + send_displs[p] * row_bytes, size_t(rows * row_bytes),
+                            cudaMemcpyDeviceToDevice, stream),
+            "cudaMemcpyAsync (to a peer)");
+    }
+  }
+  const int threads = 32 * ((world + 31) / 32);
+  signal_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device), me, world, seq, parity,
+                                           hdr_off, pack_counts(send_counts));
+  check(cudaGetLastError(), "signal kernel launch");
+  wait_known_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const char*>(bases[me]), hdr_off, parity, world, seq,
+                                               pack_counts(recv_counts),
+                                               reinterpret_cast<volatile int64_t*>(status), timeout_ns);
+  check(cudaGetLastError(), "wait kernel launch");
+  for (int p = 0; p < world; ++p) {
+    const int64_t rows = std::min(recv_counts[p], cap);
+    if (p == me || rows <= 0) continue;
+    const char* region =
+        reinterpret_cast<const char*>(bases[me]) + data_off + (int64_t(parity) * world + p) * region_bytes;
+    check(cudaMemcpyAsync(dst + recv_displs[p] * row_bytes, region, size_t(rows * row_bytes),
+                          cudaMemcpyDeviceToDevice, stream),
+          "cudaMemcpyAsync (out of the arena)");
+  }
+  if (own > 0) check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(join_event), 0), "cudaStreamWaitEvent");
+}
+
 bool can_access_peer(int device, int peer) {
   int ok = 0;
   check(cudaDeviceCanAccessPeer(&ok, device, peer), "cudaDeviceCanAccessPeer");
@@ -220,5 +354,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_send", &launch_send, "enqueue the send kernel on a stream");
   m.def("launch_wait", &launch_wait, "enqueue the wait kernel on a stream");
   m.def("launch_copy_out", &launch_copy_out, "enqueue the copy of the received rows into the output");
+  m.def("new_event", &new_event, "an event without timing; returns its handle");
+  m.def("destroy_event", &destroy_event, "cudaEventDestroy");
+  m.def("ce_exchange", &ce_exchange, "enqueue a known-counts exchange moved by copy engines");
+  m.def("max_copy_engine_ranks", []() { return kMaxCopyEngineRanks; });
   m.def("can_access_peer", &can_access_peer, "cudaDeviceCanAccessPeer");
 }

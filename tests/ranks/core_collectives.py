@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import torch
@@ -14,7 +15,10 @@ import moecomm.functional as F
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main, under_torchrun, world_barrier
 from tests.ranks.data import DTYPES, ROW_SHAPES, as_bytes, count_matrix, expected_bytes, input_for
 
-BACKEND = sys.argv[1] if len(sys.argv) > 1 else "mpi"
+# "nccl-p2p": the NCCL backend with peer memory (init(p2p_bytes=)), so that every known-counts
+# exchange of the suite moves by copy engines
+P2P_BYTES = (64 << 20) if len(sys.argv) > 1 and sys.argv[1] == "nccl-p2p" else None
+BACKEND = "nccl" if P2P_BYTES else (sys.argv[1] if len(sys.argv) > 1 else "mpi")
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None  # run one check (by name), or "-name" to skip one
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=25,
                     suppress_health_check=list(HealthCheck))
@@ -27,6 +31,8 @@ def make_comm(**kw):
         if not dist.is_initialized():
             init_gloo_over_mpi()
         return moecomm.init(process_group=dist.group.WORLD, **kw)
+    if P2P_BYTES:
+        kw.setdefault("p2p_bytes", P2P_BYTES)
     return moecomm.init(backend=BACKEND, **kw)
 
 
@@ -259,7 +265,44 @@ def check_peer_memory() -> None:
                 collective_assert(recv == m[:, R].tolist(), f"p2p {arena} call {i} {dtype}{shape}: counts {recv}")
                 same = np.array_equal(as_bytes(out), expected_bytes(seed, R, m, shape, dtype))
                 collective_assert(same, f"p2p {arena} call {i} {dtype}{shape}: data")
+                # the same exchange with the counts known: copy engines (any row size)
+                if i % 4 == 1:
+                    out, _ = peer.all_to_all_v(x, m[R].tolist(), m[:, R].tolist(), async_op=True).wait()
+                else:
+                    out = torch.empty_like(out)
+                    peer.all_to_all_single(out, x, m[:, R].tolist(), m[R].tolist())
+                same = np.array_equal(as_bytes(out), expected_bytes(seed, R, m, shape, dtype))
+                collective_assert(same, f"copy engines {arena} call {i} {dtype}{shape}: data")
         peer.close()
+    check_peer_memory_mismatch()
+
+
+def check_peer_memory_mismatch() -> None:
+    """Copy engines: a rank sending another count than its peer expects is named by the peer
+    (CountMismatchError at its next call, the communicator aborted), not silently truncated."""
+    if W == 1:
+        return
+    peer = make_comm(timeout=3, p2p_bytes=1 << 24, set_default=False)
+    m = count_matrix(77, W, 6, 0.0) + 1
+    sent = m.copy()
+    sent[0, 1] += 1  # rank 0 sends one row more to rank 1 than rank 1 expects
+    x = input_for(77, R, sent, (4,), torch.float32).to(DEV)
+    peer.all_to_all_v(x, sent[R].tolist(), m[:, R].tolist())
+    torch.cuda.synchronize(DEV)
+    time.sleep(0.5)  # the watchdog looks every 50 ms
+    try:
+        peer.barrier()
+        got = None
+    except Exception as exc:  # noqa: BLE001
+        got = exc
+    if R == 1:
+        ok = isinstance(got, moecomm.CountMismatchError) and f"expected {m[0, 1]} rows from rank 0, but rank 0 sent " \
+            f"{m[0, 1] + 1}" in str(got) and peer.closed
+    else:
+        ok = got is None or isinstance(got, (TimeoutError, moecomm.CommunicatorClosedError))
+    collective_assert(ok, f"count mismatch through copy engines: rank {R} got {got!r}")
+    peer.abort()
+    world_barrier()
 
 
 def check_torch_dropin() -> None:

@@ -24,7 +24,9 @@ from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 
-BACKEND = sys.argv[1] if len(sys.argv) > 1 else "mpi"
+# "nccl-p2p": the NCCL backend with peer memory (init(p2p_bytes=)): every stage moves by copy engines
+P2P_BYTES = (64 << 20) if len(sys.argv) > 1 and sys.argv[1] == "nccl-p2p" else None
+BACKEND = "nccl" if P2P_BYTES else (sys.argv[1] if len(sys.argv) > 1 else "mpi")
 
 # make degree="auto" cut these tiny exchanges into 1 to 4 pieces, a different count per pair
 # (the real rule leaves anything under hundreds of MiB unchunked: tests/test_overlap_unit.py)
@@ -41,6 +43,8 @@ def make_comm(**kw):
 
         init_gloo_over_mpi()
         return moecomm.init(process_group=dist.group.WORLD, **kw)
+    if P2P_BYTES:
+        kw.setdefault("p2p_bytes", P2P_BYTES)
     return moecomm.init(backend=BACKEND, **kw)
 
 
