@@ -2,8 +2,8 @@
 # One device call (2 x H200): the GPU test suites and the benchmarks, logged under $OUT.
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
-# steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce and
-# moece run when named)
+# steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
+# moece and hostprof run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -69,6 +69,11 @@ run_step() {
     overlapce)
       step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json"
       step overlap_ce 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --json "$RES/overlap_ce.json" ;;
+    hostprof)
+      step overlap_hostprof 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees 1,4 -n 5 --trace /tmp/traces --host-profile
+      step overlap_host_summary 60 python3 -m bench.trace_summary --host --top 45 /tmp/traces/trace_4.json
+      step moe_hostprof 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 5 --profile /tmp/moe_trace.json --host-profile
+      step moe_host_summary 60 python3 -m bench.trace_summary --host --top 45 /tmp/moe_trace.json ;;
     moece)
       step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
       step moe_layer_ce 90 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 1G --overlap-degree 1,2 --json "$RES/moe_layer_ce.json" ;;

@@ -48,6 +48,7 @@ from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
 
 from .alltoall import parse_size
+from .host_profile import host_profile
 
 __all__ = ["main", "build_parser"]
 
@@ -198,7 +199,7 @@ def _trace(directory: str, name: str, step: Callable[[], torch.Tensor], timer: "
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timer.cuda else [])
     timer.sync()
     timer.world.Barrier()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=True) as prof:
         for _ in range(3):
             step()
         timer.sync()
@@ -233,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time each degree with an identity fn (the chunked exchange's own cost)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler chrome trace of a few steps per degree "
                    "(rank 0) to DIR/trace_<degree>.json")
+    p.add_argument("--host-profile", action="store_true",
+                   help="print a cProfile of the host work of 10 steps at the last degree (rank 0)")
     p.add_argument("--no-check", action="store_true", help="skip comparing every degree's result with degree 1's")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
@@ -324,6 +327,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             with open(args.json, "w") as fh:
                 json.dump({"header": lines[:3], "compute": compute, "exchange": exchange, "results": results,
                            "args": {k: v for k, v in vars(args).items() if k != "degrees"}}, fh, indent=1)
+    if args.host_profile:
+        d = args.degrees[-1]
+        text = host_profile(layer.step_plain if d == "plain" else layer.step_overlap(d), sync=timer.sync)
+        if rank0:
+            print(f"# degree {d}\n{text}", flush=True)
     comm.close()
     if not ok_all:
         sys.exit(1)

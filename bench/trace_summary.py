@@ -6,6 +6,11 @@ For each CUDA stream: kernels, busy time (union of its kernel intervals) and wha
 of it overlaps work on other streams. For the device: the span from the first kernel to
 the last, the time some stream was busy, and the idle time (a GPU idle inside the span
 waits on the host or on a peer). Then the kernels with the largest total time.
+
+With ``--host``: the host side too. Per thread (the caller's, and the autograd engine's
+for CUDA backward passes), the time inside profiled calls; then the calls with the largest
+*self* time (their time minus the calls nested in them), over all threads. Python
+functions appear when the trace was recorded with ``with_stack=True``.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import json
 from collections import defaultdict
 from typing import Iterable, Optional
 
-__all__ = ["main", "summarize", "union_length", "intersection_length"]
+__all__ = ["main", "summarize", "summarize_host", "union_length", "intersection_length"]
 
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_CATS = ("cpu_op", "python_function", "cuda_runtime", "cuda_driver", "user_annotation")
 
 
 def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -78,15 +84,57 @@ def summarize(trace: dict, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def summarize_host(trace: dict, top: int = 25) -> str:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in _HOST_CATS]
+    if not events:
+        return "no host events in the trace"
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    self_time: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    lines = [f"{'thread':>24} {'events':>7} {'inside_ms':>10}"]
+    for thread, evs in sorted(by_thread.items(), key=lambda kv: -len(kv[1])):
+        evs.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        stack: list[list] = []  # [end, name, time of nested calls, duration]
+        outer: list[tuple[float, float]] = []
+
+        def pop() -> None:
+            end, name, child, dur = stack.pop()
+            self_time[name] += dur - child
+            if stack:
+                stack[-1][2] += dur
+
+        for e in evs:
+            start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+            while stack and stack[-1][0] <= start:
+                pop()
+            if not stack:
+                outer.append((start, start + dur))
+            name = f"[{e['cat']}] {e.get('name', '?')}"
+            calls[name] += 1
+            stack.append([start + dur, name, 0.0, dur])
+        while stack:
+            pop()
+        lines.append(f"{str(thread)[:24]:>24} {len(evs):>7} {union_length(outer) / 1e3:>10.3f}")
+    lines.append(f"{'self_ms':>9} {'calls':>7}  host call")
+    for name, t in sorted(self_time.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{t / 1e3:>9.3f} {calls[name]:>7}  {name[:120]}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.trace_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="chrome trace JSON files (torch.profiler export_chrome_trace)")
-    p.add_argument("--top", type=int, default=25, help="kernels to list (25)")
+    p.add_argument("--top", type=int, default=25, help="kernels (and host calls) to list (25)")
+    p.add_argument("--host", action="store_true", help="also summarise the host threads' calls")
     args = p.parse_args(argv)
     for path in args.traces:
         with open(path) as fh:
             trace = json.load(fh)
         print(f"# {path}\n{summarize(trace, args.top)}", flush=True)
+        if args.host:
+            print(f"# {path}: host\n{summarize_host(trace, args.top)}", flush=True)
 
 
 if __name__ == "__main__":

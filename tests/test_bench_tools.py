@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.trace_summary import intersection_length, summarize, union_length
+from bench.trace_summary import intersection_length, summarize, summarize_host, union_length
 
 intervals = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)).map(lambda t: (t[0], t[0] + t[1])), max_size=12)
 
@@ -33,3 +33,23 @@ def test_summary_reports_streams_overlap_and_idle():
     assert any(line.split()[:4] == ["7", "2", "0.200", "25.0%"] for line in lines)
     assert any(line.split()[:4] == ["13", "2", "0.200", "25.0%"] for line in lines)
     assert summarize({"traceEvents": []}) == "no GPU events in the trace"
+
+
+def test_host_summary_charges_each_call_its_self_time():
+    def c(tid, ts, dur, name, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "pid": 1, "tid": tid}
+
+    # thread 1: step (0-1000) holding mm (100-400, itself holding a launch 150-250) and a copy (500-600);
+    # thread 2 (the autograd engine): backward (0-300); a GPU kernel is not a host call
+    trace = {"traceEvents": [c(1, 0, 1000, "step", "python_function"), c(1, 100, 300, "aten::mm"),
+                             c(1, 150, 100, "cudaLaunchKernel", "cuda_runtime"), c(1, 500, 100, "aten::copy_"),
+                             c(2, 0, 300, "backward", "python_function"),
+                             {"ph": "X", "cat": "kernel", "ts": 0, "dur": 5000, "name": "gemm", "tid": 9}]}
+    text = summarize_host(trace)
+    rows = {name: [ms, n] for ms, n, name in (line.split(None, 2) for line in text.splitlines() if "] " in line)}
+    assert rows == {"[python_function] step": ["0.600", "1"], "[cpu_op] aten::mm": ["0.200", "1"],
+                    "[cuda_runtime] cudaLaunchKernel": ["0.100", "1"], "[cpu_op] aten::copy_": ["0.100", "1"],
+                    "[python_function] backward": ["0.300", "1"]}
+    threads = [line.split() for line in text.splitlines() if line.startswith(" ") and "(1," in line]
+    assert sorted((t[-2], t[-1]) for t in threads) == [("1", "0.300"), ("4", "1.000")]
+    assert summarize_host({"traceEvents": []}) == "no host events in the trace"

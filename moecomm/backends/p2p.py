@@ -161,9 +161,9 @@ class PeerTransport:
         send_displs = _starts(send) if send_displs is None else send_displs
         recv_displs = _starts(recv) if recv_displs is None else recv_displs
         b = self._backend
+        # x and out are recorded on the backend's stream only: it waits for the own-block
+        # copy on the second stream before its completion event, which is what frees them
         stream = b._begin(x, out)
-        x.record_stream(self._aux)
-        out.record_stream(self._aux)
         self._seq += 1
         self._parity = self._seq % 2
         self._ext.ce_exchange(self._device, stream, self._aux.cuda_stream, self._fork, self._join, x.data_ptr(),
