@@ -12,7 +12,7 @@ import io
 import pstats
 from typing import Callable
 
-__all__ = ["host_profile"]
+__all__ = ["host_profile", "sync_report"]
 
 
 def host_profile(step: Callable[[], object], steps: int = 10, sync: Callable[[], None] = lambda: None,
@@ -34,3 +34,28 @@ def host_profile(step: Callable[[], object], steps: int = 10, sync: Callable[[],
     out.write("# by cumulative time\n")
     stats.sort_stats("cumulative").print_stats(top)
     return out.getvalue()
+
+
+def sync_report(step: Callable[[], object], sync: Callable[[], None] = lambda: None) -> str:
+    """Run ``step`` once under ``torch.cuda.set_sync_debug_mode("warn")``: every call that made
+    the host wait for the GPU (``.item()``, ``.tolist()``, a copy from pageable memory, a
+    stream synchronisation), with the line that made it. A step that synchronises cannot
+    run ahead of the GPU, and the GPU idles while the host issues what follows."""
+    import warnings
+
+    import torch
+
+    step()
+    sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    lines = [f"# host synchronisations in one step: {len(caught)}"]
+    for w in caught:
+        lines.append(f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}")
+    return "\n".join(lines)

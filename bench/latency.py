@@ -178,9 +178,9 @@ def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dic
     for _ in range(iters):
         bench.world.Barrier()
         stamps = [time.perf_counter()]
-        ev0.record(comm._backend.stream)
+        ev0.record()  # the transport issues on the current stream
         request = t.start(x, counts_dev, row_bytes)
-        ev1.record(comm._backend.stream)
+        ev1.record()
         stamps.append(time.perf_counter())
         comm._wait_host(request, "p2p", None)
         stamps.append(time.perf_counter())

@@ -35,7 +35,7 @@ import moecomm
 from moecomm.moe import MoELayer
 
 from .alltoall import parse_size
-from .host_profile import host_profile
+from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
 
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs of one node: peer memory per rank (init(p2p_bytes=)); exchanges then move by copy engines")
     p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
+    p.add_argument("--sync-report", action="store_true",
+                   help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
     p.add_argument("--host-profile", action="store_true",
                    help="print a cProfile of the host work of 10 steps at the first k and degree (rank 0)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
@@ -228,6 +230,10 @@ def main(argv: Optional[list] = None) -> list:
             prof.export_chrome_trace(args.profile)
             print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                             row_limit=30), flush=True)
+    if args.sync_report and cuda:
+        text = sync_report(lambda: b.step(k=args.top_k[0], overlap_degree=args.overlap_degree[0]), sync=b.sync)
+        if rank0:
+            print(text, flush=True)
     if args.host_profile:
         text = host_profile(lambda: b.step(k=args.top_k[0], overlap_degree=args.overlap_degree[0]), sync=b.sync)
         if rank0:

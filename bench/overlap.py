@@ -48,7 +48,7 @@ from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
 
 from .alltoall import parse_size
-from .host_profile import host_profile
+from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
 
@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time each degree with an identity fn (the chunked exchange's own cost)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler chrome trace of a few steps per degree "
                    "(rank 0) to DIR/trace_<degree>.json")
+    p.add_argument("--sync-report", action="store_true",
+                   help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
     p.add_argument("--host-profile", action="store_true",
                    help="print a cProfile of the host work of 10 steps at the last degree (rank 0)")
     p.add_argument("--no-check", action="store_true", help="skip comparing every degree's result with degree 1's")
@@ -327,6 +329,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             with open(args.json, "w") as fh:
                 json.dump({"header": lines[:3], "compute": compute, "exchange": exchange, "results": results,
                            "args": {k: v for k, v in vars(args).items() if k != "degrees"}}, fh, indent=1)
+    if args.sync_report and cuda:
+        d = args.degrees[-1]
+        text = sync_report(layer.step_plain if d == "plain" else layer.step_overlap(d), sync=timer.sync)
+        if rank0:
+            print(f"# degree {d}\n{text}", flush=True)
     if args.host_profile:
         d = args.degrees[-1]
         text = host_profile(layer.step_plain if d == "plain" else layer.step_overlap(d), sync=timer.sync)

@@ -257,7 +257,7 @@ class Communicator:
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
         out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        request.join()  # the caller's stream reads the arena after the kernels
+        request.join()  # (the kernels ran on the caller's stream: nothing to order)
         return out, send, recv, self._p2p.finish(x, out, send, recv, row_bytes)
 
     def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int]) -> Request:

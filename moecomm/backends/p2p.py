@@ -119,6 +119,8 @@ class PeerTransport:
         self._aux = torch.cuda.Stream(dev)
         self._fork = self._ext.new_event(dev.index)
         self._join = self._ext.new_event(dev.index)
+        self._order = self._ext.new_event(dev.index)  # the counts-on-the-GPU path: after the backend's stream
+        self._counted = self._ext.new_event(dev.index)  # ... and its counts on the host
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
         comm.barrier()  # every rank has mapped every arena before any exchange writes to one
@@ -128,24 +130,25 @@ class PeerTransport:
         return self.region_bytes // row_bytes
 
     def start(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int) -> Request:
-        """Enqueue the send and wait kernels and the copy of the counts to the host.
+        """Enqueue the send and wait kernels and the copy of the counts to the host, on the
+        caller's current stream (ordered after the backend's stream): one native call.
 
         ``x``: contiguous, 16-byte aligned rows grouped by destination; ``counts``:
         contiguous int64 ``[size]`` on the device. When the request completes,
-        :meth:`counts` holds (sent, received, timed out).
+        :meth:`counts` holds (sent, received, timed out). The wait kernel gives up after
+        the communicator's timeout, so the request always completes.
         """
         b = self._backend
         self._seq += 1
         self._parity = self._seq % 2
         bases, done, result, host = self._ptrs
-        stream = b._begin(x, counts)
-        self._ext.launch_send(self._device, x.data_ptr(), counts.data_ptr(), row_bytes, bases, self.rank, self.size,
-                              self._seq, self._parity, self.region_bytes, self.data_off, self.header_off, done,
-                              _copy_blocks(x.numel() * x.element_size(), self.size), stream)
-        self._ext.launch_wait(self._device, self._base, self.header_off, self._parity, self.size, self._seq,
-                              counts.data_ptr(), result, self._timeout_ns, stream)
-        _cudart.copy_async(host, result, 8 * (2 * self.size + 1), _cudart.D2H, stream)
-        return b._end("all_to_all_v (peer memory)")
+        b.check_health()
+        self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b._stream, self._order,
+                                      self._counted, x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base,
+                                      self.rank, self.size, self._seq, self._parity, self.region_bytes, self.data_off,
+                                      self.header_off, done, _copy_blocks(x.numel() * x.element_size(), self.size),
+                                      result, host, self._timeout_ns)
+        return _NativeEventRequest(self._ext, self._counted)
 
     def exchange(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]], out: torch.Tensor,
                  recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int) -> Request:
@@ -220,10 +223,7 @@ class PeerTransport:
         return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes, send_displs, recv_displs)
 
     def _release(self) -> None:
-        for event in (getattr(self, "_fork", 0), getattr(self, "_join", 0)):
-            if event:
-                self._ext.destroy_event(event)
-        self._fork = self._join = 0
+        self._destroy_events()
         for ptr in self._opened:
             self._ext.ipc_close(ptr)
         self._opened = []
@@ -244,9 +244,28 @@ class PeerTransport:
         comm.barrier()
         self._ext.free(self._base)
         self._base = 0
-        for event in (self._fork, self._join):
-            self._ext.destroy_event(event)
-        self._fork = self._join = 0
+        self._destroy_events()
+
+    def _destroy_events(self) -> None:
+        for name in ("_fork", "_join", "_order", "_counted"):
+            event = getattr(self, name, 0)
+            if event:
+                self._ext.destroy_event(event)
+            setattr(self, name, 0)
+
+
+class _NativeEventRequest(Request):
+    """Done when an event of the extension's completes; ``join`` is a no-op: the work was
+    issued on the caller's current stream."""
+
+    __slots__ = ("_ext", "_event")
+
+    def __init__(self, ext, event: int) -> None:
+        self._ext = ext
+        self._event = event
+
+    def test(self) -> bool:
+        return self._ext.query_event(self._event)
 
 
 def _round_up(n: int, k: int) -> int:

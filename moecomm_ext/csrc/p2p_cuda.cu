@@ -16,11 +16,12 @@
 //
 // Exchanges whose counts the host knows (ce_exchange) use the same arenas, headers and
 // sequence numbers, but move the rows with copy engines (cudaMemcpyAsync), not SMs: the
-// copies into the peers' regions, then one small kernel writing the headers (the stream
-// starts it only once the copies have completed), the wait for the peers' headers, and
+// copies into the peers' regions, then one small kernel that writes the headers (the stream
+// starts it only once the copies have completed) and waits for the peers' headers, and
 // the copies out of this rank's regions; the rank's own rows go straight from input to
-// output on a second stream. The parity argument above holds unchanged: the copy-out of
-// exchange s - 2 precedes, on the peer's stream, its header of exchange s - 1.
+// output (beside the rest, on a second stream, when they are large). The parity argument
+// above holds unchanged: the copy-out of exchange s - 2 precedes, on the peer's stream,
+// its header of exchange s - 1.
 
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
@@ -156,32 +157,28 @@ __global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parit
 }
 
 constexpr int kMaxCopyEngineRanks = 128;
+constexpr int64_t kOwnCopyInLineBytes = 4 << 20;
 
 struct RankCounts {
   int64_t v[kMaxCopyEngineRanks];
 };
 
-// One block: thread p writes this rank's header of exchange `seq` into rank p's arena.
-__global__ void signal_kernel(const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq, int parity,
-                              int64_t hdr_off, RankCounts sent) {
-  const int p = threadIdx.x;
-  if (p >= world) return;
-  __threadfence_system();
-  volatile int64_t* hdr = reinterpret_cast<volatile int64_t*>(reinterpret_cast<char*>(peer_bases[p]) + hdr_off +
-                                                               (int64_t(parity) * world + me) * 64);
-  hdr[0] = sent.v[p];
-  __threadfence_system();
-  hdr[1] = seq;
-}
-
-// One block: thread p waits for rank p's header of exchange `seq` and checks its count
+// One block; thread p writes this rank's header of exchange `seq` (count, then seq) into
+// rank p's arena, then waits for rank p's header in this rank's arena and checks its count
 // against `expected`. On a problem it writes status[3p .. 3p + 2] (host memory, mapped;
 // plain stores, never cleared): code (1 = timed out, 2 = the counts disagree), the count
 // rank p sent, the count expected.
-__global__ void wait_known_kernel(const char* my_base, int64_t hdr_off, int parity, int world, int64_t seq,
-                                  RankCounts expected, volatile int64_t* status, uint64_t timeout_ns) {
+__global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
+                                   int64_t seq, int parity, int64_t hdr_off, RankCounts sent, RankCounts expected,
+                                   volatile int64_t* status, uint64_t timeout_ns) {
   const int p = threadIdx.x;
   if (p >= world) return;
+  __threadfence_system();  // the copies before this kernel on its stream have completed
+  volatile int64_t* out = reinterpret_cast<volatile int64_t*>(reinterpret_cast<char*>(peer_bases[p]) + hdr_off +
+                                                               (int64_t(parity) * world + me) * 64);
+  out[0] = sent.v[p];
+  __threadfence_system();
+  out[1] = seq;
   volatile const int64_t* hdr =
       reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
   const uint64_t start = global_ns();
@@ -233,26 +230,6 @@ uint64_t ipc_open(int device, const std::string& bytes) {
 
 void ipc_close(uint64_t ptr) { check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)), "cudaIpcCloseMemHandle"); }
 
-void launch_send(int device, uint64_t x, uint64_t counts, int64_t row_bytes, uint64_t peer_bases, int me, int world, int64_t seq,
-                 int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off, uint64_t done,
-                 int blocks_per_peer, uint64_t stream) {
-  DeviceGuard guard(device);
-  send_kernel<<<world * blocks_per_peer, 512, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const uint4*>(x), reinterpret_cast<const int64_t*>(counts), row_bytes,
-      reinterpret_cast<const uint64_t*>(peer_bases), me, world, seq, parity, region_bytes, data_off, hdr_off,
-      reinterpret_cast<unsigned int*>(done), blocks_per_peer);
-  check(cudaGetLastError(), "send kernel launch");
-}
-
-void launch_wait(int device, uint64_t my_base, int64_t hdr_off, int parity, int world, int64_t seq, uint64_t counts, uint64_t out,
-                 uint64_t timeout_ns, uint64_t stream) {
-  DeviceGuard guard(device);
-  wait_kernel<<<1, 32 * ((world + 31) / 32), 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const char*>(my_base), hdr_off, parity, world, seq, reinterpret_cast<const int64_t*>(counts),
-      reinterpret_cast<int64_t*>(out), timeout_ns);
-  check(cudaGetLastError(), "wait kernel launch");
-}
-
 void launch_copy_out(int device, uint64_t my_base, int64_t data_off, int parity, int world, int64_t region_bytes,
                      int64_t row_bytes, uint64_t received, uint64_t out, int blocks_per_source, uint64_t stream) {
   DeviceGuard guard(device);
@@ -299,13 +276,17 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
   const char* src = reinterpret_cast<const char*>(x);
   char* dst = reinterpret_cast<char*>(out);
   const int64_t own = send_counts[me] * row_bytes;
+  // a small own block is copied in line (four fewer runtime calls); a large one beside the peers' copies
+  const bool beside = own > kOwnCopyInLineBytes;
   if (own > 0) {
-    check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(fork_event), stream), "cudaEventRecord");
-    check(cudaStreamWaitEvent(aux, reinterpret_cast<cudaEvent_t>(fork_event), 0), "cudaStreamWaitEvent");
+    if (beside) {
+      check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(fork_event), stream), "cudaEventRecord");
+      check(cudaStreamWaitEvent(aux, reinterpret_cast<cudaEvent_t>(fork_event), 0), "cudaStreamWaitEvent");
+    }
     check(cudaMemcpyAsync(dst + recv_displs[me] * row_bytes, src + send_displs[me] * row_bytes, size_t(own),
-                          cudaMemcpyDeviceToDevice, aux),
+                          cudaMemcpyDeviceToDevice, beside ? aux : stream),
           "cudaMemcpyAsync (own rows)");
-    check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(join_event), aux), "cudaEventRecord");
+    if (beside) check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(join_event), aux), "cudaEventRecord");
   }
   for (int p = 0; p < world; ++p) {
     const int64_t rows = std::min(send_counts[p], cap);
@@ -316,14 +297,11 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
             "cudaMemcpyAsync (to a peer)");
     }
   }
-  const int threads = 32 * ((world + 31) / 32);
-  signal_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device), me, world, seq, parity,
-                                           hdr_off, pack_counts(send_counts));
-  check(cudaGetLastError(), "signal kernel launch");
-  wait_known_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const char*>(bases[me]), hdr_off, parity, world, seq,
-                                               pack_counts(recv_counts),
-                                               reinterpret_cast<volatile int64_t*>(status), timeout_ns);
-  check(cudaGetLastError(), "wait kernel launch");
+  signal_wait_kernel<<<1, 32 * ((world + 31) / 32), 0, stream>>>(
+      reinterpret_cast<const uint64_t*>(bases_device), reinterpret_cast<const char*>(bases[me]), me, world, seq,
+      parity, hdr_off, pack_counts(send_counts), pack_counts(recv_counts), reinterpret_cast<volatile int64_t*>(status),
+      timeout_ns);
+  check(cudaGetLastError(), "signal/wait kernel launch");
   for (int p = 0; p < world; ++p) {
     const int64_t rows = std::min(recv_counts[p], cap);
     if (p == me || rows <= 0) continue;
@@ -333,7 +311,47 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
                           cudaMemcpyDeviceToDevice, stream),
           "cudaMemcpyAsync (out of the arena)");
   }
-  if (own > 0) check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(join_event), 0), "cudaStreamWaitEvent");
+  if (beside) check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(join_event), 0), "cudaStreamWaitEvent");
+}
+
+bool query_event(uint64_t event) {
+  const cudaError_t err = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  if (err == cudaSuccess) return true;
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();  // "not ready" is recorded as the thread's last error: clear it
+    return false;
+  }
+  check(err, "cudaEventQuery");
+  return false;
+}
+
+// The counts-on-the-GPU exchange, issued in one call on the caller's `stream`: ordered
+// after the backend's stream (its last operation may still read an arena region this one
+// overwrites), the send and wait kernels, the copy of (received, sent, timed out) to the
+// host, and `done_event` recorded after it.
+void gpu_counts_exchange(int device, uint64_t stream_handle, uint64_t backend_stream, uint64_t order_event,
+                         uint64_t done_event, uint64_t x, uint64_t counts, int64_t row_bytes, uint64_t peer_bases,
+                         uint64_t my_base, int me, int world, int64_t seq, int parity, int64_t region_bytes,
+                         int64_t data_off, int64_t hdr_off, uint64_t done, int blocks_per_peer, uint64_t result,
+                         uint64_t host, uint64_t timeout_ns) {
+  DeviceGuard guard(device);
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(order_event), reinterpret_cast<cudaStream_t>(backend_stream)),
+        "cudaEventRecord");
+  check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(order_event), 0), "cudaStreamWaitEvent");
+  send_kernel<<<world * blocks_per_peer, 512, 0, stream>>>(
+      reinterpret_cast<const uint4*>(x), reinterpret_cast<const int64_t*>(counts), row_bytes,
+      reinterpret_cast<const uint64_t*>(peer_bases), me, world, seq, parity, region_bytes, data_off, hdr_off,
+      reinterpret_cast<unsigned int*>(done), blocks_per_peer);
+  check(cudaGetLastError(), "send kernel launch");
+  wait_kernel<<<1, 32 * ((world + 31) / 32), 0, stream>>>(
+      reinterpret_cast<const char*>(my_base), hdr_off, parity, world, seq, reinterpret_cast<const int64_t*>(counts),
+      reinterpret_cast<int64_t*>(result), timeout_ns);
+  check(cudaGetLastError(), "wait kernel launch");
+  check(cudaMemcpyAsync(reinterpret_cast<void*>(host), reinterpret_cast<const void*>(result),
+                        size_t(8 * (2 * world + 1)), cudaMemcpyDeviceToHost, stream),
+        "cudaMemcpyAsync (counts to the host)");
+  check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(done_event), stream), "cudaEventRecord");
 }
 
 bool can_access_peer(int device, int peer) {
@@ -351,11 +369,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ipc_handle", &ipc_handle, "CUDA IPC handle (bytes) of an allocation");
   m.def("ipc_open", &ipc_open, "map a peer's allocation from its IPC handle; returns the pointer");
   m.def("ipc_close", &ipc_close, "unmap a peer's allocation");
-  m.def("launch_send", &launch_send, "enqueue the send kernel on a stream");
-  m.def("launch_wait", &launch_wait, "enqueue the wait kernel on a stream");
   m.def("launch_copy_out", &launch_copy_out, "enqueue the copy of the received rows into the output");
   m.def("new_event", &new_event, "an event without timing; returns its handle");
   m.def("destroy_event", &destroy_event, "cudaEventDestroy");
+  m.def("query_event", &query_event, "true once the event's work has completed; never blocks");
+  m.def("gpu_counts_exchange", &gpu_counts_exchange, "enqueue the counts-on-the-GPU exchange and its copy to the host");
   m.def("ce_exchange", &ce_exchange, "enqueue a known-counts exchange moved by copy engines");
   m.def("max_copy_engine_ranks", []() { return kMaxCopyEngineRanks; });
   m.def("can_access_peer", &can_access_peer, "cudaDeviceCanAccessPeer");
