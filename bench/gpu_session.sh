@@ -3,7 +3,7 @@
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
-# moece, a2ace and hostprof run when named)
+# moece, a2ace, syncs and hostprof run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -70,7 +70,11 @@ run_step() {
       step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json"
       step overlap_ce 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --json "$RES/overlap_ce.json" ;;
     a2ace) step alltoall_ce 120 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
-        -b 256K -e 256M -f 4 -p uniform,random --compare --p2p-bytes 2G -n 20 --no-progress --json "$RES/alltoall_ce.json" ;;
+        -b 256K -e 256M -f 4 -p uniform,random,skewed --compare --p2p-bytes 2G -n 30 --no-progress --json "$RES/alltoall_ce.json" ;;
+    syncs)
+      step moe_syncs 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 5 --sync-report --host-profile
+      step overlap_ce_degrees 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees 1,2,3,4 -n 15 --sync-report \
+        --json "$RES/overlap_ce_degrees.json" ;;
     hostprof)
       step overlap_hostprof 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees 1,4 -n 5 --trace /tmp/traces --host-profile
       step overlap_host_summary 60 python3 -m bench.trace_summary --host --top 45 /tmp/traces/trace_4.json
