@@ -172,8 +172,9 @@ def _build_spec(device_type: str) -> dict:
             extra_ldflags=[],
             with_cuda=True,
             tag=tag,
-            functions=("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "launch_send", "launch_wait",
-                       "launch_copy_out"),
+            functions=("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "gpu_counts_exchange",
+                       "launch_copy_out", "ce_exchange", "new_event", "destroy_event", "query_event",
+                       "max_copy_engine_ranks", "can_access_peer"),
         )
     return dict(
         base="moecomm_ext_rows_cuda",
