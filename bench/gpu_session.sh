@@ -3,7 +3,7 @@
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
-# moece, a2ace, syncs and hostprof run when named)
+# moece, a2ace, syncs, final and hostprof run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -75,6 +75,11 @@ run_step() {
       step moe_syncs 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 5 --sync-report --host-profile
       step overlap_ce_degrees 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees 1,2,3,4 -n 15 --sync-report \
         --json "$RES/overlap_ce_degrees.json" ;;
+    final)
+      step overlap 120 "${MPI[@]}" python3 -m bench.overlap --degrees plain,1,2,3,4,auto --json "$RES/overlap.json"
+      step overlap_ce 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees plain,1,2,3,4,8,auto --json "$RES/overlap_ce.json"
+      step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
+      step moe_layer_ce 90 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 1G --json "$RES/moe_layer_ce.json" ;;
     hostprof)
       step overlap_hostprof 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees 1,4 -n 5 --trace /tmp/traces --host-profile
       step overlap_host_summary 60 python3 -m bench.trace_summary --host --top 45 /tmp/traces/trace_4.json

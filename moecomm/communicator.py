@@ -31,6 +31,12 @@ SUPPORTED_DTYPES: frozenset = frozenset(
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate(sorted(SUPPORTED_DTYPES, key=str))}
 _P2P_ROW_ALIGN = 16  # moecomm.backends.p2p.ROW_ALIGN (not imported: that module needs CUDA)
+# With peer memory (init(p2p_bytes=)), a plain all_to_all_v with known counts moves by copy
+# engines when a rank sends or receives at least this many bytes; below, NCCL's grouped
+# send/recv is as fast or faster (2 x H200: bench/results/h200x2/alltoall_ce.json). The
+# stages of scatter_compute_gather always use the copy engines: there, leaving the SMs to
+# the experts matters more.
+_P2P_COPY_ENGINE_MIN_BYTES = 16 << 20
 
 
 class Work:
@@ -266,7 +272,7 @@ class Communicator:
         # no rows of its own must still join its peers' collective (MPI matches by order).
         if row_bytes == 0:
             return self._backend.barrier() if self.size > 1 else DoneRequest()
-        if self._p2p is not None:
+        if self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES:
             return self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
         return self._backend.alltoallv(x, send, out, recv, row_bytes)
 

@@ -173,7 +173,7 @@ def _build_spec(device_type: str) -> dict:
             with_cuda=True,
             tag=tag,
             functions=("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "gpu_counts_exchange",
-                       "launch_copy_out", "ce_exchange", "new_event", "destroy_event", "query_event",
+                       "launch_copy_out", "ce_exchange", "new_event", "destroy_event",
                        "max_copy_engine_ranks", "can_access_peer"),
         )
     return dict(

@@ -26,7 +26,8 @@ Made by ``moecomm.init(p2p_bytes=...)`` (NCCL backend, one node, every GPU pair 
 map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU tensor,
 ``recv_splits`` is not given and rows are a multiple of 16 bytes (kernels), and for every
 flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.cu`` for
-the arena layout and why two buffers suffice.
+the arena layout and why two buffers suffice. A plain ``all_to_all_v`` with known counts uses
+the copy engines only from a size on (``moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = ["PeerTransport", "ROW_ALIGN"]
 
 ROW_ALIGN = 16
 """Rows must be a multiple of this many bytes (the kernels move 16-byte vectors)."""
+
 
 _HEADER_BYTES = 64
 
@@ -105,7 +107,9 @@ class PeerTransport:
         self._bases = torch.tensor(bases, dtype=torch.int64, device=dev)  # uint64 pointers, below 2**63
         self._done = torch.zeros(W, dtype=torch.int32, device=dev)
         self._result = torch.zeros(2 * W + 1, dtype=torch.int64, device=dev)
-        self._host = torch.zeros(2 * W + 1, dtype=torch.int64, pin_memory=True)
+        # pinned, so mapped for the kernel: [received W][sent W][timed out][seq of the exchange written]
+        self._host = torch.zeros(2 * W + 2, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()
         self._seq = 0
         self._parity = 0
         self._timeout_ns = int(backend.timeout_s * 1e9)
@@ -120,7 +124,6 @@ class PeerTransport:
         self._fork = self._ext.new_event(dev.index)
         self._join = self._ext.new_event(dev.index)
         self._order = self._ext.new_event(dev.index)  # the counts-on-the-GPU path: after the backend's stream
-        self._counted = self._ext.new_event(dev.index)  # ... and its counts on the host
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
         comm.barrier()  # every rank has mapped every arena before any exchange writes to one
@@ -130,8 +133,9 @@ class PeerTransport:
         return self.region_bytes // row_bytes
 
     def start(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int) -> Request:
-        """Enqueue the send and wait kernels and the copy of the counts to the host, on the
-        caller's current stream (ordered after the backend's stream): one native call.
+        """Enqueue the exchange on the caller's current stream (ordered after the backend's
+        stream): one kernel sends the rows and counts, waits for the peers' and writes the
+        counts into host memory; one native call.
 
         ``x``: contiguous, 16-byte aligned rows grouped by destination; ``counts``:
         contiguous int64 ``[size]`` on the device. When the request completes,
@@ -144,11 +148,11 @@ class PeerTransport:
         bases, done, result, host = self._ptrs
         b.check_health()
         self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b._stream, self._order,
-                                      self._counted, x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base,
-                                      self.rank, self.size, self._seq, self._parity, self.region_bytes, self.data_off,
+                                      x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base, self.rank,
+                                      self.size, self._seq, self._parity, self.region_bytes, self.data_off,
                                       self.header_off, done, _copy_blocks(x.numel() * x.element_size(), self.size),
                                       result, host, self._timeout_ns)
-        return _NativeEventRequest(self._ext, self._counted)
+        return _HostFlagRequest(self._host_np, 2 * self.size + 1, self._seq)
 
     def exchange(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]], out: torch.Tensor,
                  recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int) -> Request:
@@ -247,25 +251,24 @@ class PeerTransport:
         self._destroy_events()
 
     def _destroy_events(self) -> None:
-        for name in ("_fork", "_join", "_order", "_counted"):
+        for name in ("_fork", "_join", "_order"):
             event = getattr(self, name, 0)
             if event:
                 self._ext.destroy_event(event)
             setattr(self, name, 0)
 
 
-class _NativeEventRequest(Request):
-    """Done when an event of the extension's completes; ``join`` is a no-op: the work was
-    issued on the caller's current stream."""
+class _HostFlagRequest(Request):
+    """Done once the kernel has written ``seq`` into ``host[index]`` (mapped host memory, written
+    last); ``join`` is a no-op: the work was issued on the caller's current stream."""
 
-    __slots__ = ("_ext", "_event")
+    __slots__ = ("_host", "_index", "_seq")
 
-    def __init__(self, ext, event: int) -> None:
-        self._ext = ext
-        self._event = event
+    def __init__(self, host: np.ndarray, index: int, seq: int) -> None:
+        self._host, self._index, self._seq = host, index, seq
 
     def test(self) -> bool:
-        return self._ext.query_event(self._event)
+        return int(self._host[self._index]) == self._seq
 
 
 def _round_up(n: int, k: int) -> int:

@@ -8,7 +8,8 @@
 // Exchange number `seq` uses parity seq % 2. The sender writes its rows for rank p into
 // rank p's region (parity, sender), then the header (count, then seq, each behind a
 // system-scope fence). The receiver waits until every header of its parity carries
-// `seq`. Why parity suffices: a sender reaches exchange s only after it saw every peer's
+// `seq` (one block of the same kernel) and writes the counts into mapped host memory.
+// Why parity suffices: a sender reaches exchange s only after it saw every peer's
 // header of s - 1, and a peer writes that header only after its own stream passed the
 // copy-out of exchange s - 2, which read the region that s now overwrites.
 //
@@ -80,13 +81,14 @@ __device__ __forceinline__ void copy_vectors(uint4* dst, const uint4* src, int64
   for (; i < n; i += stride) dst[i] = src[i];
 }
 
-// Grid: W * blocks_per_peer blocks; the blocks of group p copy this rank's rows for rank p.
-__global__ void send_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ counts, int64_t row_bytes,
-                            const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq, int parity,
-                            int64_t region_bytes, int64_t data_off, int64_t hdr_off, unsigned int* done,
-                            int blocks_per_peer) {
-  const int p = blockIdx.x / blocks_per_peer;
-  const int b = blockIdx.x % blocks_per_peer;
+// Block b (< W * blocks_per_peer) of the send role: group p = b / blocks_per_peer copies
+// this rank's rows for rank p into p's region, and the group's last block writes the header.
+__device__ void send_rows(int block, const uint4* __restrict__ x, const int64_t* __restrict__ counts,
+                          int64_t row_bytes, const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq,
+                          int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off, unsigned int* done,
+                          int blocks_per_peer) {
+  const int p = block / blocks_per_peer;
+  const int b = block % blocks_per_peer;
   int64_t offset = 0;
   for (int q = 0; q < p; ++q) offset += counts[q];
   const int64_t count = counts[p];
@@ -114,27 +116,60 @@ __global__ void send_kernel(const uint4* __restrict__ x, const int64_t* __restri
   }
 }
 
-// One block of `world` threads: thread p waits for rank p's header of exchange `seq`.
-// out[0:W] = counts received, out[W:2W] = this rank's own counts, out[2W] = 1 on timeout.
-__global__ void wait_kernel(const char* my_base, int64_t hdr_off, int parity, int world, int64_t seq,
-                            const int64_t* __restrict__ counts, int64_t* out, uint64_t timeout_ns) {
+// The wait role (one block): thread p waits for rank p's header of exchange `seq`.
+// out (device) and host (mapped host memory) get [0:W] = counts received, [W:2W] = this
+// rank's own counts, [2W] = 1 on timeout; then host[2W + 1] = seq tells the host it is all there.
+__device__ void wait_headers(const char* my_base, int64_t hdr_off, int parity, int world, int64_t seq,
+                             const int64_t* __restrict__ counts, int64_t* out, volatile int64_t* host,
+                             uint64_t timeout_ns) {
+  __shared__ int timed_out;
   const int p = threadIdx.x;
-  if (p == 0) out[2 * world] = 0;
+  if (p == 0) timed_out = 0;
   __syncthreads();
-  if (p >= world) return;
-  volatile const int64_t* hdr =
-      reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
-  const uint64_t start = global_ns();
-  while (hdr[1] != seq) {
-    if (global_ns() - start > timeout_ns) {
-      out[2 * world] = 1;
-      return;
+  if (p < world) {
+    volatile const int64_t* hdr =
+        reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
+    const uint64_t start = global_ns();
+    bool arrived = true;
+    while (hdr[1] != seq) {
+      if (global_ns() - start > timeout_ns) {
+        arrived = false;
+        timed_out = 1;
+        break;
+      }
+      __nanosleep(64);
     }
-    __nanosleep(64);
+    if (arrived) {
+      __threadfence_system();
+      const int64_t got = hdr[0];
+      out[p] = got;
+      host[p] = got;
+    }
+    out[world + p] = counts[p];
+    host[world + p] = counts[p];
   }
-  __threadfence_system();
-  out[p] = hdr[0];
-  out[world + p] = counts[p];
+  __syncthreads();
+  if (p == 0) {
+    out[2 * world] = timed_out;
+    host[2 * world] = timed_out;
+    __threadfence_system();
+    host[2 * world + 1] = seq;
+  }
+}
+
+// Grid: W * blocks_per_peer + 1 blocks: the send role, then one block waiting. The waiting
+// block only waits on the peers' progress, never on this grid's other blocks.
+__global__ void send_wait_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ counts, int64_t row_bytes,
+                                 const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
+                                 int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
+                                 unsigned int* done, int blocks_per_peer, int64_t* out, volatile int64_t* host,
+                                 uint64_t timeout_ns) {
+  if (blockIdx.x < world * blocks_per_peer) {
+    send_rows(blockIdx.x, x, counts, row_bytes, peer_bases, me, world, seq, parity, region_bytes, data_off, hdr_off,
+              done, blocks_per_peer);
+  } else {
+    wait_headers(my_base, hdr_off, parity, world, seq, counts, out, host, timeout_ns);
+  }
 }
 
 // Grid: W * blocks_per_source blocks; group p copies the rows rank p left in this rank's
@@ -314,44 +349,25 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
   if (beside) check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(join_event), 0), "cudaStreamWaitEvent");
 }
 
-bool query_event(uint64_t event) {
-  const cudaError_t err = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
-  if (err == cudaSuccess) return true;
-  if (err == cudaErrorNotReady) {
-    cudaGetLastError();  // "not ready" is recorded as the thread's last error: clear it
-    return false;
-  }
-  check(err, "cudaEventQuery");
-  return false;
-}
-
 // The counts-on-the-GPU exchange, issued in one call on the caller's `stream`: ordered
 // after the backend's stream (its last operation may still read an arena region this one
-// overwrites), the send and wait kernels, the copy of (received, sent, timed out) to the
-// host, and `done_event` recorded after it.
+// overwrites), then one kernel that sends and waits, and writes the counts to `host`
+// (mapped host memory) with host[2W + 1] = seq last.
 void gpu_counts_exchange(int device, uint64_t stream_handle, uint64_t backend_stream, uint64_t order_event,
-                         uint64_t done_event, uint64_t x, uint64_t counts, int64_t row_bytes, uint64_t peer_bases,
-                         uint64_t my_base, int me, int world, int64_t seq, int parity, int64_t region_bytes,
-                         int64_t data_off, int64_t hdr_off, uint64_t done, int blocks_per_peer, uint64_t result,
-                         uint64_t host, uint64_t timeout_ns) {
+                         uint64_t x, uint64_t counts, int64_t row_bytes, uint64_t peer_bases, uint64_t my_base, int me,
+                         int world, int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
+                         uint64_t done, int blocks_per_peer, uint64_t result, uint64_t host, uint64_t timeout_ns) {
   DeviceGuard guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(order_event), reinterpret_cast<cudaStream_t>(backend_stream)),
         "cudaEventRecord");
   check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(order_event), 0), "cudaStreamWaitEvent");
-  send_kernel<<<world * blocks_per_peer, 512, 0, stream>>>(
+  send_wait_kernel<<<world * blocks_per_peer + 1, 512, 0, stream>>>(
       reinterpret_cast<const uint4*>(x), reinterpret_cast<const int64_t*>(counts), row_bytes,
-      reinterpret_cast<const uint64_t*>(peer_bases), me, world, seq, parity, region_bytes, data_off, hdr_off,
-      reinterpret_cast<unsigned int*>(done), blocks_per_peer);
-  check(cudaGetLastError(), "send kernel launch");
-  wait_kernel<<<1, 32 * ((world + 31) / 32), 0, stream>>>(
-      reinterpret_cast<const char*>(my_base), hdr_off, parity, world, seq, reinterpret_cast<const int64_t*>(counts),
-      reinterpret_cast<int64_t*>(result), timeout_ns);
-  check(cudaGetLastError(), "wait kernel launch");
-  check(cudaMemcpyAsync(reinterpret_cast<void*>(host), reinterpret_cast<const void*>(result),
-                        size_t(8 * (2 * world + 1)), cudaMemcpyDeviceToHost, stream),
-        "cudaMemcpyAsync (counts to the host)");
-  check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(done_event), stream), "cudaEventRecord");
+      reinterpret_cast<const uint64_t*>(peer_bases), reinterpret_cast<const char*>(my_base), me, world, seq, parity,
+      region_bytes, data_off, hdr_off, reinterpret_cast<unsigned int*>(done), blocks_per_peer,
+      reinterpret_cast<int64_t*>(result), reinterpret_cast<volatile int64_t*>(host), timeout_ns);
+  check(cudaGetLastError(), "send/wait kernel launch");
 }
 
 bool can_access_peer(int device, int peer) {
@@ -372,8 +388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_copy_out", &launch_copy_out, "enqueue the copy of the received rows into the output");
   m.def("new_event", &new_event, "an event without timing; returns its handle");
   m.def("destroy_event", &destroy_event, "cudaEventDestroy");
-  m.def("query_event", &query_event, "true once the event's work has completed; never blocks");
-  m.def("gpu_counts_exchange", &gpu_counts_exchange, "enqueue the counts-on-the-GPU exchange and its copy to the host");
+  m.def("gpu_counts_exchange", &gpu_counts_exchange, "enqueue the counts-on-the-GPU exchange (one kernel)");
   m.def("ce_exchange", &ce_exchange, "enqueue a known-counts exchange moved by copy engines");
   m.def("max_copy_engine_ranks", []() { return kMaxCopyEngineRanks; });
   m.def("can_access_peer", &can_access_peer, "cudaDeviceCanAccessPeer");

@@ -26,6 +26,8 @@ from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 
 # "nccl-p2p": the NCCL backend with peer memory (init(p2p_bytes=)): every stage moves by copy engines
 P2P_BYTES = (64 << 20) if len(sys.argv) > 1 and sys.argv[1] == "nccl-p2p" else None
+# the copy engines for every known-counts exchange, however small (by default only from 16 MiB)
+moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES = 0
 BACKEND = "nccl" if P2P_BYTES else (sys.argv[1] if len(sys.argv) > 1 else "mpi")
 
 # make degree="auto" cut these tiny exchanges into 1 to 4 pieces, a different count per pair
