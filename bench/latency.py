@@ -133,7 +133,8 @@ def _phases(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[s
 
 def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[str, float]:
     """Host time of each step of issuing one known-counts exchange on the NCCL backend
-    (the backend's ``alltoallv`` taken apart): medians in microseconds."""
+    through the raw bindings (taken apart), and of the native call the backend makes
+    instead (the same group in one call): medians in microseconds."""
     comm = bench.comm
     b = comm._backend
     dev = comm.device
@@ -160,6 +161,13 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
         torch.cuda.synchronize(dev)
         for i, k in enumerate(names):
             marks[k].append((t[i + 1] - t[i]) * 1e6)
+        if b._native is not None:  # what the backend runs: the whole group in one native call
+            h = b._begin(x, out)
+            t0 = time.perf_counter()
+            b._native.alltoallv(b._comm_ptr, h, x.data_ptr(), out.data_ptr(), send, recv, row_bytes, (), ())
+            marks.setdefault("native group (start, calls, end)", []).append((time.perf_counter() - t0) * 1e6)
+            b._end("all_to_all_v").join()
+            torch.cuda.synchronize(dev)
     return {k: float(np.median(v)) for k, v in marks.items()}
 
 

@@ -1,10 +1,13 @@
 """The GPU backend: NCCL through nccl4py, on the communicator's own CUDA streams.
 
 Every operation runs on a dedicated high-priority stream that first waits for the caller's
-current stream; tensors used there are protected with ``record_stream``. Grouped
-send/recv are issued through nccl4py's raw Cython bindings (``nccl.bindings.nccl``), not
-its Python layer, which costs several microseconds per call. A watchdog thread aborts the
-NCCL communicator when an operation outlives the timeout, so that no GPU wait hangs forever.
+current stream; tensors used there are protected with ``record_stream``. The grouped
+send/recv of an all-to-all are issued from native code (``moecomm_ext/csrc/nccl_issue.cpp``:
+one call for the whole group, through the libnccl nccl4py loaded); where that extension
+cannot be built, through nccl4py's raw Cython bindings (``nccl.bindings.nccl``, about a
+microsecond per send or recv, with one warning), never through its Python layer, which
+costs several microseconds per call. A watchdog thread aborts the NCCL communicator when an
+operation outlives the timeout, so that no GPU wait hangs forever.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -124,6 +128,46 @@ class _Watchdog:
             self._thread.join(timeout=5)
 
 
+_NATIVE_CALLS: dict = {}
+"""Cache: libnccl path -> the native issue object (or the reason it is unavailable)."""
+
+
+def _loaded_nccl_library() -> str:
+    """Path of the libnccl mapped into this process (the one nccl4py loaded)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1] if len(line.split()) >= 6 else ""
+            if "/libnccl.so" in path:
+                return path
+    raise RuntimeError("no libnccl is mapped into this process")
+
+
+def _native_calls() -> Optional[Any]:
+    """The native grouped send/recv issuer, or None (then one warning says why)."""
+    try:
+        library = _loaded_nccl_library()
+    except (OSError, RuntimeError) as exc:
+        library, reason = "", str(exc)
+    else:
+        reason = ""
+    cached = _NATIVE_CALLS.get(library)
+    if cached is None:
+        if library:
+            try:
+                from moecomm_ext._loader import load_nccl_issue
+
+                cached = load_nccl_issue().NcclCalls(library)
+            except Exception as exc:  # noqa: BLE001 - any failure: the raw bindings do the same work
+                reason = str(exc)
+        if cached is None:
+            warnings.warn(f"moecomm: the NCCL backend issues its send/recv through nccl4py's raw bindings "
+                          f"(about 1 us each) because native issuing is unavailable: {reason}",
+                          RuntimeWarning, stacklevel=3)
+            cached = reason
+        _NATIVE_CALLS[library] = cached
+    return None if isinstance(cached, str) else cached
+
+
 class NcclBackend(Backend):
     name = "nccl"
     stream_ordered = True
@@ -148,6 +192,8 @@ class NcclBackend(Backend):
         self._barrier_token = torch.zeros(1, dtype=torch.int32, device=device)
         self._watchdog = _Watchdog(self)
         self._aborted = False
+        self._native = _native_calls()
+        self._comm_ptr = int(nccl_comm.ptr)
 
     @classmethod
     def create(cls, size: int, rank: int, unique_id: bytes, device: torch.device, timeout_s: float,
@@ -212,6 +258,11 @@ class NcclBackend(Backend):
 
     def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
         h = self._begin(send, recv)
+        if self._native is not None:  # the rank's own block too: NCCL copies it in the same kernel
+            self._native.alltoallv(self._comm_ptr, h, send.data_ptr(), recv.data_ptr(), send_counts, recv_counts,
+                                   row_bytes, () if send_displs is None else send_displs,
+                                   () if recv_displs is None else recv_displs)
+            return self._end("all_to_all_v")
         raw, comm = self._raw, self._handle
         sp, rp = send.data_ptr(), recv.data_ptr()
         so = ro = 0
