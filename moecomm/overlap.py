@@ -118,21 +118,31 @@ MAX_DEGREE = 16
 """The largest ``degree`` (chunks per peer) accepted."""
 
 AUTO_RULES: dict[str, tuple[int, int]] = {
-    # backend: (at most this many stages, bytes per rank for each stage)
+    # transport: (at most this many stages, bytes per rank for each stage)
     "nccl": (4, 256 << 20),
+    "nccl-copy-engines": (2, 128 << 20),
     "mpi": (2, 64 << 20),
     "torch": (2, 64 << 20),
 }
-"""``degree="auto"`` without a topology profile: per backend, ``(max_stages, bytes_per_stage)``.
+"""``degree="auto"`` without a topology profile: per transport (the backend's name, or
+``"nccl-copy-engines"`` on a communicator with peer memory, ``init(p2p_bytes=)``),
+``(max_stages, bytes_per_stage)``.
 
 A pair's block of ``b`` bytes is cut into ``clamp(b * size // bytes_per_stage, 1,
 max_stages)`` pieces (``b * size``: what a rank would exchange if every pair looked like
 this one). Every stage costs the host a fixed time to issue (two exchanges and ``fn``
 forward, the same again backward: about 1 ms on the 2 x H200 machine measured, where
 degree 1 was fastest at 128 MiB per rank), so only exchanges large enough for each stage's
-GPU work to hide that cost are chunked. A topology profile with measured degrees
+GPU work to hide that cost are chunked. With the copy engines (which leave the SMs to
+``fn``), 2 stages beat 1 at 256 MiB per rank on that machine (0.89x, three runs), and 3 or
+more lost to the host's cost per stage. A topology profile with measured degrees
 (``python -m topology tune --degrees ...``) replaces this rule.
 """
+
+
+def _rule(comm: Any) -> tuple[int, int]:
+    key = "nccl-copy-engines" if getattr(comm, "_p2p", None) is not None else comm.backend
+    return AUTO_RULES.get(key, (1, 1))
 
 DIRECT = True
 """Use the direct transport (displacements, no packing) where the backend allows it; set
@@ -165,7 +175,7 @@ def auto_stages(comm: Any) -> int:
         degrees = [e.degree for e in prof.entries if e.degree]
         if degrees:
             return max(1, min(MAX_DEGREE, max(degrees)))
-    return AUTO_RULES.get(comm.backend, (1, 0))[0]
+    return _rule(comm)[0]
 
 
 def auto_pieces(comm: Any, pair_rows: Sequence[int], row_bytes: int) -> list[int]:
@@ -187,7 +197,7 @@ def auto_pieces(comm: Any, pair_rows: Sequence[int], row_bytes: int) -> list[int
         elif prof is not None and any(e.degree for e in prof.entries):
             k = prof.entry_for(b * comm.size).degree or 1
         else:
-            per_stage = AUTO_RULES.get(comm.backend, (1, 1))[1]
+            per_stage = _rule(comm)[1]
             k = b * comm.size // max(per_stage, 1)
         out.append(int(max(1, min(k, stages, n if n > 0 else 1))))
     return out

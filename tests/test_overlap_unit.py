@@ -78,6 +78,13 @@ def test_auto_degree_rule():
     assert ov.auto_pieces(nccl, [pair(2 * per_stage)], 1024) == [min(2, stages)]
     assert ov.auto_stages(SimpleNamespace(size=1, backend="nccl")) == 1
     assert ov.auto_pieces(SimpleNamespace(size=1, backend="mpi"), [10**9], 4) == [1]
+    # with peer memory the copy engines move the stages: their own rule (2 stages from 256 MiB/rank)
+    ce = SimpleNamespace(size=2, backend="nccl", _p2p=object())
+    assert ov.AUTO_RULES["nccl-copy-engines"] == (2, 128 * mib)
+    half = lambda nbytes: nbytes // 2 // 8192  # rows of 8 KiB of a pair when a rank exchanges nbytes  # noqa: E731
+    assert ov.auto_stages(ce) == 2
+    assert ov.auto_pieces(ce, [half(256 * mib), half(64 * mib), 0], 8192) == [2, 1, 1]
+    assert ov.auto_pieces(SimpleNamespace(size=2, backend="nccl", _p2p=None), [half(256 * mib)], 8192) == [1]
 
     # a profile's measured degrees win: the entry nearest to rows * row_bytes * size
     entries = [SimpleNamespace(bytes_per_rank=mib, degree=1), SimpleNamespace(bytes_per_rank=64 * mib, degree=3)]
