@@ -3,7 +3,7 @@
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
-# moece, a2ace, syncs, final and hostprof run when named)
+# moece, a2ace, syncs, final, ceauto and hostprof run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -75,6 +75,8 @@ run_step() {
       step moe_syncs 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 5 --sync-report --host-profile
       step overlap_ce_degrees 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees 1,2,3,4 -n 15 --sync-report \
         --json "$RES/overlap_ce_degrees.json" ;;
+    ceauto) step overlap_ce_auto 90 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees 1,2,auto -n 20 \
+        --json "$RES/overlap_ce_auto.json" ;;
     final)
       step overlap 120 "${MPI[@]}" python3 -m bench.overlap --degrees plain,1,2,3,4,auto --json "$RES/overlap.json"
       step overlap_ce 120 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 1G --degrees plain,1,2,3,4,8,auto --json "$RES/overlap_ce.json"
