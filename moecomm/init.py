@@ -97,9 +97,11 @@ def init(
             Fewer leave more SMs to compute that runs beside the exchanges (overlap), at
             some cost in bandwidth. Default: NCCL's own choice.
         p2p_bytes: NCCL backend on one node only: device memory (bytes, per rank) for the
-            peer-memory transport, which moves the rows of ``all_to_all_v`` with its counts
-            still on the GPU in one round instead of two (:mod:`moecomm.backends.p2p`).
-            Each source gets ``p2p_bytes / (2 * size)`` of it per exchange; rows beyond go
+            peer-memory transport (:mod:`moecomm.backends.p2p`), which moves the rows of
+            ``all_to_all_v`` with its counts still on the GPU in one round instead of two,
+            and moves exchanges with known counts (from 16 MiB a rank, and every stage of
+            ``scatter_compute_gather``) by copy engines instead of NCCL's kernels. Each
+            source gets ``p2p_bytes / (2 * size)`` of it per exchange; rows beyond go
             through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
             peer access); otherwise ValueError. Default: None (off).
     """

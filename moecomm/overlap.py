@@ -37,8 +37,9 @@ Transport
 ---------
 On NCCL and MPI with the flat algorithm (and ``validate=False``) a stage's rows leave from
 where they lie in ``input`` and land where they belong in the output (per-peer
-displacements; NCCL grouped send/recv, MPI ``Ialltoallv``): nothing is packed or unpacked,
-and ``fn`` gets each stage's rows in a buffer of their own. Otherwise (``algorithm="2dh"``
+displacements; NCCL grouped send/recv, MPI ``Ialltoallv``; on a communicator with peer
+memory, ``init(p2p_bytes=)``, the GPUs' copy engines, which leave the SMs to ``fn``):
+nothing is packed or unpacked, and ``fn`` gets each stage's rows in a buffer of their own. Otherwise (``algorithm="2dh"``
 or ``"auto"``, the torch backend, ``validate=True``) each stage is gathered into a
 contiguous buffer and goes through ``comm.all_to_all_v`` (with its checks and algorithm),
 and the results are scattered back into place.
