@@ -379,6 +379,18 @@ def load_native(
     return outcome.module
 
 
+def _load_required(kind: str, what: str) -> types.ModuleType:
+    """Build (if needed) and load the extension of ``kind``; ``RuntimeError`` naming ``what``
+    and the reason when it cannot be built or loaded."""
+    with _LOCK:
+        outcome = _LOADED.get(kind)
+        if outcome is None:
+            outcome = _LOADED[kind] = _attempt(kind, default_cache_dir(), False)
+    if outcome.module is None:
+        raise RuntimeError(f"moecomm_ext: the {what} extension is unavailable: {outcome.reason}")
+    return outcome.module
+
+
 def load_p2p() -> types.ModuleType:
     """Build (if needed) and load the peer-memory transport's CUDA extension.
 
@@ -386,26 +398,14 @@ def load_p2p() -> types.ModuleType:
     ``moecomm.init(p2p_bytes=...)`` asked for): raises ``RuntimeError`` with the reason
     when it cannot be built or loaded.
     """
-    with _LOCK:
-        outcome = _LOADED.get(P2P)
-        if outcome is None:
-            outcome = _LOADED[P2P] = _attempt(P2P, default_cache_dir(), False)
-    if outcome.module is None:
-        raise RuntimeError(f"moecomm_ext: the peer-memory (p2p) CUDA extension is unavailable: {outcome.reason}")
-    return outcome.module
+    return _load_required(P2P, "peer-memory (p2p) CUDA")
 
 
 def load_nccl_issue() -> types.ModuleType:
     """Build (if needed) and load the extension that issues the NCCL backend's grouped
     send/recv natively. Raises ``RuntimeError`` with the reason when it cannot; the backend
     then issues them through nccl4py's raw bindings (correct, about 1 us per call slower)."""
-    with _LOCK:
-        outcome = _LOADED.get(NCCL_ISSUE)
-        if outcome is None:
-            outcome = _LOADED[NCCL_ISSUE] = _attempt(NCCL_ISSUE, default_cache_dir(), False)
-    if outcome.module is None:
-        raise RuntimeError(f"moecomm_ext: the NCCL issue extension is unavailable: {outcome.reason}")
-    return outcome.module
+    return _load_required(NCCL_ISSUE, "NCCL issue")
 
 
 def module_for(device_type: str, use_native: bool | None) -> types.ModuleType | None:
