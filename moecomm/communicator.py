@@ -13,7 +13,7 @@ from .backends.base import REDUCE_OPS, Backend, DoneRequest, Request
 from .errors import CommunicatorClosedError, CountMismatchError
 from .layout import Layout
 from .pool import PoolStats, StagingPool
-from .splits import Splits, check_split_total, normalize_splits
+from .splits import Splits, check_own_block, check_split_total, normalize_splits
 
 __all__ = ["Communicator", "Work", "SUPPORTED_DTYPES"]
 
@@ -267,6 +267,7 @@ class Communicator:
         return out, send, recv, self._p2p.finish(x, out, send, recv, row_bytes)
 
     def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int]) -> Request:
+        check_own_block(send, recv, self.rank)  # before anything moves; peers' counts: validate=True
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         # Only a row size of 0 (the same on every rank) may skip the exchange: a rank with
         # no rows of its own must still join its peers' collective (MPI matches by order).

@@ -110,7 +110,7 @@ import torch
 from .backends.base import DoneRequest, Request
 from .communicator import SUPPORTED_DTYPES, Work
 from .errors import CommunicatorClosedError
-from .splits import Splits, check_split_total, normalize_splits
+from .splits import Splits, check_own_block, check_split_total, normalize_splits
 
 __all__ = ["scatter_compute_gather", "Chunk", "GroupOrder", "auto_pieces", "auto_stages", "MAX_DEGREE",
            "AUTO_RULES"]
@@ -578,16 +578,20 @@ class _Run:
     def issue_gather(self, c: int, y: torch.Tensor) -> None:
         self.gather[c], self.out = self._from_experts(y, c, self.out)
 
-    def collect(self) -> torch.Tensor:
+    def _drain(self, works: list, whole: Optional[torch.Tensor], row_shape: tuple, dtype: Any) -> torch.Tensor:
+        """Wait for every stage's exchange in ``works``; the result: ``whole`` (direct: the
+        exchanges landed in it), else the stages' rows put back in input order."""
         parts = []
         for c in range(self.plan.stages):
-            out, _ = self._wait(self.gather[c])
-            self.gather[c] = None
-            parts.append(out)
-        if self.transport.direct:
-            out, self.out = self.out, None
-            return out
-        return self.plan.unpack(parts, self.out_shape, self.out_dtype)
+            rows, _ = self._wait(works[c])
+            works[c] = None
+            parts.append(rows)
+        return whole if self.transport.direct else self.plan.unpack(parts, row_shape, dtype)
+
+    def collect(self) -> torch.Tensor:
+        out = self._drain(self.gather, self.out, self.out_shape, self.out_dtype)
+        self.out = None
+        return out
 
     # backward
     def issue_grad_scatter(self, grad: torch.Tensor) -> None:
@@ -611,15 +615,9 @@ class _Run:
                 rows = sum(p.recv_counts[c])
                 zeros = torch.zeros((rows,) + self.in_shape, dtype=self.in_dtype, device=p.device)
                 self.issue_grad_gather(c, zeros)
-        parts = []
-        for c in range(p.stages):
-            g, _ = self._wait(self.grad_gather[c])
-            self.grad_gather[c] = None
-            parts.append(g)
-        if self.transport.direct:
-            grad, self.grad_in = self.grad_in, None
-            return grad
-        return p.unpack(parts, self.in_shape, self.in_dtype)
+        grad = self._drain(self.grad_gather, self.grad_in, self.in_shape, self.in_dtype)
+        self.grad_in = None
+        return grad
 
 
 class _Scatter(torch.autograd.Function):
@@ -740,8 +738,11 @@ def scatter_compute_gather(
     w = comm.size
     send = normalize_splits(send_splits, "send_splits", w)
     check_split_total(send, input.shape[0], "send_splits", "input")
-    recv = comm._exchange_counts(send, "send_splits")[1] if recv_splits is None else \
-        normalize_splits(recv_splits, "recv_splits", w)
+    if recv_splits is None:
+        recv = comm._exchange_counts(send, "send_splits")[1]
+    else:
+        recv = normalize_splits(recv_splits, "recv_splits", w)
+        check_own_block(send, recv, comm.rank)
 
     if degree == "auto":
         row_bytes = math.prod(input.shape[1:]) * input.element_size()

@@ -8,7 +8,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-__all__ = ["Splits", "normalize_splits", "check_split_total", "split_offsets"]
+__all__ = ["Splits", "normalize_splits", "check_split_total", "check_own_block", "split_offsets"]
 
 Splits = Union[Sequence[int], torch.Tensor, np.ndarray]
 """Per-rank row counts: a sequence of ints, or a 1-D integer tensor or array (any device)."""
@@ -61,6 +61,13 @@ def check_split_total(splits: list[int], rows: int, name: str, tensor_name: str)
         raise ValueError(
             f"{name} must sum to the {rows} rows of {tensor_name} (dim 0), but sums to {total}: {splits}"
         )
+
+
+def check_own_block(send: list[int], recv: list[int], rank: int) -> None:
+    """Raise ValueError unless ``send[rank] == recv[rank]``: both count the rows a rank sends itself."""
+    if send[rank] != recv[rank]:
+        raise ValueError(f"send_splits[{rank}] ({send[rank]}) and recv_splits[{rank}] ({recv[rank]}) must be "
+                         f"equal: both count the rows rank {rank} sends itself")
 
 
 def split_offsets(splits: list[int]) -> list[int]:

@@ -38,6 +38,10 @@ def test_identity(comm):
         (dict(input=torch.zeros(4, 2), send_splits=torch.tensor([[4]])), ValueError, "send_splits must be 1-D"),
         (dict(input=torch.zeros(4, 2), send_splits="4"), TypeError, "send_splits must be a sequence of ints"),
         (dict(input=torch.zeros(4, 2), send_splits=[4], recv_splits=[-1]), ValueError, "recv_splits[0] must be >= 0"),
+        (dict(input=torch.zeros(4, 2), send_splits=[4], recv_splits=[3]), ValueError,
+         "send_splits[0] (4) and recv_splits[0] (3) must be equal: both count the rows rank 0 sends itself"),
+        (dict(input=torch.zeros(4, 0), send_splits=[4], recv_splits=[5]), ValueError,
+         "send_splits[0] (4) and recv_splits[0] (5) must be equal"),
         (dict(input=torch.zeros(4, 2).t(), send_splits=[2]), ValueError, "input must be contiguous"),
         (dict(input=torch.zeros(()), send_splits=[0]), ValueError, "input must have at least 1 dimension"),
         (dict(input=[1, 2], send_splits=[2]), TypeError, "input must be a torch.Tensor"),
@@ -66,6 +70,10 @@ def test_all_to_all_single_bad_input(comm):
         comm.all_to_all_single(torch.zeros(2, 3), torch.zeros(2, 2))
     with pytest.raises(ValueError, match="output_split_sizes must sum to the 2 rows of output"):
         comm.all_to_all_single(torch.zeros(2, 2), torch.zeros(2, 2), [3], [2])
+    with pytest.raises(ValueError, match=r"send_splits\[0\] \(2\) and recv_splits\[0\] \(3\) must be equal"):
+        comm.all_to_all_single(torch.zeros(3, 2), torch.zeros(2, 2), [3], [2])
+    with pytest.raises(ValueError, match=r"send_splits\[0\] \(2\) and recv_splits\[0\] \(1\) must be equal"):
+        comm.scatter_compute_gather(torch.zeros(2, 2), [2], lambda rows, chunk: rows, recv_splits=[1])
     with pytest.raises(ValueError, match="input_tensor_list must be a list of 1 tensors"):
         comm.all_to_all([torch.zeros(1)], [])
     with pytest.raises(TypeError, match=r"output_tensor_list\[0\] must have dtype"):

@@ -136,9 +136,9 @@ def _loaded_nccl_library() -> str:
     """Path of the libnccl mapped into this process (the one nccl4py loaded)."""
     with open("/proc/self/maps") as maps:
         for line in maps:
-            path = line.split()[-1] if len(line.split()) >= 6 else ""
-            if "/libnccl.so" in path:
-                return path
+            fields = line.split()
+            if len(fields) >= 6 and "/libnccl.so" in fields[-1]:
+                return fields[-1]
     raise RuntimeError("no libnccl is mapped into this process")
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import CountMismatchError
+from ..splits import split_offsets
 from . import _cudart
 from .base import DoneRequest, Request
 
@@ -162,11 +163,6 @@ class PeerTransport:
         every rank calls it, also with nothing to move. Rows beyond a region's capacity go
         through NCCL afterwards, on the same stream."""
         me = self.rank
-        if send[me] != recv[me]:
-            raise ValueError(f"send_splits[{me}] ({send[me]}) and recv_splits[{me}] ({recv[me]}) must be equal: "
-                             f"they are the rows rank {me} sends itself")
-        send_displs = _starts(send) if send_displs is None else send_displs
-        recv_displs = _starts(recv) if recv_displs is None else recv_displs
         b = self._backend
         # x and out are recorded on the backend's stream only: it waits for the own-block
         # copy on the second stream before its completion event, which is what frees them
@@ -174,13 +170,17 @@ class PeerTransport:
         self._seq += 1
         self._parity = self._seq % 2
         self._ext.ce_exchange(self._device, stream, self._aux.cuda_stream, self._fork, self._join, x.data_ptr(),
-                              out.data_ptr(), row_bytes, send, send_displs, recv, recv_displs, self._base_list,
+                              out.data_ptr(), row_bytes, send, () if send_displs is None else send_displs, recv,
+                              () if recv_displs is None else recv_displs,
+                              self._base_list,
                               self._ptrs[0], me, self._seq, self._parity, self.region_bytes, self.data_off,
                               self.header_off, self._status_t.data_ptr(), self._timeout_ns)
         request = b._end("all_to_all_v (copy engines)", self._problem)
         cap = self.capacity_rows(row_bytes)
         if max(send) <= cap and max(recv) <= cap:
             return request
+        send_displs = split_offsets(send) if send_displs is None else send_displs
+        recv_displs = split_offsets(recv) if recv_displs is None else recv_displs
         extra_send = [0 if p == me else max(0, n - cap) for p, n in enumerate(send)]
         extra_recv = [0 if p == me else max(0, n - cap) for p, n in enumerate(recv)]
         return b.alltoallv(x, extra_send, out, extra_recv, row_bytes,
@@ -222,8 +222,8 @@ class PeerTransport:
             return DoneRequest()
         extra_send = [max(0, n - cap) for n in send]
         extra_recv = [max(0, n - cap) for n in recv]
-        send_displs = [s + min(n, cap) for s, n in zip(_starts(send), send)]
-        recv_displs = [s + min(n, cap) for s, n in zip(_starts(recv), recv)]
+        send_displs = [s + min(n, cap) for s, n in zip(split_offsets(send), send)]
+        recv_displs = [s + min(n, cap) for s, n in zip(split_offsets(recv), recv)]
         return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes, send_displs, recv_displs)
 
     def _release(self) -> None:
@@ -273,11 +273,3 @@ class _HostFlagRequest(Request):
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
-
-
-def _starts(counts: list[int]) -> list[int]:
-    out, s = [], 0
-    for n in counts:
-        out.append(s)
-        s += n
-    return out

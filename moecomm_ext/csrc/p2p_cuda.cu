@@ -289,8 +289,15 @@ RankCounts pack_counts(const std::vector<int64_t>& values) {
   return out;
 }
 
+// Exclusive prefix sums: blocks back to back.
+std::vector<int64_t> back_to_back(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> out(counts.size(), 0);
+  for (size_t i = 1; i < counts.size(); ++i) out[i] = out[i - 1] + counts[i - 1];
+  return out;
+}
+
 // The known-counts exchange (see the top of this file). Counts and displacements are in
-// rows; the headers carry the whole counts (the receiver checks them), but rows beyond a
+// rows (displacements empty: blocks back to back); the headers carry the whole counts (the receiver checks them), but rows beyond a
 // region's capacity per pair are left to the caller. Enqueued
 // on `stream`, the rank's own block on `aux_stream` (joined back into `stream`).
 void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64_t fork_event, uint64_t join_event,
@@ -300,10 +307,13 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
                  int me, int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
                  uint64_t status, uint64_t timeout_ns) {
   const int world = static_cast<int>(bases.size());
-  if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || send_displs.size() != size_t(world) ||
-      recv_counts.size() != size_t(world) || recv_displs.size() != size_t(world) || row_bytes <= 0) {
+  if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || recv_counts.size() != size_t(world) ||
+      (!send_displs.empty() && send_displs.size() != size_t(world)) ||
+      (!recv_displs.empty() && recv_displs.size() != size_t(world)) || row_bytes <= 0) {
     throw std::invalid_argument("moecomm p2p: ce_exchange got inconsistent arguments");
   }
+  const std::vector<int64_t> send_at = send_displs.empty() ? back_to_back(send_counts) : send_displs;
+  const std::vector<int64_t> recv_at = recv_displs.empty() ? back_to_back(recv_counts) : recv_displs;
   DeviceGuard guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   auto aux = reinterpret_cast<cudaStream_t>(aux_handle);
@@ -318,7 +328,7 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
       check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(fork_event), stream), "cudaEventRecord");
       check(cudaStreamWaitEvent(aux, reinterpret_cast<cudaEvent_t>(fork_event), 0), "cudaStreamWaitEvent");
     }
-    check(cudaMemcpyAsync(dst + recv_displs[me] * row_bytes, src + send_displs[me] * row_bytes, size_t(own),
+    check(cudaMemcpyAsync(dst + recv_at[me] * row_bytes, src + send_at[me] * row_bytes, size_t(own),
                           cudaMemcpyDeviceToDevice, beside ? aux : stream),
           "cudaMemcpyAsync (own rows)");
     if (beside) check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(join_event), aux), "cudaEventRecord");
@@ -327,7 +337,7 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
     const int64_t rows = std::min(send_counts[p], cap);
     if (p != me && rows > 0) {
       char* region = reinterpret_cast<char*>(bases[p]) + data_off + (int64_t(parity) * world + me) * region_bytes;
-      check(cudaMemcpyAsync(region, src + send_displs[p] * row_bytes, size_t(rows * row_bytes),
+      check(cudaMemcpyAsync(region, src + send_at[p] * row_bytes, size_t(rows * row_bytes),
                             cudaMemcpyDeviceToDevice, stream),
             "cudaMemcpyAsync (to a peer)");
     }
@@ -342,7 +352,7 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
     if (p == me || rows <= 0) continue;
     const char* region =
         reinterpret_cast<const char*>(bases[me]) + data_off + (int64_t(parity) * world + p) * region_bytes;
-    check(cudaMemcpyAsync(dst + recv_displs[p] * row_bytes, region, size_t(rows * row_bytes),
+    check(cudaMemcpyAsync(dst + recv_at[p] * row_bytes, region, size_t(rows * row_bytes),
                           cudaMemcpyDeviceToDevice, stream),
           "cudaMemcpyAsync (out of the arena)");
   }
