@@ -3,7 +3,7 @@
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
-# moece, a2ace, syncs, final, ceauto and hostprof run when named)
+# moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph and overlapgraph run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -97,6 +97,18 @@ run_step() {
       step show_2x1 30 python3 -m topology show "$RES/profile_2x1.json" --png "$RES/profile_2x1.png"
       step simulate_2x1 30 python3 -m topology simulate --nodes 2 --local-size 1 --profile "$RES/profile_2x1.json"
       step simulate_h200 30 python3 -m topology simulate --nodes 64 --local-size 8 ;;
+    graphtests)
+      step core_graph 90 "${MPI[@]}" python3 -m tests.ranks.core_collectives nccl check_cuda_graph
+      step core_graph_p2p 90 "${MPI[@]}" python3 -m tests.ranks.core_collectives nccl-p2p check_cuda_graph
+      step overlap_graph 90 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl cuda_graph
+      step overlap_graph_p2p 90 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl-p2p cuda_graph,equivalence
+      step pytest_tables 60 python3 -m pytest -q -m gpu tests/test_device_tables.py -p no:cacheprovider ;;
+    moegraph)
+      step moe_graph 150 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --cuda-graph --json "$RES/moe_layer_graph.json"
+      step moe_graph_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --cuda-graph --profile /tmp/moe_graph_trace.json
+      step moe_graph_summary 60 python3 -m bench.trace_summary /tmp/moe_graph_trace.json --top 45 ;;
+    overlapgraph)
+      step overlap_graph_bench 150 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2,3,4 --cuda-graph -n 15 --json "$RES/overlap_graph.json" ;;
     *) echo "unknown step $1" >> "$LOG" ;;
   esac
 }

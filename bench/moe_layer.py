@@ -11,7 +11,9 @@ of ``y`` and the auxiliary loss (``x`` requires grad, parameter grads are reset 
 ``--steps`` steps run back to back between two synchronisations (the host runs ahead of the
 GPU, as in training); the slowest rank's time per step; median and 10th/90th percentiles
 over ``--iters`` samples. ``host_ms`` is the time the host took to issue a step (median):
-close to the step time means the step is bound by the host, not the GPU.
+close to the step time means the step is bound by the host, not the GPU. ``--cuda-graph``
+also times each configuration captured once into a CUDA graph and replayed (mode
+``graph``, beside ``eager``): the step's GPU work without the host's cost of issuing it.
 
 TFLOP/s counts the expert matmuls actually run per rank (``12 * rows * model_dim * hidden``
 for forward + backward, rows = the slots this rank's experts process, padding included);
@@ -35,6 +37,7 @@ import moecomm
 from moecomm.moe import MoELayer
 
 from .alltoall import parse_size
+from .graphs import capture
 from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
@@ -77,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ctas", type=int, default=None, help="NCCL: most CTAs per communication kernel (init(max_ctas=))")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs of one node: peer memory per rank (init(p2p_bytes=)); exchanges then move by copy engines")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU: time every configuration also as a captured CUDA graph (mode 'graph')")
     p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
     p.add_argument("--sync-report", action="store_true",
                    help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
@@ -130,10 +135,15 @@ class Bench:
             self.comm.allreduce(t, "max")
         return t.cpu().numpy()
 
-    def time(self, **kw) -> dict:
+    def capture(self, **kw) -> "torch.cuda.CUDAGraph":
+        """One step captured into a CUDA graph; the parameters' grads become its outputs."""
+        return capture(lambda: self.step(**kw), self.comm.device)
+
+    def time(self, step=None, **kw) -> dict:
         a = self.args
+        run = step if step is not None else (lambda: self.step(**kw))
         for _ in range(a.warmup):
-            self.step(**kw)
+            run()
         self.sync()
         if self.comm.size > 1:
             self.comm.barrier()
@@ -142,7 +152,9 @@ class Bench:
             self.sync()
             t0 = time.perf_counter()
             for _ in range(a.steps):
-                self.step(**kw)
+                run()
+            if step is not None:  # replayed collectives: only this watchdog entry bounds their wait
+                self.comm.watch_stream("a replay of the captured MoE step")
             issue.append((time.perf_counter() - t0) / a.steps)
             self.sync()
             samples.append((time.perf_counter() - t0) / a.steps)
@@ -173,30 +185,36 @@ def main(argv: Optional[list] = None) -> list:
     L = b.layer
     rank0 = comm.rank == 0
     results = []
-    for k in args.top_k:
-        for deg in args.overlap_degree:
-            kw = dict(k=k, overlap_degree=deg)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(comm.device)
-            if rank0:
-                sys.stderr.write(f"k={k} overlap_degree={deg} ...\n")
+    modes = ["eager", "graph"] if args.cuda_graph and cuda else ["eager"]
+    for k, deg, mode in [(k, d, m) for k in args.top_k for d in args.overlap_degree for m in modes]:
+        kw = dict(k=k, overlap_degree=deg)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(comm.device)
+        if rank0:
+            sys.stderr.write(f"k={k} overlap_degree={deg} {mode} ...\n")
+        if mode == "graph":
+            graph = b.capture(**kw)
+            t = b.time(graph.replay)
+        else:
             t = b.time(**kw)
-            r = L.last_routing
-            if r.capacity is not None:
-                # slots this rank's experts process: El experts x C from each of W sources (= E * C), or
-                # for an expert sharded over S ranks, C from each of the W sources
-                rows = args.experts * r.capacity if L.shards == 1 else comm.size * r.capacity
-            else:
-                rows = args.tokens * k * L.shards  # what an average rank processes
-            hidden_local = args.hidden // L.shards
-            flops = 12.0 * rows * args.model_dim * hidden_local
-            useful = 12.0 * args.tokens * k * args.model_dim * args.hidden
-            sec = t["median_ms"] / 1e3
-            peak = int(b.slowest([float(_peak_bytes(comm))])[0])
-            results.append({"k": k, "overlap_degree": deg, "capacity": r.capacity, **t,
-                            "tokens_per_s": args.tokens * comm.size / sec,
-                            "tflops_per_rank": flops / sec / 1e12, "useful_tflops_per_rank": useful / sec / 1e12,
-                            "peak_mem_gib": peak / 2 ** 30, "mode": L.last_parallel_mode})
+        r = L.last_routing
+        if r.capacity is not None:
+            # slots this rank's experts process: El experts x C from each of W sources (= E * C), or
+            # for an expert sharded over S ranks, C from each of the W sources
+            rows = args.experts * r.capacity if L.shards == 1 else comm.size * r.capacity
+        else:
+            rows = args.tokens * k * L.shards  # what an average rank processes
+        hidden_local = args.hidden // L.shards
+        flops = 12.0 * rows * args.model_dim * hidden_local
+        useful = 12.0 * args.tokens * k * args.model_dim * args.hidden
+        sec = t["median_ms"] / 1e3
+        peak = int(b.slowest([float(_peak_bytes(comm))])[0])
+        results.append({"k": k, "overlap_degree": deg, "mode": mode, "capacity": r.capacity, **t,
+                        "tokens_per_s": args.tokens * comm.size / sec,
+                        "tflops_per_rank": flops / sec / 1e12, "useful_tflops_per_rank": useful / sec / 1e12,
+                        "peak_mem_gib": peak / 2 ** 30, "parallel_mode": L.last_parallel_mode})
+        if mode == "graph":
+            del graph
     if rank0:
         name = torch.cuda.get_device_name(comm.device) if cuda else "cpu"
         head = (f"# moecomm.moe layer: {comm.size} ranks, backend {comm.backend}, {name}, {args.dtype}"
@@ -207,10 +225,10 @@ def main(argv: Optional[list] = None) -> list:
                 f"torch {torch.__version__}")
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
                        f"slowest rank; peak memory: {'max_memory_allocated' if cuda else 'max RSS'}",
-                 f"{'k':>2} {'deg':>4} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
+                 f"{'k':>2} {'deg':>4} {'mode':>5} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
                  f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9} {'host_ms':>8}"]
         for r in results:
-            lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
+            lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {r['mode']:>5} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
                          f"{r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} {r['tokens_per_s']:>11.4g} "
                          f"{r['tflops_per_rank']:>8.2f} {r['useful_tflops_per_rank']:>7.2f} {r['peak_mem_gib']:>9.3f} "
                          f"{r['host_ms']:>8.3f}")
@@ -222,9 +240,14 @@ def main(argv: Optional[list] = None) -> list:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts, with_stack=True) as prof:
+        kw = dict(k=args.top_k[0], overlap_degree=args.overlap_degree[0])
+        run = b.capture(**kw).replay if args.cuda_graph and cuda else (lambda: b.step(**kw))
+        run()
+        b.sync()
+        # with_stack only for the host's view: it slows the host enough to change the GPU's timeline
+        with profile(activities=acts, with_stack=not args.cuda_graph) as prof:
             for _ in range(3):
-                b.step(k=args.top_k[0], overlap_degree=args.overlap_degree[0])
+                run()
             b.sync()
         if rank0:
             prof.export_chrome_trace(args.profile)

@@ -48,6 +48,7 @@ from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
 
 from .alltoall import parse_size
+from .graphs import capture
 from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
@@ -166,7 +167,8 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize(self.comm.device)
 
-    def time(self, step: Callable[[], torch.Tensor], local: bool = False) -> dict:
+    def time(self, step: Callable[[], object], replay: bool = False) -> dict:
+        """``replay``: ``step`` replays a CUDA graph (then put under the communicator's watchdog)."""
         from mpi4py import MPI
 
         a = self.args
@@ -179,6 +181,8 @@ class Timer:
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 step()
+            if replay:
+                self.comm.watch_stream("a replay of the captured overlap step")
             t1 = time.perf_counter()
             self.sync()
             samples.append((time.perf_counter() - t0) / a.steps)
@@ -238,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
     p.add_argument("--host-profile", action="store_true",
                    help="print a cProfile of the host work of 10 steps at the last degree (rank 0)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU: time every degree also captured into a CUDA graph and replayed (rows 'D/graph')")
     p.add_argument("--no-check", action="store_true", help="skip comparing every degree's result with degree 1's")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
@@ -302,9 +308,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             pieces = int(world.allreduce(pieces, op=MPI.MAX))
             label = f"auto({pieces})"
         results.append({"degree": label, "check": ok, **t})
-    base = next(r["median_ms"] for r in results if r["degree"] == "1")
-    for r in results:
-        r["vs_1"] = r["median_ms"] / base
+        if args.cuda_graph and cuda:
+            graph = capture(step, comm.device)
+            results.append({"degree": f"{label}/graph", "check": ok, **timer.time(graph.replay, replay=True)})
+            del graph
+    for suffix in ("", "/graph"):  # graph rows against degree 1 captured too
+        base = next((r["median_ms"] for r in results if r["degree"] == "1" + suffix), None)
+        for r in results:
+            if r["degree"].endswith("/graph") == bool(suffix) and base is not None:
+                r["vs_1"] = r["median_ms"] / base
     if rank0:
         name = torch.cuda.get_device_name(comm.device) if cuda else "cpu"
         esize = torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
@@ -323,7 +335,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         for r in results:
             xm = f"{r['exchange_ms']:>8.3f}" if "exchange_ms" in r else f"{'-':>8}"
             lines.append(f"{r['degree']:<9} {r['median_ms']:>10.3f} {r['p10_ms']:>9.3f} {r['p90_ms']:>9.3f} "
-                         f"{r['vs_1']:>7.3f} {r['host_ms']:>8.3f} {xm}  {'ok' if r['check'] else 'MISMATCH'}")
+                         f"{r.get('vs_1', float('nan')):>7.3f} {r['host_ms']:>8.3f} {xm}  {'ok' if r['check'] else 'MISMATCH'}")
         print("\n".join(lines), flush=True)
         if args.json:
             with open(args.json, "w") as fh:

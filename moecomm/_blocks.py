@@ -31,6 +31,8 @@ import torch
 
 import moecomm_ext
 
+from ._device_tables import int64_table
+
 __all__ = ["permute_blocks", "reorder_blocks", "block_order_index", "CAT_MAX_BLOCKS"]
 
 
@@ -60,10 +62,7 @@ def _device_index(counts: Sequence[int], order: Sequence[int], device: torch.dev
     ``2 * len(order)`` ints to the device, no host synchronisation, no per-row host work."""
     shift, picked = _block_shifts(counts, order)
     total = int(picked.sum())
-    table = torch.from_numpy(np.concatenate([shift, picked]))
-    if device.type == "cuda":
-        table = table.pin_memory()
-    table = table.to(device, non_blocking=True)
+    table = int64_table(np.concatenate([shift, picked]), device)
     k = len(order)
     rows = torch.arange(total, dtype=torch.int64, device=device)
     return rows + torch.repeat_interleave(table[:k], table[k:], output_size=total)

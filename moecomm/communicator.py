@@ -205,6 +205,9 @@ class Communicator:
         x = self._check_tensor(input, "input", min_dim=1)
         rows, row_shape = x.shape[0], tuple(x.shape[1:])
         problem: Optional[str] = None
+        if recv_splits is None and self._capturing():
+            raise RuntimeError(f"{op}: recv_splits must be given while a CUDA graph is captured (learning the "
+                               f"counts needs the host, which a captured graph cannot involve)")
         device_counts = (
             recv_splits is None and isinstance(send_splits, torch.Tensor) and send_splits.device.type != "cpu"
         )
@@ -273,7 +276,8 @@ class Communicator:
         # no rows of its own must still join its peers' collective (MPI matches by order).
         if row_bytes == 0:
             return self._backend.barrier() if self.size > 1 else DoneRequest()
-        if self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES:
+        if (self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES
+                and not self._capturing()):
             return self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
         return self._backend.alltoallv(x, send, out, recv, row_bytes)
 
@@ -432,6 +436,27 @@ class Communicator:
         """Return once every rank has entered the barrier (at most ``timeout`` seconds)."""
         self._check_open("barrier")
         self._wait_host(self._backend.barrier(), "barrier", None)
+
+    def watch_stream(self, op: str = "CUDA graph replay", *, timeout: Optional[float] = None) -> None:
+        """Put the work issued so far on the current CUDA stream under the communicator's
+        watchdog: if it has not completed within ``timeout`` seconds (default: the
+        communicator's), the communicator is aborted and its next call raises
+        ``TimeoutError`` naming ``op``.
+
+        Collectives captured into a CUDA graph run at each replay, where no call of this
+        library sees them; call this after ``graph.replay()`` so that a replay waiting on a
+        peer that never comes does not hang forever. Host-waiting backends (MPI, torch)
+        time out every wait themselves: there it does nothing.
+        """
+        self._check_open(op)
+        limit = self.timeout if timeout is None else float(timeout)
+        if not limit > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self._backend.watch_stream(op, limit)
+
+    def _capturing(self) -> bool:
+        """True while the current CUDA stream captures a graph."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Collective: a sub-communicator of the ranks that pass the same ``color``.

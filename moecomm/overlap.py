@@ -107,6 +107,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ._device_tables import int64_table
 from .backends.base import DoneRequest, Request
 from .communicator import SUPPORTED_DTYPES, Work
 from .errors import CommunicatorClosedError
@@ -269,10 +270,7 @@ class _Plan:
         """Input row of each row in stage-major order (stage 0's rows for every peer first)."""
         if self._perm is None:
             idx = _block_rows(self.send_offsets[None, :], self.send_bounds[:-1], self._send_c)
-            t = torch.from_numpy(idx)
-            if self.device.type == "cuda":
-                t = t.pin_memory().to(self.device, non_blocking=True)
-            self._perm = t
+            self._perm = int64_table(idx, self.device)
         return self._perm
 
     def pack(self, x: torch.Tensor, c: int) -> torch.Tensor:
@@ -364,10 +362,7 @@ class Chunk:
         return f"<moecomm.overlap.Chunk {self.index}/{self.degree} source_splits={self.source_splits}>"
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return int64_table(a, self.device)
 
     def source_ranks(self) -> torch.Tensor:
         """``[rows]`` int64 on :attr:`device`: the source rank of each row (cached)."""
@@ -472,7 +467,7 @@ class _Transport:
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
         if row_bytes == 0:  # the same on every rank (row shapes agree): nothing moves anywhere
             request: Request = DoneRequest()
-        elif comm._p2p is not None:  # copy engines through peer memory: every rank takes part, always
+        elif comm._p2p is not None and not comm._capturing():  # copy engines: every rank takes part
             request = comm._p2p.exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
         elif b.stream_ordered and not (any(send_counts) or any(recv_counts)):
             b.check_health()  # point to point: a peer expects nothing from a rank that sends nothing

@@ -12,7 +12,7 @@ import torch
 from cuda.bindings import runtime as _rt
 
 __all__ = ["current_stream", "new_event", "destroy_event", "record", "wait", "query", "copy_async",
-           "set_device", "H2D", "D2H"]
+           "set_device", "relax_capture_mode", "H2D", "D2H"]
 
 _SUCCESS = _rt.cudaError_t.cudaSuccess
 _NOT_READY = _rt.cudaError_t.cudaErrorNotReady
@@ -33,6 +33,17 @@ def current_stream(device_index: int) -> int:
 
 def set_device(device_index: int) -> None:
     _check(_rt.cudaSetDevice(device_index), "cudaSetDevice")
+
+
+def relax_capture_mode() -> None:
+    """Let this thread make CUDA calls while another thread captures a CUDA graph.
+
+    Under torch's default (global) capture mode, a call such as ``cudaEventQuery`` from any
+    thread invalidates a capture in progress; a thread that only polls events of its own
+    (a watchdog) opts out with the relaxed mode.
+    """
+    _check(_rt.cudaThreadExchangeStreamCaptureMode(_rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)[:1],
+           "cudaThreadExchangeStreamCaptureMode")
 
 
 def new_event() -> object:

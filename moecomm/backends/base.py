@@ -117,6 +117,10 @@ class Backend(abc.ABC):
     def check_health(self) -> None:
         """Raise if the backend has failed asynchronously (a watchdog timeout, say)."""
 
+    def watch_stream(self, op: str, timeout_s: float) -> None:
+        """Abort if the work issued so far on the caller's current stream is not done within
+        ``timeout_s`` (GPU backends; a host-waiting backend times out every wait itself)."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release resources; the caller guarantees nothing is in flight."""

@@ -50,18 +50,25 @@ def nccl_available() -> bool:
 
 
 class _EventRequest(Request):
-    """Done when a CUDA event recorded after the operation on the backend's stream completes."""
+    """Done when a CUDA event recorded after the operation on the backend's stream completes.
 
-    __slots__ = ("event", "_device_index", "_problem")
+    An operation issued while the caller's stream captures a CUDA graph only joins the
+    graph: it runs at each replay, and its event can be waited on but not queried."""
+
+    __slots__ = ("event", "_device_index", "_problem", "_op")
 
     def __init__(self, event: object, device_index: int,
-                 problem: Optional[Callable[[], Optional[BaseException]]] = None) -> None:
+                 problem: Optional[Callable[[], Optional[BaseException]]] = None, captured_op: str = "") -> None:
         self.event = event
         self._device_index = device_index
         self._problem = problem  # after completion: what the GPU reported as failed, if anything
+        self._op = captured_op
 
     def test(self) -> bool:
         """True once complete; raises what ``problem`` reports (a transport's failed exchange)."""
+        if self._op:
+            raise RuntimeError(f"moecomm: {self._op} was captured into a CUDA graph: it runs when the graph is "
+                               f"replayed, and only wait() (which orders the current stream) applies to it")
         done = _cudart.query(self.event)
         if done and self._problem is not None:
             exc = self._problem()
@@ -96,6 +103,7 @@ class _Watchdog:
         failure: Optional[BaseException] = None
         try:
             _cudart.set_device(self._backend.device.index)
+            _cudart.relax_capture_mode()
             while failure is None and not self._stop.wait(self._period):
                 failure = self._overdue()
         except Exception as exc:  # noqa: BLE001 - a CUDA error: nothing may wait on this context now
@@ -250,9 +258,16 @@ class NcclBackend(Backend):
     def _end(self, op: str, problem: Optional[Callable[[], Optional[BaseException]]] = None) -> _EventRequest:
         event = _cudart.new_event()
         _cudart.record(event, self._stream)
+        if torch.cuda.is_current_stream_capturing():  # nothing runs now: replays are watched by watch_stream
+            return _EventRequest(event, self._index, None, op)
         request = _EventRequest(event, self._index, problem)
         self._watchdog.watch(request, op, self.timeout_s)
         return request
+
+    def watch_stream(self, op: str, timeout_s: float) -> None:
+        event = _cudart.new_event()
+        _cudart.record(event, _cudart.current_stream(self._index))
+        self._watchdog.watch(_EventRequest(event, self._index), op, timeout_s)
 
     # -- collectives ----------------------------------------------------------------------
 

@@ -28,6 +28,11 @@ map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU 
 flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.cu`` for
 the arena layout and why two buffers suffice. A plain ``all_to_all_v`` with known counts uses
 the copy engines only from a size on (``moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES``).
+
+Under CUDA graph capture the known-counts exchanges go through NCCL instead: this
+protocol's sequence numbers and buffer halves are chosen on the host per call, and a
+replayed graph would repeat them. Every rank must then capture the same exchanges (as NCCL
+requires anyway).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ that is missing (never silently ignoring it).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Optional, Sequence
 
@@ -54,8 +55,14 @@ def _accepts(fn: Any, name: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _method_accepts(cls: type, method: str, name: str) -> bool:
+    """Cache: introspection costs tens of microseconds, and the layer asks on every exchange."""
+    return _accepts(getattr(cls, method), name)
+
+
 def a2a_accepts_algorithm(comm: "moecomm.Communicator") -> bool:
-    return _accepts(comm.all_to_all_v, "algorithm")
+    return _method_accepts(type(comm), "all_to_all_v", "algorithm")
 
 
 def has_scatter_compute_gather(comm: "moecomm.Communicator") -> bool:

@@ -248,11 +248,13 @@ class _GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, seg, act, b2_scale):  # type: ignore[override]
         h = seg_mm(x, w1, seg, b1)
-        a = act(h)
+        # ReLU's gradient needs only its output: keep that (in place of h), nothing to recompute
+        relu = act is F.relu
+        a = h.relu_() if relu else act(h)
         y = seg_mm(a, w2, seg, b2, b2_scale)
-        ctx.seg, ctx.act = seg, act
+        ctx.seg, ctx.act, ctx.relu = seg, act, relu
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        ctx.save_for_backward(x, h, w1, w2)
+        ctx.save_for_backward(x, a if relu else h, w1, w2)
         return y
 
     @staticmethod
@@ -261,15 +263,22 @@ class _GroupedFFN(torch.autograd.Function):
         x, h, w1, w2 = ctx.saved_tensors
         seg = ctx.seg
         gy = gy.contiguous()
-        with torch.enable_grad():
-            hh = h.detach().requires_grad_(True)
-            a = ctx.act(hh)
+        if ctx.relu:
+            a = h  # the saved ReLU output
+        else:
+            with torch.enable_grad():
+                hh = h.detach().requires_grad_(True)
+                a = ctx.act(hh)
         need = ctx.needs_input_grad
         gw2 = seg_wgrad(a.detach(), gy, seg) if need[3] else None
         gb2 = seg_sum(gy, seg) if ctx.has_b2 and need[4] else None
         ga = seg_mm(gy, w2, seg, transpose_w=True)
-        (gh,) = torch.autograd.grad(a, hh, ga)
-        del a, hh, ga
+        if ctx.relu:
+            gh = torch.ops.aten.threshold_backward(ga, a, 0)
+        else:
+            (gh,) = torch.autograd.grad(a, hh, ga)
+            del hh
+        del a, ga
         gw1 = seg_wgrad(x, gh, seg) if need[1] else None
         gb1 = seg_sum(gh, seg) if ctx.has_b1 and need[2] else None
         gx = seg_mm(gh, w1, seg, transpose_w=True) if need[0] else None

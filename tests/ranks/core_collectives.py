@@ -307,6 +307,49 @@ def check_peer_memory_mismatch() -> None:
     world_barrier()
 
 
+def check_cuda_graph() -> None:
+    """Known-counts exchanges captured into a CUDA graph: every replay moves the bytes the
+    static input holds then (new data each replay, against the numpy reference); an
+    exchange that must learn its counts is refused during capture, naming recv_splits; a
+    replay is put under the watchdog by watch_stream. With peer memory the captured
+    exchanges go through NCCL."""
+    if DEV.type != "cuda" or BACKEND != "nccl":
+        return
+    m = count_matrix(91, W, 9, 0.3)
+    send, recv = m[R].tolist(), m[:, R].tolist()
+    shape, dtype = (6,), torch.bfloat16
+    x = torch.zeros((sum(send),) + shape, dtype=dtype, device=DEV)
+    single = torch.empty((sum(recv),) + shape, dtype=dtype, device=DEV)
+    counts = torch.tensor(send, device=DEV)
+    refused = ""
+    torch.cuda.synchronize(DEV)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = COMM.all_to_all_v(x, send, recv)
+        COMM.all_to_all_single(single, x, recv, send)
+        work = COMM.all_to_all_v(x, send, recv, async_op=True)
+        try:
+            work.is_completed()
+        except RuntimeError as exc:
+            refused = str(exc)
+        out_async, _ = work.wait()
+        try:
+            COMM.all_to_all_v(x, counts)
+        except RuntimeError as exc:
+            refused += " | " + str(exc)
+    collective_assert("captured into a CUDA graph" in refused and "recv_splits must be given" in refused,
+                      f"capture refusals: {refused!r}")
+    for seed in (92, 93, 94):
+        x.copy_(input_for(seed, R, m, shape, dtype).to(DEV))
+        graph.replay()
+        COMM.watch_stream("check_cuda_graph replay", timeout=30)
+        want = expected_bytes(seed, R, m, shape, dtype)
+        same = all(np.array_equal(as_bytes(t), want) for t in (out, single, out_async))
+        collective_assert(same, f"captured exchange, replay with seed {seed}: data")
+    del graph
+    world_barrier()
+
+
 def check_torch_dropin() -> None:
     """moecomm.distributed vs torch.distributed (gloo) on the same data, in the same ranks."""
     import torch.distributed as tdist
@@ -341,7 +384,7 @@ def check_torch_dropin() -> None:
 if __name__ == "__main__":
     ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
-               check_max_ctas, check_peer_memory, check_torch_dropin]
+               check_max_ctas, check_peer_memory, check_cuda_graph, check_torch_dropin]
     if ONLY and ONLY.startswith("-"):
         ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
     elif ONLY:

@@ -434,6 +434,59 @@ def check_gpu_bf16():
     collective_assert(not errs, "; ".join(errs))
 
 
+def check_cuda_graph():
+    """GPU, capacity mode: a training step (forward, backward of y and the aux loss) captured
+    into a CUDA graph and replayed with new tokens (so new routes) equals the same step run
+    eagerly by a twin layer with the same weights, at overlap degrees 1 and 2."""
+    comm = _comm()
+    rank = comm.rank
+    E = 4 * comm.size
+    errs = []
+    for deg in (1, 2):
+        layers = [MoELayer(D, H, E, k=2, comm=comm, seed=3, capacity_factor=1.0, overlap_degree=deg, device=DEV)
+                  for _ in range(2)]
+        graphed, eager = layers
+        eager.load_state_dict(graphed.state_dict())
+        x = make_inputs(60, [48] * comm.size)[rank].to(DEV, DT).requires_grad_(True)
+        gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(61 + rank)).to(DEV)
+
+        def step():
+            for t in [x, *graphed.parameters()]:
+                t.grad = None
+            y = graphed(x)
+            torch.autograd.backward([y, graphed.aux_loss], [gy, torch.ones_like(graphed.aux_loss)])
+            return y
+
+        side = torch.cuda.Stream(DEV)
+        side.wait_stream(torch.cuda.current_stream(DEV))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(DEV).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+        for seed in (62, 63):
+            with torch.no_grad():
+                x.copy_(make_inputs(seed, [48] * comm.size)[rank].to(DEV))
+                gy.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 10 * rank)))
+            graph.replay()
+            comm.watch_stream("moe check_cuda_graph replay", timeout=60)
+            xe = x.detach().clone().requires_grad_(True)
+            for t in eager.parameters():
+                t.grad = None
+            ye = eager(xe)
+            torch.autograd.backward([ye, eager.aux_loss], [gy, torch.ones_like(eager.aux_loss)])
+            tag = f"graph degree {deg} seed {seed}"
+            pairs = [("y", y, ye), ("aux", graphed.aux_loss, eager.aux_loss), ("x.grad", x.grad, xe.grad)]
+            pairs += [(f"{name}.grad", pg.grad, pe.grad)
+                      for (name, pg), pe in zip(graphed.named_parameters(), eager.parameters())]
+            for name, got, want in pairs:
+                close(f"{tag}: {name}", got, None if want is None else want.cpu(), 1e-5, errs)
+        del graph
+    collective_assert(not errs, "; ".join(errs[:6]))
+
+
 def main() -> None:
     global DEV, DT, TOL
     group = sys.argv[1] if len(sys.argv) > 1 else "all"
@@ -453,6 +506,7 @@ def main() -> None:
             checks.append(check_autocast_bf16)
         else:
             checks.append(check_gpu_bf16)
+            checks.append(check_cuda_graph)
     rank_main(checks)
 
 
