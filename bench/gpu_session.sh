@@ -102,11 +102,12 @@ run_step() {
       step core_graph_p2p 90 "${MPI[@]}" python3 -m tests.ranks.core_collectives nccl-p2p check_cuda_graph
       step overlap_graph 90 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl cuda_graph
       step overlap_graph_p2p 90 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl-p2p cuda_graph,equivalence
-      step pytest_tables 60 python3 -m pytest -q -m gpu tests/test_device_tables.py -p no:cacheprovider ;;
+      step pytest_tables 60 python3 -m pytest -q -m gpu tests/test_device_tables.py tests/test_gate_mm_gpu.py -p no:cacheprovider ;;
     moegraph)
       step moe_graph 150 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --cuda-graph --json "$RES/moe_layer_graph.json"
       step moe_graph_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --cuda-graph --profile /tmp/moe_graph_trace.json
-      step moe_graph_summary 60 python3 -m bench.trace_summary /tmp/moe_graph_trace.json --top 45 ;;
+      step moe_graph_summary 60 python3 -m bench.trace_summary /tmp/moe_graph_trace.json --top 45
+      step moe_ce 90 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 1G --overlap-degree 1,2 --json "$RES/moe_layer_ce.json" ;;
     overlapgraph)
       step overlap_graph_bench 150 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2,3,4 --cuda-graph -n 15 --json "$RES/overlap_graph.json" ;;
     *) echo "unknown step $1" >> "$LOG" ;;

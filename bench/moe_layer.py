@@ -124,6 +124,9 @@ class Bench:
         else:
             y = self.layer(self.x, **kw)
         torch.autograd.backward([y, self.layer.aux_loss], [self.gy.to(y.dtype), torch.ones_like(self.layer.aux_loss)])
+        # as a training step's losses go out of scope: a kept graph would keep its AccumulateGrad
+        # nodes (and their streams) alive into the next step, which CUDA graph capture refuses
+        self.layer.aux_loss = self.layer.balance_loss = None
 
     def sync(self) -> None:
         if self.comm.device.type == "cuda":

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._args import float_arg, int_arg
+from ._gate_mm import wide_linear, wide_linear_applies
 
 __all__ = ["TopKGate", "LinearTopKGate", "CosineTopKGate", "GATE_TYPES", "make_gate"]
 
@@ -70,6 +71,13 @@ class LinearTopKGate(TopKGate):
             w = torch.empty(num_experts, model_dim).uniform_(-bound, bound, generator=generator)
             self.wg.weight.copy_(w)
         self.wg.to(device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.wg.weight
+        if self.fp32_gate and x.dim() == 2 and x.shape[1] == self.model_dim and wide_linear_applies(x, w):
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                return wide_linear(x, w)  # the same float32 logits, without a float32 copy of x
+        return super().forward(x)
 
     def logits(self, x: Tensor) -> Tensor:
         w = self.wg.weight
