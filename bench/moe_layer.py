@@ -244,14 +244,16 @@ def main(argv: Optional[list] = None) -> list:
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         kw = dict(k=args.top_k[0], overlap_degree=args.overlap_degree[0])
-        run = b.capture(**kw).replay if args.cuda_graph and cuda else (lambda: b.step(**kw))
+        graph = b.capture(**kw) if args.cuda_graph and cuda else None
+        run = graph.replay if graph is not None else (lambda: b.step(**kw))
         run()
         b.sync()
         # with_stack only for the host's view: it slows the host enough to change the GPU's timeline
-        with profile(activities=acts, with_stack=not args.cuda_graph) as prof:
+        with profile(activities=acts, with_stack=graph is None) as prof:
             for _ in range(3):
                 run()
             b.sync()
+        del run, graph  # a graph holding NCCL kernels must go before its communicator closes
         if rank0:
             prof.export_chrome_trace(args.profile)
             print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",

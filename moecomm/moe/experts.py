@@ -17,6 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import moecomm_ext
+
+from ._wide_gemm import wide_gemm_available
+
 __all__ = ["Segments", "FFNExperts", "ACTIVATIONS", "resolve_activation", "BatchedExperts", "ExpertList",
            "grouped_mm_available"]
 
@@ -151,10 +155,19 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
     B = wt.shape[2]
     if seg.uniform is not None:
         C, El = seg.uniform, seg.num_local
-        out = torch.empty(R, B, dtype=x.dtype, device=x.device)
         if C == 0:
-            return out
+            return torch.empty(R, B, dtype=x.dtype, device=x.device)
         xb = x.view(-1, El, C, x.shape[1])
+        if bias is not None and bias_scale == 1.0:
+            # every row starts as its expert's bias (one vectorised row gather: baddbmm would
+            # broadcast it with a slow strided copy per block), then each block adds its GEMM in place
+            index = torch.arange(El, device=x.device).repeat_interleave(C).repeat(xb.shape[0])
+            out = moecomm_ext.gather_rows(bias, index, check=False)
+            ob = out.view(-1, El, C, B)
+            for b in range(xb.shape[0]):
+                ob[b].baddbmm_(xb[b], wt)
+            return out
+        out = torch.empty(R, B, dtype=x.dtype, device=x.device)
         ob = out.view(-1, El, C, B)
         for b in range(xb.shape[0]):
             if bias is not None:
@@ -219,6 +232,12 @@ def seg_sum(g: Tensor, seg: Segments) -> Tensor:
         C = seg.uniform
         if C == 0 or g.shape[0] == 0:
             return torch.zeros(El, B, dtype=g.dtype, device=g.device)
+        if g.dtype == torch.bfloat16 and wide_gemm_available(g.device):
+            # each block's column sums as a GEMM with a row of ones (float32 sums): reads g once
+            # at the memory's speed, where the strided reduction over two dims does not
+            blocks = g.view(-1, C, B)
+            ones = torch.ones(blocks.shape[0], 1, C, dtype=g.dtype, device=g.device)
+            return torch.bmm(ones, blocks, out_dtype=acc).view(-1, El, B).sum(0).to(g.dtype)
         return g.view(-1, El, C, B).sum(dim=(0, 2), dtype=acc).to(g.dtype)
     if g.is_cuda:
         lengths = seg.counts_dev.reshape(-1) if seg.counts_dev is not None else \

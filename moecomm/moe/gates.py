@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._args import float_arg, int_arg
-from ._gate_mm import wide_linear, wide_linear_applies
+from ._wide_gemm import wide_linear, wide_linear_applies
 
 __all__ = ["TopKGate", "LinearTopKGate", "CosineTopKGate", "GATE_TYPES", "make_gate"]
 

@@ -1,4 +1,6 @@
-"""The linear gate's float32 logits from bfloat16 tokens and weights, without a float32 copy.
+"""GEMMs of bfloat16 operands that accumulate and return float32 (``out_dtype=torch.float32``).
+
+The linear gate's float32 logits from bfloat16 tokens and weights, without a float32 copy.
 
 A float32 gate (``fp32_gate=True``) over bfloat16 tokens would copy the tokens to float32
 (twice their size) and run a float32 GEMM on CUDA cores. Every bfloat16 value is exact in
@@ -15,28 +17,30 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["wide_linear_applies", "wide_linear"]
+__all__ = ["wide_gemm_available", "wide_linear_applies", "wide_linear"]
 
-_MM_OUT_DTYPE_OK: dict = {}
-"""Cache: device type -> whether ``torch.mm(..., out_dtype=torch.float32)`` runs there (torch >= 2.8, CUDA)."""
+_WIDE_GEMM_OK: dict = {}
+"""Cache: device type -> whether ``torch.mm`` and ``torch.bmm`` take ``out_dtype=torch.float32``
+for bfloat16 operands there (torch >= 2.8 on CUDA; not on the CPU)."""
 
 
-def _mm_out_dtype_ok(device: torch.device) -> bool:
-    ok = _MM_OUT_DTYPE_OK.get(device.type)
+def wide_gemm_available(device: torch.device) -> bool:
+    ok = _WIDE_GEMM_OK.get(device.type)
     if ok is None:
         try:
             a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-            ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+            ok = (torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+                  and torch.bmm(a[None], a[None], out_dtype=torch.float32).dtype == torch.float32)
         except (RuntimeError, TypeError, NotImplementedError):
             ok = False
-        _MM_OUT_DTYPE_OK[device.type] = ok
+        _WIDE_GEMM_OK[device.type] = ok
     return ok
 
 
 def wide_linear_applies(x: Tensor, w: Tensor) -> bool:
     """True where :func:`wide_linear` serves ``x @ w.T``: both bfloat16 on a GPU that has the GEMM."""
     return (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_cuda and w.device == x.device
-            and x.dim() == 2 and _mm_out_dtype_ok(x.device))
+            and x.dim() == 2 and wide_gemm_available(x.device))
 
 
 class _WideLinear(torch.autograd.Function):
