@@ -3,7 +3,8 @@
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
-# moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph and overlapgraph run when named)
+# moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
+# moegraphprofile and overlapgraph run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -105,11 +106,15 @@ run_step() {
       step pytest_tables 60 python3 -m pytest -q -m gpu tests/test_device_tables.py tests/test_gate_mm_gpu.py -p no:cacheprovider ;;
     moegraph)
       step moe_graph 150 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --cuda-graph --json "$RES/moe_layer_graph.json"
+      step moe_graph_ce 150 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 2G --overlap-degree 1,2 --cuda-graph \
+        --json "$RES/moe_layer_graph_ce.json" ;;
+    moegraphprofile)
       step moe_graph_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --cuda-graph --profile /tmp/moe_graph_trace.json
-      step moe_graph_summary 60 python3 -m bench.trace_summary /tmp/moe_graph_trace.json --top 45
-      step moe_ce 90 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 1G --overlap-degree 1,2 --json "$RES/moe_layer_ce.json" ;;
+      step moe_graph_summary 60 python3 -m bench.trace_summary /tmp/moe_graph_trace.json --top 45 ;;
     overlapgraph)
-      step overlap_graph_bench 150 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2,3,4 --cuda-graph -n 15 --json "$RES/overlap_graph.json" ;;
+      step overlap_graph_bench 150 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2,3,4 --cuda-graph -n 15 --json "$RES/overlap_graph.json"
+      step overlap_graph_ce 150 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --degrees 1,2,3,4 --cuda-graph -n 15 \
+        --json "$RES/overlap_graph_ce.json" ;;
     *) echo "unknown step $1" >> "$LOG" ;;
   esac
 }

@@ -276,8 +276,7 @@ class Communicator:
         # no rows of its own must still join its peers' collective (MPI matches by order).
         if row_bytes == 0:
             return self._backend.barrier() if self.size > 1 else DoneRequest()
-        if (self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES
-                and not self._capturing()):
+        if self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES:
             return self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
         return self._backend.alltoallv(x, send, out, recv, row_bytes)
 
@@ -452,7 +451,7 @@ class Communicator:
         limit = self.timeout if timeout is None else float(timeout)
         if not limit > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self._backend.watch_stream(op, limit)
+        self._backend.watch_stream(op, limit, None if self._p2p is None else self._p2p.problem)
 
     def _capturing(self) -> bool:
         """True while the current CUDA stream captures a graph."""

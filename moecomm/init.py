@@ -103,8 +103,7 @@ def init(
             ``scatter_compute_gather``) by copy engines instead of NCCL's kernels. Each
             source gets ``p2p_bytes / (2 * size)`` of it per exchange; rows beyond go
             through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
-            peer access); otherwise ValueError. Exchanges captured into a CUDA graph
-            use NCCL. Default: None (off).
+            peer access); otherwise ValueError. Default: None (off).
     """
     backend = env.default_backend() if backend is None else backend
     if backend not in BACKENDS:

@@ -467,7 +467,7 @@ class _Transport:
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
         if row_bytes == 0:  # the same on every rank (row shapes agree): nothing moves anywhere
             request: Request = DoneRequest()
-        elif comm._p2p is not None and not comm._capturing():  # copy engines: every rank takes part
+        elif comm._p2p is not None:  # copy engines through peer memory: every rank takes part, always
             request = comm._p2p.exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
         elif b.stream_ordered and not (any(send_counts) or any(recv_counts)):
             b.check_health()  # point to point: a peer expects nothing from a rank that sends nothing

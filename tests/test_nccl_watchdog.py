@@ -31,7 +31,8 @@ def _backend() -> types.SimpleNamespace:
 
 @pytest.fixture(autouse=True)
 def fake_cuda(monkeypatch):
-    monkeypatch.setattr(nccl, "_cudart", types.SimpleNamespace(set_device=lambda index: None))
+    monkeypatch.setattr(nccl, "_cudart", types.SimpleNamespace(set_device=lambda index: None,
+                                                               relax_capture_mode=lambda: None))
 
 
 def test_finished_requests_leave_no_failure():

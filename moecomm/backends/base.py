@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -117,9 +117,11 @@ class Backend(abc.ABC):
     def check_health(self) -> None:
         """Raise if the backend has failed asynchronously (a watchdog timeout, say)."""
 
-    def watch_stream(self, op: str, timeout_s: float) -> None:
+    def watch_stream(self, op: str, timeout_s: float,
+                     problem: Optional[Callable[[], Optional[BaseException]]] = None) -> None:
         """Abort if the work issued so far on the caller's current stream is not done within
-        ``timeout_s`` (GPU backends; a host-waiting backend times out every wait itself)."""
+        ``timeout_s``, or if ``problem()`` reports a failure once it is (GPU backends; a
+        host-waiting backend times out every wait itself)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -264,10 +264,11 @@ class NcclBackend(Backend):
         self._watchdog.watch(request, op, self.timeout_s)
         return request
 
-    def watch_stream(self, op: str, timeout_s: float) -> None:
+    def watch_stream(self, op: str, timeout_s: float,
+                     problem: Optional[Callable[[], Optional[BaseException]]] = None) -> None:
         event = _cudart.new_event()
         _cudart.record(event, _cudart.current_stream(self._index))
-        self._watchdog.watch(_EventRequest(event, self._index), op, timeout_s)
+        self._watchdog.watch(_EventRequest(event, self._index, problem), op, timeout_s)
 
     # -- collectives ----------------------------------------------------------------------
 

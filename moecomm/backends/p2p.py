@@ -29,10 +29,11 @@ flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.
 the arena layout and why two buffers suffice. A plain ``all_to_all_v`` with known counts uses
 the copy engines only from a size on (``moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES``).
 
-Under CUDA graph capture the known-counts exchanges go through NCCL instead: this
-protocol's sequence numbers and buffer halves are chosen on the host per call, and a
-replayed graph would repeat them. Every rank must then capture the same exchanges (as NCCL
-requires anyway).
+The copy-engine exchanges keep their sequence numbers on the GPU and check, before
+writing into a peer's buffer half, that the peer has copied out the last exchange that used
+it; so they can be captured into a CUDA graph and replayed (every rank capturing and
+replaying the same exchanges in the same order, as with NCCL). The counts-on-the-GPU path
+needs the host between its two kernels and cannot be captured.
 """
 
 from __future__ import annotations
@@ -86,12 +87,17 @@ class PeerTransport:
             if r != self.rank and not self._ext.can_access_peer(dev.index, d):
                 raise ValueError(f"p2p_bytes: GPU {dev.index} (rank {self.rank}) cannot map the memory of GPU {d} "
                                  f"(rank {r}); the peer-memory transport needs every pair of GPUs linked")
+        # layout (moecomm_ext/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
+        # headers and acks, then each protocol's data regions (two halves of W each)
         self.header_off = 0
-        self.data_off = _round_up(2 * W * _HEADER_BYTES, 4096)
-        self.region_bytes = (arena_bytes - self.data_off) // (2 * W) // 256 * 256
+        self.ce_header_off = 2 * W * _HEADER_BYTES
+        self.ce_ack_off = 4 * W * _HEADER_BYTES
+        self.data_off = _round_up(5 * W * _HEADER_BYTES, 4096)
+        self.region_bytes = (arena_bytes - self.data_off) // (4 * W) // 256 * 256
+        self.ce_data_off = self.data_off + 2 * W * self.region_bytes
         if self.region_bytes < 256:
             raise ValueError(f"p2p_bytes={arena_bytes} leaves no room for rows: it needs at least "
-                             f"{self.data_off + 2 * W * 256} bytes for {W} ranks")
+                             f"{self.data_off + 4 * W * 256} bytes for {W} ranks")
         self.arena_bytes = arena_bytes
         self._base = self._ext.alloc(dev.index, arena_bytes)
         self._opened: list[int] = []
@@ -116,8 +122,11 @@ class PeerTransport:
         # pinned, so mapped for the kernel: [received W][sent W][timed out][seq of the exchange written]
         self._host = torch.zeros(2 * W + 2, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
-        self._seq = 0
+        self._seq = 0  # counts-on-the-GPU exchanges: counted on the host
         self._parity = 0
+        # copy-engine exchanges: counted on the GPU ([done, last of half 0, last of half 1]); halves alternate
+        self._ce_state = torch.zeros(3, dtype=torch.int64, device=dev)
+        self._ce_half = 0
         self._timeout_ns = int(backend.timeout_s * 1e9)
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         # the copy-engine path: peers' bases on the host, a stream for the own block, a
@@ -172,15 +181,15 @@ class PeerTransport:
         # x and out are recorded on the backend's stream only: it waits for the own-block
         # copy on the second stream before its completion event, which is what frees them
         stream = b._begin(x, out)
-        self._seq += 1
-        self._parity = self._seq % 2
+        self._ce_half ^= 1
         self._ext.ce_exchange(self._device, stream, self._aux.cuda_stream, self._fork, self._join, x.data_ptr(),
                               out.data_ptr(), row_bytes, send, () if send_displs is None else send_displs, recv,
                               () if recv_displs is None else recv_displs,
                               self._base_list,
-                              self._ptrs[0], me, self._seq, self._parity, self.region_bytes, self.data_off,
-                              self.header_off, self._status_t.data_ptr(), self._timeout_ns)
-        request = b._end("all_to_all_v (copy engines)", self._problem)
+                              self._ptrs[0], me, self._ce_state.data_ptr(), self._ce_half, self.region_bytes,
+                              self.ce_data_off, self.ce_header_off, self.ce_ack_off, self._status_t.data_ptr(),
+                              self._timeout_ns)
+        request = b._end("all_to_all_v (copy engines)", self.problem)
         cap = self.capacity_rows(row_bytes)
         if max(send) <= cap and max(recv) <= cap:
             return request
@@ -192,7 +201,7 @@ class PeerTransport:
                            [d + min(n, cap) for d, n in zip(send_displs, send)],
                            [d + min(n, cap) for d, n in zip(recv_displs, recv)])
 
-    def _problem(self) -> Optional[BaseException]:
+    def problem(self) -> Optional[BaseException]:
         """What the copy-engine wait kernel reported (checked once an exchange completes)."""
         codes = self._status[0::3]
         if not codes.any():

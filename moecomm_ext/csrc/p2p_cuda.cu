@@ -1,28 +1,32 @@
 // Peer-memory all-to-all of moecomm's NVLink transport (moecomm/backends/p2p.py).
 //
 // Every rank owns one arena (cudaMalloc, shared with the other ranks of the node through
-// CUDA IPC). Arena layout, for W ranks:
-//   [hdr_off, hdr_off + 2 * W * 64)        headers: parity x source, 64 bytes each
-//                                          (int64 count, then int64 sequence number)
-//   [data_off, data_off + 2 * W * region)  data regions: parity x source
-// Exchange number `seq` uses parity seq % 2. The sender writes its rows for rank p into
-// rank p's region (parity, sender), then the header (count, then seq, each behind a
-// system-scope fence). The receiver waits until every header of its parity carries
-// `seq` (one block of the same kernel) and writes the counts into mapped host memory.
-// Why parity suffices: a sender reaches exchange s only after it saw every peer's
-// header of s - 1, and a peer writes that header only after its own stream passed the
-// copy-out of exchange s - 2, which read the region that s now overwrites.
+// CUDA IPC). It serves two protocols, each with its own headers and data regions, so that
+// they never touch each other's memory. Arena layout, for W ranks:
+//   [0, 2 * W * 64)                          counts-on-the-GPU headers: parity x source
+//   [2 * W * 64, 4 * W * 64)                 copy-engine headers: half x source
+//   [4 * W * 64, 5 * W * 64)                 copy-engine acks: source
+//   each header is 64 bytes: int64 count, then int64 sequence number; an ack one int64
+//   [data_off, data_off + 2 * W * region)    counts-on-the-GPU data regions: parity x source
+//   [.. + 2 * W * region, .. + 4 * W * region)  copy-engine data regions: half x source
 //
-// Only the counts live on the GPU; the host never learns them before the rows move.
+// Counts on the GPU (send_wait_kernel): exchange number `seq` (counted by the host) uses
+// parity seq % 2. The sender writes its rows for rank p into rank p's region (parity,
+// sender), then the header (count, then seq, each behind a system-scope fence). The
+// receiver waits until every header of its parity carries `seq` (one block of the same
+// kernel) and writes the counts into mapped host memory. Why parity suffices: a sender
+// reaches exchange s only after it saw every peer's header of s - 1, and a peer writes that
+// header only after its own stream passed the copy-out of exchange s - 2, which read the
+// region that s now overwrites. Only the counts live on the GPU; the host never learns them
+// before the rows move.
 //
-// Exchanges whose counts the host knows (ce_exchange) use the same arenas, headers and
-// sequence numbers, but move the rows with copy engines (cudaMemcpyAsync), not SMs: the
-// copies into the peers' regions, then one small kernel that writes the headers (the stream
-// starts it only once the copies have completed) and waits for the peers' headers, and
-// the copies out of this rank's regions; the rank's own rows go straight from input to
-// output (beside the rest, on a second stream, when they are large). The parity argument
-// above holds unchanged: the copy-out of exchange s - 2 precedes, on the peer's stream,
-// its header of exchange s - 1.
+// Known counts (ce_exchange) move the rows with copy engines (cudaMemcpyAsync), not SMs: a
+// ready kernel (see ce_ready_kernel), the copies into the peers' regions, one small kernel
+// that writes the headers (the stream starts it only once the copies have completed) and
+// waits for the peers' headers, and the copies out of this rank's regions; the rank's own
+// rows go straight from input to output (beside the rest, on a second stream, when they
+// are large). Their sequence numbers live on the device (see signal_wait_kernel), so that
+// these exchanges can be captured into a CUDA graph and replayed.
 
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
@@ -198,41 +202,92 @@ struct RankCounts {
   int64_t v[kMaxCopyEngineRanks];
 };
 
-// One block; thread p writes this rank's header of exchange `seq` (count, then seq) into
-// rank p's arena, then waits for rank p's header in this rank's arena and checks its count
-// against `expected`. On a problem it writes status[3p .. 3p + 2] (host memory, mapped;
-// plain stores, never cleared): code (1 = timed out, 2 = the counts disagree), the count
-// rank p sent, the count expected.
-__global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
-                                   int64_t seq, int parity, int64_t hdr_off, RankCounts sent, RankCounts expected,
-                                   volatile int64_t* status, uint64_t timeout_ns) {
+// The known-counts exchanges (copy engines) keep their state on the device, so that a CUDA
+// graph that captured them replays correctly: `state` (this GPU's memory, int64) holds
+// [0] c, the number of such exchanges completed here, [1 + q] the number of the last one
+// that used buffer half q. The half of each exchange is chosen by the host when it is
+// issued (and so fixed in a captured graph); halves normally alternate, but a replayed
+// graph may repeat one. So before writing into a peer's half q, a rank waits (ready
+// kernel) until that peer has copied out the last exchange that used q: each rank's ready
+// kernel first publishes `ack` = c into every peer's arena (its own copy-outs of exchanges
+// 1..c precede it on its stream), then waits for every peer's ack to reach state[1 + q].
+// With alternating halves that holds at once (the peer reached this exchange's ready
+// kernel before it wrote the header this rank already waited for), so it costs no waiting.
+
+// One block; thread p publishes this rank's ack into rank p's arena, then waits for rank
+// p's ack in this one's. A timeout is reported as code 1 in status[3p] (host memory).
+__global__ void ce_ready_kernel(const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
+                                int parity, int64_t ack_off, const int64_t* __restrict__ state,
+                                volatile int64_t* status, uint64_t timeout_ns) {
   const int p = threadIdx.x;
-  if (p >= world) return;
-  __threadfence_system();  // the copies before this kernel on its stream have completed
-  volatile int64_t* out = reinterpret_cast<volatile int64_t*>(reinterpret_cast<char*>(peer_bases[p]) + hdr_off +
-                                                               (int64_t(parity) * world + me) * 64);
-  out[0] = sent.v[p];
+  if (p >= world || p == me) return;
+  const int64_t done_here = state[0];
+  const int64_t need = state[1 + parity];
+  volatile int64_t* out = reinterpret_cast<volatile int64_t*>(reinterpret_cast<char*>(peer_bases[p]) + ack_off +
+                                                               int64_t(me) * 64);
   __threadfence_system();
-  out[1] = seq;
-  volatile const int64_t* hdr =
-      reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
+  *out = done_here;
+  volatile const int64_t* ack = reinterpret_cast<volatile const int64_t*>(my_base + ack_off + int64_t(p) * 64);
   const uint64_t start = global_ns();
-  while (hdr[1] != seq) {
+  while (*ack < need) {
     if (global_ns() - start > timeout_ns) {
-      status[3 * p + 2] = expected.v[p];
+      status[3 * p + 2] = need;
       status[3 * p] = 1;
       __threadfence_system();
       return;
     }
     __nanosleep(64);
   }
-  __threadfence_system();
-  const int64_t got = hdr[0];
-  if (got != expected.v[p]) {
-    status[3 * p + 1] = got;
-    status[3 * p + 2] = expected.v[p];
-    status[3 * p] = 2;
+  __threadfence_system();  // the peer's copy-out reads happened before this rank's writes that follow
+}
+
+// One block; thread p writes this rank's header of exchange seq = state[0] + 1 (count, then
+// seq) into rank p's arena, then waits for rank p's header in this rank's arena and checks
+// its count against `expected`. On a problem it writes status[3p .. 3p + 2] (host memory,
+// mapped; plain stores, never cleared): code (1 = timed out, 2 = the counts disagree), the
+// count rank p sent, the count expected. Then the state advances to seq.
+__global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
+                                   int parity, int64_t hdr_off, int64_t* state, RankCounts sent, RankCounts expected,
+                                   volatile int64_t* status, uint64_t timeout_ns) {
+  const int p = threadIdx.x;
+  const int64_t seq = state[0] + 1;
+  __syncthreads();  // every thread has read the state before thread 0 advances it below
+  if (p < world) {
+    volatile int64_t* out = reinterpret_cast<volatile int64_t*>(reinterpret_cast<char*>(peer_bases[p]) + hdr_off +
+                                                                 (int64_t(parity) * world + me) * 64);
+    __threadfence_system();  // the copies before this kernel on its stream have completed
+    out[0] = sent.v[p];
     __threadfence_system();
+    out[1] = seq;
+    volatile const int64_t* hdr =
+        reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
+    const uint64_t start = global_ns();
+    bool arrived = true;
+    while (hdr[1] != seq) {
+      if (global_ns() - start > timeout_ns) {
+        status[3 * p + 2] = expected.v[p];
+        status[3 * p] = 1;
+        __threadfence_system();
+        arrived = false;
+        break;
+      }
+      __nanosleep(64);
+    }
+    if (arrived) {
+      __threadfence_system();
+      const int64_t got = hdr[0];
+      if (got != expected.v[p]) {
+        status[3 * p + 1] = got;
+        status[3 * p + 2] = expected.v[p];
+        status[3 * p] = 2;
+        __threadfence_system();
+      }
+    }
+  }
+  __syncthreads();
+  if (p == 0) {
+    state[0] = seq;
+    state[1 + parity] = seq;
   }
 }
 
@@ -304,8 +359,8 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
                  uint64_t x, uint64_t out, int64_t row_bytes, const std::vector<int64_t>& send_counts,
                  const std::vector<int64_t>& send_displs, const std::vector<int64_t>& recv_counts,
                  const std::vector<int64_t>& recv_displs, const std::vector<uint64_t>& bases, uint64_t bases_device,
-                 int me, int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
-                 uint64_t status, uint64_t timeout_ns) {
+                 int me, uint64_t state, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
+                 int64_t ack_off, uint64_t status, uint64_t timeout_ns) {
   const int world = static_cast<int>(bases.size());
   if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || recv_counts.size() != size_t(world) ||
       (!send_displs.empty() && send_displs.size() != size_t(world)) ||
@@ -333,6 +388,12 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
           "cudaMemcpyAsync (own rows)");
     if (beside) check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(join_event), aux), "cudaEventRecord");
   }
+  const int threads = 32 * ((world + 31) / 32);
+  ce_ready_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device),
+                                            reinterpret_cast<const char*>(bases[me]), me, world, parity, ack_off,
+                                            reinterpret_cast<const int64_t*>(state),
+                                            reinterpret_cast<volatile int64_t*>(status), timeout_ns);
+  check(cudaGetLastError(), "ready kernel launch");
   for (int p = 0; p < world; ++p) {
     const int64_t rows = std::min(send_counts[p], cap);
     if (p != me && rows > 0) {
@@ -342,10 +403,10 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
             "cudaMemcpyAsync (to a peer)");
     }
   }
-  signal_wait_kernel<<<1, 32 * ((world + 31) / 32), 0, stream>>>(
-      reinterpret_cast<const uint64_t*>(bases_device), reinterpret_cast<const char*>(bases[me]), me, world, seq,
-      parity, hdr_off, pack_counts(send_counts), pack_counts(recv_counts), reinterpret_cast<volatile int64_t*>(status),
-      timeout_ns);
+  signal_wait_kernel<<<1, threads, 0, stream>>>(
+      reinterpret_cast<const uint64_t*>(bases_device), reinterpret_cast<const char*>(bases[me]), me, world, parity,
+      hdr_off, reinterpret_cast<int64_t*>(state), pack_counts(send_counts), pack_counts(recv_counts),
+      reinterpret_cast<volatile int64_t*>(status), timeout_ns);
   check(cudaGetLastError(), "signal/wait kernel launch");
   for (int p = 0; p < world; ++p) {
     const int64_t rows = std::min(recv_counts[p], cap);

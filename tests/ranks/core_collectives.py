@@ -309,10 +309,11 @@ def check_peer_memory_mismatch() -> None:
 
 def check_cuda_graph() -> None:
     """Known-counts exchanges captured into a CUDA graph: every replay moves the bytes the
-    static input holds then (new data each replay, against the numpy reference); an
-    exchange that must learn its counts is refused during capture, naming recv_splits; a
-    replay is put under the watchdog by watch_stream. With peer memory the captured
-    exchanges go through NCCL."""
+    static input holds then (new data each replay, against the numpy reference), also with
+    eager exchanges between replays; an exchange that must learn its counts is refused
+    during capture, naming recv_splits; a replay is put under the watchdog by watch_stream.
+    With peer memory the captured exchanges move by copy engines: three in the graph, so
+    that consecutive replays reuse a buffer half back to back."""
     if DEV.type != "cuda" or BACKEND != "nccl":
         return
     m = count_matrix(91, W, 9, 0.3)
@@ -346,6 +347,12 @@ def check_cuda_graph() -> None:
         want = expected_bytes(seed, R, m, shape, dtype)
         same = all(np.array_equal(as_bytes(t), want) for t in (out, single, out_async))
         collective_assert(same, f"captured exchange, replay with seed {seed}: data")
+        if seed != 93:  # an eager exchange after this replay (none after seed 93: replays back to back)
+            m2 = count_matrix(seed + 50, W, 9, 0.3)
+            x2 = input_for(seed + 50, R, m2, shape, dtype).to(DEV)
+            eager, _ = COMM.all_to_all_v(x2, m2[R].tolist(), m2[:, R].tolist())
+            same = np.array_equal(as_bytes(eager), expected_bytes(seed + 50, R, m2, shape, dtype))
+            collective_assert(same, f"eager exchange after replay {seed}: data")
     del graph
     world_barrier()
 

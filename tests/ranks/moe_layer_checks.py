@@ -438,10 +438,27 @@ def check_cuda_graph():
     """GPU, capacity mode: a training step (forward, backward of y and the aux loss) captured
     into a CUDA graph and replayed with new tokens (so new routes) equals the same step run
     eagerly by a twin layer with the same weights, at overlap degrees 1 and 2."""
-    comm = _comm()
+    import moecomm.communicator as core
+
+    errs = []
+    plain = _comm()
+    peer = moecomm.init(backend="nccl", p2p_bytes=64 << 20, set_default=False) if plain.size > 1 else None
+    min_bytes = core._P2P_COPY_ENGINE_MIN_BYTES
+    core._P2P_COPY_ENGINE_MIN_BYTES = 0  # with peer memory, every exchange by copy engines
+    try:
+        for comm in [c for c in (plain, peer) if c is not None]:
+            _check_cuda_graph(comm, errs)
+    finally:
+        core._P2P_COPY_ENGINE_MIN_BYTES = min_bytes
+        if peer is not None:
+            peer.close()
+    collective_assert(not errs, "; ".join(errs[:6]))
+
+
+def _check_cuda_graph(comm, errs: list) -> None:
     rank = comm.rank
     E = 4 * comm.size
-    errs = []
+    kind = "copy engines" if comm._p2p is not None else "nccl"
     for deg in (1, 2):
         layers = [MoELayer(D, H, E, k=2, comm=comm, seed=3, capacity_factor=1.0, overlap_degree=deg, device=DEV)
                   for _ in range(2)]
@@ -477,14 +494,13 @@ def check_cuda_graph():
                 t.grad = None
             ye = eager(xe)
             torch.autograd.backward([ye, eager.aux_loss], [gy, torch.ones_like(eager.aux_loss)])
-            tag = f"graph degree {deg} seed {seed}"
+            tag = f"graph ({kind}) degree {deg} seed {seed}"
             pairs = [("y", y, ye), ("aux", graphed.aux_loss, eager.aux_loss), ("x.grad", x.grad, xe.grad)]
             pairs += [(f"{name}.grad", pg.grad, pe.grad)
                       for (name, pg), pe in zip(graphed.named_parameters(), eager.parameters())]
             for name, got, want in pairs:
                 close(f"{tag}: {name}", got, None if want is None else want.cpu(), 1e-5, errs)
         del graph
-    collective_assert(not errs, "; ".join(errs[:6]))
 
 
 def main() -> None:
