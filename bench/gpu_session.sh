@@ -103,7 +103,7 @@ run_step() {
       step core_graph_p2p 90 "${MPI[@]}" python3 -m tests.ranks.core_collectives nccl-p2p check_cuda_graph
       step overlap_graph 90 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl cuda_graph
       step overlap_graph_p2p 90 "${MPI[@]}" python3 -m tests.ranks.overlap_checks nccl-p2p cuda_graph,equivalence
-      step pytest_tables 60 python3 -m pytest -q -m gpu tests/test_device_tables.py tests/test_gate_mm_gpu.py -p no:cacheprovider ;;
+      step pytest_tables 60 python3 -m pytest -q -m gpu tests/test_device_tables.py tests/test_wide_gemm_gpu.py -p no:cacheprovider ;;
     moegraph)
       step moe_graph 150 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --cuda-graph --json "$RES/moe_layer_graph.json"
       step moe_graph_ce 150 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 2G --overlap-degree 1,2 --cuda-graph \
