@@ -109,11 +109,12 @@ run_step() {
       step moe_graph_ce 150 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 2G --overlap-degree 1,2 --cuda-graph \
         --json "$RES/moe_layer_graph_ce.json" ;;
     moegraphprofile)
-      step moe_graph_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --cuda-graph --profile /tmp/moe_graph_trace.json
+      step moe_graph_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --p2p-bytes 2G --cuda-graph \
+        --profile /tmp/moe_graph_trace.json
       step moe_graph_summary 60 python3 -m bench.trace_summary /tmp/moe_graph_trace.json --top 45 ;;
     overlapgraph)
       step overlap_graph_bench 150 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2,3,4 --cuda-graph -n 15 --json "$RES/overlap_graph.json"
-      step overlap_graph_ce 150 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --degrees 1,2,3,4 --cuda-graph -n 15 \
+      step overlap_graph_ce 150 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --degrees 1,2,3,4,6,8 --cuda-graph -n 15 \
         --json "$RES/overlap_graph_ce.json" ;;
     *) echo "unknown step $1" >> "$LOG" ;;
   esac

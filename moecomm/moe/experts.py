@@ -61,6 +61,7 @@ class Segments:
     counts_dev: Optional[Tensor] = None
     """The counts as an int64 ``[blocks, num_local]`` tensor on the rows' device, if at hand."""
     rows: int = field(init=False)
+    _row_expert: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.rows = sum(sum(b) for b in self.counts)
@@ -85,7 +86,17 @@ class Segments:
         return [sum(b[e] for b in self.counts) for e in range(self.num_local)]
 
     def row_expert(self, device: torch.device) -> Tensor:
-        """``[rows]`` int64 local expert of every row (on ``device``, no host sync)."""
+        """``[rows]`` int64 local expert of every row (on ``device``, no host sync; kept for
+        the next call on the same device)."""
+        cached = self._row_expert
+        if cached is None or cached.device != device:
+            cached = self._row_expert = self._make_row_expert(device)
+        return cached
+
+    def _make_row_expert(self, device: torch.device) -> Tensor:
+        if self.uniform is not None:  # built on the device: no host copy (safe in CUDA graph capture)
+            ids = torch.arange(self.num_local, device=device).repeat_interleave(self.uniform)
+            return ids.repeat(len(self.counts))
         if self.counts_dev is not None:
             ids = torch.arange(self.num_local, device=device).repeat(self.counts_dev.shape[0])
             return torch.repeat_interleave(ids, self.counts_dev.reshape(-1), output_size=self.rows)
@@ -161,8 +172,7 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
         if bias is not None and bias_scale == 1.0:
             # every row starts as its expert's bias (one vectorised row gather: baddbmm would
             # broadcast it with a slow strided copy per block), then each block adds its GEMM in place
-            index = torch.arange(El, device=x.device).repeat_interleave(C).repeat(xb.shape[0])
-            out = moecomm_ext.gather_rows(bias, index, check=False)
+            out = moecomm_ext.gather_rows(bias, seg.row_expert(x.device), check=False)
             ob = out.view(-1, El, C, B)
             for b in range(xb.shape[0]):
                 ob[b].baddbmm_(xb[b], wt)
