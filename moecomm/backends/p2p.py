@@ -127,6 +127,8 @@ class PeerTransport:
         # copy-engine exchanges: counted on the GPU ([done, last of half 0, last of half 1]); halves alternate
         self._ce_state = torch.zeros(3, dtype=torch.int64, device=dev)
         self._ce_half = 0
+        self._ce_capture = 0  # the capture the last exchange was issued into (0: none)
+        self._ce_captured = False  # once captured, a replay may run between any two eager exchanges
         self._timeout_ns = int(backend.timeout_s * 1e9)
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         # the copy-engine path: peers' bases on the host, a stream for the own block, a
@@ -182,11 +184,17 @@ class PeerTransport:
         # copy on the second stream before its completion event, which is what frees them
         stream = b._begin(x, out)
         self._ce_half ^= 1
+        # the ready kernel (moecomm_ext/csrc/p2p_cuda.cu) only where the exchange before this one on
+        # the device may have used the same half: the first of a capture; eager ones once captured
+        capture = self._ext.capture_id(stream)
+        ready = capture != self._ce_capture if capture else self._ce_captured
+        self._ce_captured = self._ce_captured or bool(capture)
+        self._ce_capture = capture
         self._ext.ce_exchange(self._device, stream, self._aux.cuda_stream, self._fork, self._join, x.data_ptr(),
                               out.data_ptr(), row_bytes, send, () if send_displs is None else send_displs, recv,
                               () if recv_displs is None else recv_displs,
                               self._base_list,
-                              self._ptrs[0], me, self._ce_state.data_ptr(), self._ce_half, self.region_bytes,
+                              self._ptrs[0], me, self._ce_state.data_ptr(), self._ce_half, ready, self.region_bytes,
                               self.ce_data_off, self.ce_header_off, self.ce_ack_off, self._status_t.data_ptr(),
                               self._timeout_ns)
         request = b._end("all_to_all_v (copy engines)", self.problem)

@@ -212,7 +212,11 @@ struct RankCounts {
 // kernel first publishes `ack` = c into every peer's arena (its own copy-outs of exchanges
 // 1..c precede it on its stream), then waits for every peer's ack to reach state[1 + q].
 // With alternating halves that holds at once (the peer reached this exchange's ready
-// kernel before it wrote the header this rank already waited for), so it costs no waiting.
+// kernel before it wrote the header this rank already waited for), so the host leaves the
+// ready kernel out where it knows the exchange before this one on the device used the other
+// half: every exchange of a capture but its first, and eager exchanges while this transport
+// has never been captured (no replay can have run in between). Then the argument of the
+// counts-on-the-GPU protocol above holds unchanged.
 
 // One block; thread p publishes this rank's ack into rank p's arena, then waits for rank
 // p's ack in this one's. A timeout is reported as code 1 in status[3p] (host memory).
@@ -359,8 +363,8 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
                  uint64_t x, uint64_t out, int64_t row_bytes, const std::vector<int64_t>& send_counts,
                  const std::vector<int64_t>& send_displs, const std::vector<int64_t>& recv_counts,
                  const std::vector<int64_t>& recv_displs, const std::vector<uint64_t>& bases, uint64_t bases_device,
-                 int me, uint64_t state, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
-                 int64_t ack_off, uint64_t status, uint64_t timeout_ns) {
+                 int me, uint64_t state, int parity, bool ready, int64_t region_bytes, int64_t data_off,
+                 int64_t hdr_off, int64_t ack_off, uint64_t status, uint64_t timeout_ns) {
   const int world = static_cast<int>(bases.size());
   if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || recv_counts.size() != size_t(world) ||
       (!send_displs.empty() && send_displs.size() != size_t(world)) ||
@@ -389,11 +393,13 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
     if (beside) check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(join_event), aux), "cudaEventRecord");
   }
   const int threads = 32 * ((world + 31) / 32);
-  ce_ready_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device),
-                                            reinterpret_cast<const char*>(bases[me]), me, world, parity, ack_off,
-                                            reinterpret_cast<const int64_t*>(state),
-                                            reinterpret_cast<volatile int64_t*>(status), timeout_ns);
-  check(cudaGetLastError(), "ready kernel launch");
+  if (ready) {  // the caller knows whether the exchange before this one (on the device) used the other half
+    ce_ready_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device),
+                                              reinterpret_cast<const char*>(bases[me]), me, world, parity, ack_off,
+                                              reinterpret_cast<const int64_t*>(state),
+                                              reinterpret_cast<volatile int64_t*>(status), timeout_ns);
+    check(cudaGetLastError(), "ready kernel launch");
+  }
   for (int p = 0; p < world; ++p) {
     const int64_t rows = std::min(send_counts[p], cap);
     if (p != me && rows > 0) {
@@ -441,6 +447,15 @@ void gpu_counts_exchange(int device, uint64_t stream_handle, uint64_t backend_st
   check(cudaGetLastError(), "send/wait kernel launch");
 }
 
+// The id of the capture sequence `stream` is part of (unique over the process), 0 if none.
+uint64_t capture_id(uint64_t stream_handle) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  check(cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream_handle), &status, &id),
+        "cudaStreamGetCaptureInfo");
+  return status == cudaStreamCaptureStatusActive ? uint64_t(id) : 0;
+}
+
 bool can_access_peer(int device, int peer) {
   int ok = 0;
   check(cudaDeviceCanAccessPeer(&ok, device, peer), "cudaDeviceCanAccessPeer");
@@ -463,4 +478,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ce_exchange", &ce_exchange, "enqueue a known-counts exchange moved by copy engines");
   m.def("max_copy_engine_ranks", []() { return kMaxCopyEngineRanks; });
   m.def("can_access_peer", &can_access_peer, "cudaDeviceCanAccessPeer");
+  m.def("capture_id", &capture_id, "id of the CUDA graph capture a stream takes part in (0: none)");
 }
