@@ -9,7 +9,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
 RES=$OUT/files   # JSON and PNG outputs; packed into $OUT/results.tgz at the end (one file back)
-mkdir -p "$RES"
+rm -rf "$RES"; mkdir -p "$RES"  # only this call's files come back
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 MOECOMM_TIMEOUT=120 OMP_NUM_THREADS=4
 MPI=(mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS)

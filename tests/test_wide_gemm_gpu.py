@@ -34,9 +34,10 @@ def test_matches_the_float32_gemm(T, D, E):
     gd, xd, wd = gl.double().abs(), xr.double().abs(), wr.double().abs()
     for name, a, b, sums in (("x", x.grad, xr.grad, gd @ wd), ("w", w.grad, wr.grad, gd.t() @ xd)):
         assert a.dtype == torch.bfloat16
-        # one bfloat16 rounding (2**-8 relative) of a float32 sum of g = hi + lo (within 2**-16 of g)
+        # one bfloat16 ulp (2**-7 relative: the float32 path rounds once too, so either may land a
+        # half ulp off) of a float32 sum of g = hi + lo (within 2**-16 of g)
         err = (a.double() - b.double()).abs()
-        bound = b.double().abs() * 2 ** -8 + sums * 2 ** -15
+        bound = b.double().abs() * 2 ** -7 + sums * 2 ** -15
         assert (err <= bound).all(), f"{name}.grad: max err {err.max().item():.3g}"
 
 
