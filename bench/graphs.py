@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 __all__ = ["capture"]
 
 
-def capture(step: Callable[[], object], device: torch.device, warmup: int = 3) -> "torch.cuda.CUDAGraph":
+def capture(step: Callable[[], Any], device: torch.device, warmup: int = 3) -> tuple["torch.cuda.CUDAGraph", Any]:
     """``step`` captured into a CUDA graph, after ``warmup`` runs on a side stream (torch's
     recipe: autograd and the caching allocator settle their state outside the capture).
-    Each ``replay()`` then reruns the step's GPU work on the tensors it used when captured."""
+    Returns the graph and what the captured ``step()`` returned: each ``replay()`` reruns the
+    step's GPU work on the tensors it used when captured, and refills those it returned."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -21,5 +22,5 @@ def capture(step: Callable[[], object], device: torch.device, warmup: int = 3) -
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
-    return graph
+        result = step()
+    return graph, result

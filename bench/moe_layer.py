@@ -140,7 +140,7 @@ class Bench:
 
     def capture(self, **kw) -> "torch.cuda.CUDAGraph":
         """One step captured into a CUDA graph; the parameters' grads become its outputs."""
-        return capture(lambda: self.step(**kw), self.comm.device)
+        return capture(lambda: self.step(**kw), self.comm.device)[0]
 
     def time(self, step=None, **kw) -> dict:
         a = self.args

@@ -309,7 +309,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             label = f"auto({pieces})"
         results.append({"degree": label, "check": ok, **t})
         if args.cuda_graph and cuda:
-            graph = capture(step, comm.device)
+            graph, _ = capture(step, comm.device)
             results.append({"degree": f"{label}/graph", "check": ok, **timer.time(graph.replay, replay=True)})
             del graph
     for suffix in ("", "/graph"):  # graph rows against degree 1 captured too

@@ -72,6 +72,17 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// Spins until done() holds (a peer's write has landed); false once timeout_ns have passed.
+template <typename Done>
+__device__ __forceinline__ bool spin_until(Done done, uint64_t timeout_ns) {
+  const uint64_t start = global_ns();
+  while (!done()) {
+    if (global_ns() - start > timeout_ns) return false;
+    __nanosleep(64);
+  }
+  return true;
+}
+
 // dst[i] = src[i] for i = first, first + stride, ... < n, four vectors in flight per thread.
 __device__ __forceinline__ void copy_vectors(uint4* dst, const uint4* src, int64_t n, int64_t first, int64_t stride) {
   int64_t i = first;
@@ -133,16 +144,8 @@ __device__ void wait_headers(const char* my_base, int64_t hdr_off, int parity, i
   if (p < world) {
     volatile const int64_t* hdr =
         reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
-    const uint64_t start = global_ns();
-    bool arrived = true;
-    while (hdr[1] != seq) {
-      if (global_ns() - start > timeout_ns) {
-        arrived = false;
-        timed_out = 1;
-        break;
-      }
-      __nanosleep(64);
-    }
+    const bool arrived = spin_until([&] { return hdr[1] == seq; }, timeout_ns);
+    if (!arrived) timed_out = 1;
     if (arrived) {
       __threadfence_system();
       const int64_t got = hdr[0];
@@ -232,15 +235,9 @@ __global__ void ce_ready_kernel(const uint64_t* __restrict__ peer_bases, const c
   __threadfence_system();
   *out = done_here;
   volatile const int64_t* ack = reinterpret_cast<volatile const int64_t*>(my_base + ack_off + int64_t(p) * 64);
-  const uint64_t start = global_ns();
-  while (*ack < need) {
-    if (global_ns() - start > timeout_ns) {
-      status[3 * p + 2] = need;
-      status[3 * p] = 1;
-      __threadfence_system();
-      return;
-    }
-    __nanosleep(64);
+  if (!spin_until([&] { return *ack >= need; }, timeout_ns)) {
+    status[3 * p + 2] = need;
+    status[3 * p] = 1;
   }
   __threadfence_system();  // the peer's copy-out reads happened before this rank's writes that follow
 }
@@ -265,17 +262,11 @@ __global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, cons
     out[1] = seq;
     volatile const int64_t* hdr =
         reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
-    const uint64_t start = global_ns();
-    bool arrived = true;
-    while (hdr[1] != seq) {
-      if (global_ns() - start > timeout_ns) {
-        status[3 * p + 2] = expected.v[p];
-        status[3 * p] = 1;
-        __threadfence_system();
-        arrived = false;
-        break;
-      }
-      __nanosleep(64);
+    const bool arrived = spin_until([&] { return hdr[1] == seq; }, timeout_ns);
+    if (!arrived) {
+      status[3 * p + 2] = expected.v[p];
+      status[3 * p] = 1;
+      __threadfence_system();
     }
     if (arrived) {
       __threadfence_system();

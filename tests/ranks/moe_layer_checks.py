@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import moecomm
+from bench.graphs import capture
 from moecomm.moe import MoELayer
 from tests.mpi_util import collective_assert, rank_main
 from tests.ranks.moe_reference import RefParams, random_params, reference
@@ -474,15 +475,7 @@ def _check_cuda_graph(comm, errs: list) -> None:
             torch.autograd.backward([y, graphed.aux_loss], [gy, torch.ones_like(graphed.aux_loss)])
             return y
 
-        side = torch.cuda.Stream(DEV)
-        side.wait_stream(torch.cuda.current_stream(DEV))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(DEV).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = step()
+        graph, y = capture(step, DEV, warmup=2)
         for seed in (62, 63):
             with torch.no_grad():
                 x.copy_(make_inputs(seed, [48] * comm.size)[rank].to(DEV))

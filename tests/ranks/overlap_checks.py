@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moecomm
+from bench.graphs import capture
 from moecomm import overlap
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk
@@ -456,15 +457,6 @@ def check_fn_errors() -> None:
     c.close()
 
 
-def _side_stream_warmup(fn, times: int = 2) -> None:
-    side = torch.cuda.Stream(DEV)
-    side.wait_stream(torch.cuda.current_stream(DEV))
-    with torch.cuda.stream(side):
-        for _ in range(times):
-            fn()
-    torch.cuda.current_stream(DEV).wait_stream(side)
-
-
 def check_cuda_graph() -> None:
     """GPU: forward and backward captured into a CUDA graph, replayed with new data, equal the
     eager call on the same data (x.grad bitwise); eager calls between replays (which put
@@ -484,10 +476,7 @@ def check_cuda_graph() -> None:
             out.backward(gout)
             return out
 
-        _side_stream_warmup(step)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = capture(step, DEV, warmup=2)
         for seed in (32, 33, 34):
             with torch.no_grad():
                 x.copy_(rows_for(seed, m, (4,), torch.float32))
