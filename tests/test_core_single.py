@@ -222,3 +222,17 @@ def test_asynchronous_backend_failure_closes_the_communicator(monkeypatch):
     assert c.closed
     with pytest.raises(moecomm.CommunicatorClosedError):
         c.barrier()
+
+
+def test_watch_stream_on_a_host_waiting_backend(comm):
+    """MPI waits on the host with its own timeouts: watch_stream validates and does nothing else."""
+    comm.watch_stream()
+    comm.watch_stream("a replay", timeout=5)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"timeout must be > 0 seconds"):
+            comm.watch_stream(timeout=bad)
+    assert not comm._capturing()  # a CPU communicator never sees a capture
+    c = moecomm.init(backend="mpi", set_default=False)
+    c.close()
+    with pytest.raises(moecomm.CommunicatorClosedError, match="cannot run a replay"):
+        c.watch_stream("a replay")

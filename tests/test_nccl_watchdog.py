@@ -32,7 +32,8 @@ def _backend() -> types.SimpleNamespace:
 @pytest.fixture(autouse=True)
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(nccl, "_cudart", types.SimpleNamespace(set_device=lambda index: None,
-                                                               relax_capture_mode=lambda: None))
+                                                               relax_capture_mode=lambda: None,
+                                                               destroy_event=lambda event: None))
 
 
 def test_finished_requests_leave_no_failure():
@@ -93,3 +94,11 @@ def test_event_request_reports_its_problem_once_complete(monkeypatch):
     with pytest.raises(moecomm.CountMismatchError, match="counts disagree"):
         request.test()
     assert nccl._EventRequest(object(), 0, lambda: None).test() is True
+
+
+def test_a_captured_operation_cannot_be_polled():
+    """An operation recorded into a CUDA graph capture runs at each replay: its request
+    refuses test() (a query of a captured event would break the capture) and names the op."""
+    request = nccl._EventRequest(object(), 0, None, "all_to_all_v")
+    with pytest.raises(RuntimeError, match=r"all_to_all_v was captured into a CUDA graph.*only wait\(\)"):
+        request.test()
