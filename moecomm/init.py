@@ -101,7 +101,7 @@ def init(
             ``all_to_all_v`` with its counts still on the GPU in one round instead of two,
             and moves exchanges with known counts (from 16 MiB a rank, and every stage of
             ``scatter_compute_gather``) by copy engines instead of NCCL's kernels. Each
-            source gets ``p2p_bytes / (2 * size)`` of it per exchange; rows beyond go
+            source gets ``p2p_bytes / (4 * size)`` of it per exchange; rows beyond go
             through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
             peer access); otherwise ValueError. Default: None (off).
     """
