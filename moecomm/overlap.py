@@ -129,6 +129,9 @@ AUTO_RULES: dict[str, tuple[int, int]] = {
     "nccl-copy-engines": (2, 128 << 20),
     "mpi": (2, 64 << 20),
     "torch": (2, 64 << 20),
+    # while a CUDA graph is captured: replays cost the host nothing per stage
+    "nccl/graph": (2, 128 << 20),
+    "nccl-copy-engines/graph": (4, 64 << 20),
 }
 """``degree="auto"`` without a topology profile: per transport (the backend's name, or
 ``"nccl-copy-engines"`` on a communicator with peer memory, ``init(p2p_bytes=)``),
@@ -141,13 +144,19 @@ forward, the same again backward: about 1 ms on the 2 x H200 machine measured, w
 degree 1 was fastest at 128 MiB per rank), so only exchanges large enough for each stage's
 GPU work to hide that cost are chunked. With the copy engines (which leave the SMs to
 ``fn``), 2 stages beat 1 at 256 MiB per rank on that machine (0.89x, three runs), and 3 or
-more lost to the host's cost per stage. A topology profile with measured degrees
-(``python -m topology tune --degrees ...``) replaces this rule.
+more lost to the host's cost per stage. While a CUDA graph is captured, the ``"/graph"``
+entries apply: replays do not pay the host's cost per stage, and on that machine (256 MiB
+per rank, three runs each) 4 stages were best with the copy engines (0.854-0.859x of degree
+1; 2 stages 0.89-0.90x) and 2 or 3 over NCCL (0.94-0.95x; 4 stages 0.99-1.0x). A topology
+profile with measured degrees (``python -m topology tune --degrees ...``) replaces this rule.
 """
 
 
 def _rule(comm: Any) -> tuple[int, int]:
     key = "nccl-copy-engines" if getattr(comm, "_p2p", None) is not None else comm.backend
+    capturing = getattr(comm, "_capturing", None)
+    if capturing is not None and capturing() and key + "/graph" in AUTO_RULES:
+        return AUTO_RULES[key + "/graph"]
     return AUTO_RULES.get(key, (1, 1))
 
 DIRECT = True

@@ -85,6 +85,16 @@ def test_auto_degree_rule():
     assert ov.auto_stages(ce) == 2
     assert ov.auto_pieces(ce, [half(256 * mib), half(64 * mib), 0], 8192) == [2, 1, 1]
     assert ov.auto_pieces(SimpleNamespace(size=2, backend="nccl", _p2p=None), [half(256 * mib)], 8192) == [1]
+    # while a CUDA graph is captured: more stages (the host pays nothing per stage at a replay)
+    ce_graph = SimpleNamespace(size=2, backend="nccl", _p2p=object(), _capturing=lambda: True)
+    assert ov.auto_stages(ce_graph) == 4
+    assert ov.auto_pieces(ce_graph, [half(256 * mib), half(128 * mib), half(32 * mib)], 8192) == [4, 2, 1]
+    nccl_graph = SimpleNamespace(size=2, backend="nccl", _p2p=None, _capturing=lambda: True)
+    assert ov.auto_pieces(nccl_graph, [half(256 * mib), half(64 * mib)], 8192) == [2, 1]
+    eager = SimpleNamespace(size=2, backend="nccl", _p2p=object(), _capturing=lambda: False)
+    assert ov.auto_pieces(eager, [half(256 * mib)], 8192) == [2]
+    mpi = SimpleNamespace(size=2, backend="mpi", _capturing=lambda: True)  # no graph rule: the plain one
+    assert ov.auto_stages(mpi) == ov.AUTO_RULES["mpi"][0]
 
     # a profile's measured degrees win: the entry nearest to rows * row_bytes * size
     entries = [SimpleNamespace(bytes_per_rank=mib, degree=1), SimpleNamespace(bytes_per_rank=64 * mib, degree=3)]
