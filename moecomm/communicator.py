@@ -18,6 +18,10 @@ from .splits import Splits, check_own_block, check_split_total, normalize_splits
 __all__ = ["Communicator", "Work", "SUPPORTED_DTYPES"]
 
 
+def _on_gpu(splits: Any) -> bool:
+    return isinstance(splits, torch.Tensor) and splits.device.type != "cpu"
+
+
 def _float8_dtypes() -> tuple:
     names = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     return tuple(getattr(torch, n) for n in names if hasattr(torch, n))
@@ -205,9 +209,10 @@ class Communicator:
         x = self._check_tensor(input, "input", min_dim=1)
         rows, row_shape = x.shape[0], tuple(x.shape[1:])
         problem: Optional[str] = None
-        if recv_splits is None and self._capturing():
-            raise RuntimeError(f"{op}: recv_splits must be given while a CUDA graph is captured (learning the "
-                               f"counts needs the host, which a captured graph cannot involve)")
+        if (recv_splits is None or _on_gpu(send_splits) or _on_gpu(recv_splits)) and self._capturing():
+            raise RuntimeError(f"{op}: recv_splits must be given, and both splits on the host (ints, numpy or "
+                               f"CPU tensors), while a CUDA graph is captured: reading counts from the GPU or "
+                               f"exchanging them needs the host, which a captured graph cannot involve")
         device_counts = (
             recv_splits is None and isinstance(send_splits, torch.Tensor) and send_splits.device.type != "cpu"
         )
@@ -663,6 +668,9 @@ class Communicator:
             self._wait_host(request, op, timeout)
 
     def _wait_host(self, request: Request, op: str, timeout: Optional[float]) -> None:
+        if self._capturing():  # nothing captured runs before the replay: the wait could only time out
+            raise RuntimeError(f"moecomm: {op} waits on the host, which a CUDA graph capture cannot include "
+                               f"(collectives in a capture need their counts known on the host: pass recv_splits)")
         if request.test():
             return
         limit = self.timeout if timeout is None else float(timeout)

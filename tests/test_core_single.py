@@ -236,3 +236,23 @@ def test_watch_stream_on_a_host_waiting_backend(comm):
     c.close()
     with pytest.raises(moecomm.CommunicatorClosedError, match="cannot run a replay"):
         c.watch_stream("a replay")
+
+
+def test_capture_refuses_what_needs_the_host(monkeypatch):
+    """While a capture is in progress (simulated: the check is the same on every backend), an
+    exchange that must learn its counts, or read them from a device tensor, is refused before
+    anything is issued, naming recv_splits; any other wait on the host is refused too."""
+    c = moecomm.init(backend="mpi", set_default=False)
+    monkeypatch.setattr(c, "_capturing", lambda: True)
+    x = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match=r"recv_splits must be given, and both splits on the host"):
+        c.all_to_all_v(x, [2])
+    on_device = torch.tensor([2], device="meta")  # any device but the CPU
+    with pytest.raises(RuntimeError, match=r"recv_splits must be given, and both splits on the host"):
+        c.all_to_all_v(x, on_device, [2])
+    with pytest.raises(RuntimeError, match=r"barrier waits on the host, which a CUDA graph capture cannot include"):
+        c.barrier()
+    monkeypatch.setattr(c, "_capturing", lambda: False)
+    out, recv = c.all_to_all_v(x, [2], [2])  # known host counts pass the check
+    assert recv == [2] and torch.equal(out, x)
+    c.close()

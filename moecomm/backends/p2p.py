@@ -98,6 +98,9 @@ class PeerTransport:
         if self.region_bytes < 256:
             raise ValueError(f"p2p_bytes={arena_bytes} leaves no room for rows: it needs at least "
                              f"{self.data_off + 4 * W * 256} bytes for {W} ranks")
+        if W > self._ext.max_copy_engine_ranks():
+            raise ValueError(f"p2p_bytes: the peer-memory transport serves at most {self._ext.max_copy_engine_ranks()} "
+                             f"ranks, got {W}")
         self.arena_bytes = arena_bytes
         self._base = self._ext.alloc(dev.index, arena_bytes)
         self._opened: list[int] = []
@@ -122,8 +125,7 @@ class PeerTransport:
         # pinned, so mapped for the kernel: [received W][sent W][timed out][seq of the exchange written]
         self._host = torch.zeros(2 * W + 2, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
-        self._seq = 0  # counts-on-the-GPU exchanges: counted on the host
-        self._parity = 0
+        self._seq = 0  # counts-on-the-GPU exchanges: counted on the host (buffer half: seq % 2)
         # copy-engine exchanges: counted on the GPU ([done, last of half 0, last of half 1]); halves alternate
         self._ce_state = torch.zeros(3, dtype=torch.int64, device=dev)
         self._ce_half = 0
@@ -133,9 +135,6 @@ class PeerTransport:
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         # the copy-engine path: peers' bases on the host, a stream for the own block, a
         # status the wait kernel writes into host memory (code, count sent, count expected per source)
-        if W > self._ext.max_copy_engine_ranks():
-            raise ValueError(f"p2p_bytes: the peer-memory transport serves at most {self._ext.max_copy_engine_ranks()} "
-                             f"ranks, got {W}")
         self._base_list = bases
         self._aux = torch.cuda.Stream(dev)
         self._fork = self._ext.new_event(dev.index)
@@ -161,12 +160,11 @@ class PeerTransport:
         """
         b = self._backend
         self._seq += 1
-        self._parity = self._seq % 2
         bases, done, result, host = self._ptrs
         b.check_health()
         self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b._stream, self._order,
                                       x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base, self.rank,
-                                      self.size, self._seq, self._parity, self.region_bytes, self.data_off,
+                                      self.size, self._seq, self._seq % 2, self.region_bytes, self.data_off,
                                       self.header_off, done, _copy_blocks(x.numel() * x.element_size(), self.size),
                                       result, host, self._timeout_ns)
         return _HostFlagRequest(self._host_np, 2 * self.size + 1, self._seq)
@@ -198,16 +196,9 @@ class PeerTransport:
                               self.ce_data_off, self.ce_header_off, self.ce_ack_off, self._status_t.data_ptr(),
                               self._timeout_ns)
         request = b._end("all_to_all_v (copy engines)", self.problem)
-        cap = self.capacity_rows(row_bytes)
-        if max(send) <= cap and max(recv) <= cap:
-            return request
-        send_displs = split_offsets(send) if send_displs is None else send_displs
-        recv_displs = split_offsets(recv) if recv_displs is None else recv_displs
-        extra_send = [0 if p == me else max(0, n - cap) for p, n in enumerate(send)]
-        extra_recv = [0 if p == me else max(0, n - cap) for p, n in enumerate(recv)]
-        return b.alltoallv(x, extra_send, out, extra_recv, row_bytes,
-                           [d + min(n, cap) for d, n in zip(send_displs, send)],
-                           [d + min(n, cap) for d, n in zip(recv_displs, recv)])
+        # the rank's own block went whole (input to output): only the peers' overflow remains
+        rest = self._overflow(x, send, send_displs, out, recv, recv_displs, row_bytes, me)
+        return request if rest is None else rest  # (the rest follows on the same stream)
 
     def problem(self) -> Optional[BaseException]:
         """What the copy-engine wait kernel reported (checked once an exchange completes)."""
@@ -234,19 +225,30 @@ class PeerTransport:
         current stream, which must already be ordered after :meth:`start`'s request; it
         reads the counts on the device), then send the rows beyond a region's capacity
         through NCCL. Returns the request of that remainder (done at once when there is none)."""
-        cap = self.capacity_rows(row_bytes)
         if out.numel():
-            self._ext.launch_copy_out(self._device, self._base, self.data_off, self._parity, self.size,
+            self._ext.launch_copy_out(self._device, self._base, self.data_off, self._seq % 2, self.size,
                                       self.region_bytes, row_bytes, self._ptrs[2], out.data_ptr(),
                                       _copy_blocks(out.numel() * out.element_size(), self.size),
                                       _cudart.current_stream(self._device))
+        rest = self._overflow(x, send, None, out, recv, None, row_bytes, None)
+        return DoneRequest() if rest is None else rest
+
+    def _overflow(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
+                  out: torch.Tensor, recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int,
+                  skip: Optional[int]) -> Optional[Request]:
+        """The rows beyond a region's capacity per pair (rank ``skip`` left out), through NCCL
+        on the backend's stream, from and into the places right after what the arenas carried;
+        None when every pair fit."""
+        cap = self.capacity_rows(row_bytes)
         if max(send) <= cap and max(recv) <= cap:
-            return DoneRequest()
-        extra_send = [max(0, n - cap) for n in send]
-        extra_recv = [max(0, n - cap) for n in recv]
-        send_displs = [s + min(n, cap) for s, n in zip(split_offsets(send), send)]
-        recv_displs = [s + min(n, cap) for s, n in zip(split_offsets(recv), recv)]
-        return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes, send_displs, recv_displs)
+            return None
+        send_displs = split_offsets(send) if send_displs is None else send_displs
+        recv_displs = split_offsets(recv) if recv_displs is None else recv_displs
+        extra_send = [0 if p == skip else max(0, n - cap) for p, n in enumerate(send)]
+        extra_recv = [0 if p == skip else max(0, n - cap) for p, n in enumerate(recv)]
+        return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes,
+                                       [d + min(n, cap) for d, n in zip(send_displs, send)],
+                                       [d + min(n, cap) for d, n in zip(recv_displs, recv)])
 
     def _release(self) -> None:
         self._destroy_events()
