@@ -14,6 +14,8 @@ Rows of the table:
   plain      moecomm.functional.all_to_all_v -> fn -> all_to_all_v back (no overlap)
   degree D   comm.scatter_compute_gather(..., degree=D); D=1 is the same computation, unchunked
   auto       degree="auto" (the stage count it chose in parentheses)
+  oD, oauto  the same with own_first=True: fn starts on the rank's own rows while the peers'
+             rows (in D stages) are in flight
 
 Times are per step: ``--steps`` steps are run back to back between two synchronisations
 (as in training, where the host runs ahead of the GPU), the slowest rank's time divided by
@@ -62,13 +64,14 @@ def _parse_degrees(text: str) -> list:
         part = part.strip()
         if not part:
             continue
-        if part in ("auto", "plain"):
+        if part in ("auto", "plain", "oauto"):
             out.append(part)
         else:
             try:
-                out.append(int(part))
+                out.append(f"o{int(part[1:])}" if part.startswith("o") else int(part))
             except ValueError:
-                raise argparse.ArgumentTypeError(f"degrees: expected ints, 'auto' or 'plain', got {part!r}") from None
+                raise argparse.ArgumentTypeError(f"degrees: expected ints, 'auto', 'plain', or those of "
+                                                 f"own_first as oD and oauto, got {part!r}") from None
     if 1 not in out:
         out.insert(0, 1)
     return out
@@ -121,10 +124,15 @@ class Layer:
 
     # the step functions: forward + backward of the layer
     def step_overlap(self, degree) -> Callable[[], torch.Tensor]:
+        """``degree``: as ``scatter_compute_gather``'s, or ``"oD"`` / ``"oauto"`` (own rows first)."""
+        own = isinstance(degree, str) and degree.startswith("o")
+        if own:
+            degree = "auto" if degree == "oauto" else int(degree[1:])
+
         def step() -> torch.Tensor:
             x = self.x.detach().requires_grad_()
             out = self.comm.scatter_compute_gather(x, self.send, self.fn, degree=degree, recv_splits=self.recv,
-                                                   algorithm=self.args.algorithm)
+                                                   algorithm=self.args.algorithm, own_first=own)
             out.backward(self.grad_out)
             return out
         return step
@@ -301,12 +309,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         if args.trace:
             _trace(args.trace, f"trace_{d}.json", step, timer, comm.rank == 0)
         label = str(d)
-        if d == "auto":
+        if d in ("auto", "oauto"):
             row_bytes = args.model_dim * torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
             from moecomm.overlap import auto_pieces
             pieces = max(auto_pieces(comm, layer.send, row_bytes) + auto_pieces(comm, layer.recv, row_bytes))
             pieces = int(world.allreduce(pieces, op=MPI.MAX))
-            label = f"auto({pieces})"
+            label = f"{d}({pieces})"
         results.append({"degree": label, "check": ok, **t})
         if args.cuda_graph and cuda:
             graph, _ = capture(step, comm.device)

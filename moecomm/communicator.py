@@ -112,6 +112,7 @@ class Communicator:
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
         self._p2p: Any = None  # moecomm.backends.p2p.PeerTransport, set by init (p2p_bytes=)
+        self._peer_stream: Optional[torch.cuda.Stream] = None  # made on first use: see peer_rows_stream
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -296,6 +297,7 @@ class Communicator:
         degree: Union[int, str] = 2,
         recv_splits: Optional[Splits] = None,
         algorithm: Optional[str] = None,
+        own_first: bool = False,
     ) -> torch.Tensor:
         """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` chunks per peer.
 
@@ -303,12 +305,21 @@ class Communicator:
         ``chunk`` a :class:`moecomm.overlap.Chunk`) while later chunks are in flight; each
         result is sent back as soon as it is ready. Returns ``[N, *fn_out_shape]`` in
         ``input``'s row order, exactly the non-overlapped result; differentiable (the backward
-        is pipelined too). ``degree``: 1..16 or ``"auto"``. See :mod:`moecomm.overlap`.
+        is pipelined too). ``degree``: 1..16 or ``"auto"``. ``own_first``: ``fn`` runs first
+        on the rank's own rows (which need no exchange and are not copied) while the peers'
+        rows are in flight, forward and backward. See :mod:`moecomm.overlap`.
         """
         from .overlap import scatter_compute_gather
 
         return scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
-                                      algorithm=algorithm)
+                                      algorithm=algorithm, own_first=own_first)
+
+    def _peer_rows_stream(self) -> "torch.cuda.Stream":
+        """The communicator's stream for ``fn`` on the peers' rows in ``scatter_compute_gather(...,
+        own_first=True)`` (the caller's stream meanwhile works on the rank's own rows)."""
+        if self._peer_stream is None:
+            self._peer_stream = torch.cuda.Stream(self.device)
+        return self._peer_stream
 
     # -- torch.distributed-compatible all-to-all --------------------------------------------
 

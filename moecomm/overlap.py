@@ -104,6 +104,7 @@ backward pass is collective too).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Any, Callable, Optional, Sequence, Union
@@ -231,9 +232,10 @@ def _check_degree(degree: Any) -> Union[int, str]:
 # -- the chunk plan ---------------------------------------------------------------------------
 
 
-def _bounds(counts: np.ndarray, pieces: np.ndarray, stages: int) -> np.ndarray:
-    """``[stages + 1, W]``: where piece ``c`` of each pair starts inside the pair's block."""
-    c = np.arange(stages + 1, dtype=np.int64)[:, None]
+def _bounds(counts: np.ndarray, pieces: np.ndarray, stages: int, first: np.ndarray) -> np.ndarray:
+    """``[stages + 1, W]``: where stage ``c``'s piece of each pair starts inside the pair's
+    block; pair ``p``'s pieces travel in stages ``first[p]`` to ``first[p] + pieces[p] - 1``."""
+    c = np.clip(np.arange(stages + 1, dtype=np.int64)[:, None] - first[None, :], 0, None)
     return (np.minimum(c, pieces[None, :]) * counts[None, :]) // pieces[None, :]
 
 
@@ -252,15 +254,26 @@ class _Plan:
     """Host-side chunking of one call: who sends how many rows in each stage."""
 
     def __init__(self, send: list[int], recv: list[int], send_pieces: list[int], recv_pieces: list[int],
-                 stages: int, device: torch.device) -> None:
+                 stages: int, device: torch.device, own: Optional[int] = None) -> None:
+        """``own``: this rank, when its own rows form stage 0 by themselves (one piece, no
+        exchange) and the peers' pieces follow in stages 1 on (``stages`` counts both)."""
         self.stages = stages
         self.device = device
         self.send = send
         self.recv = recv
+        self.own = own
+        W = len(send)
         s = np.asarray(send, dtype=np.int64)
         r = np.asarray(recv, dtype=np.int64)
-        self.send_bounds = _bounds(s, np.asarray(send_pieces, dtype=np.int64), stages)  # [S+1, W]
-        self.recv_bounds = _bounds(r, np.asarray(recv_pieces, dtype=np.int64), stages)
+        send_p = np.asarray(send_pieces, dtype=np.int64)
+        recv_p = np.asarray(recv_pieces, dtype=np.int64)
+        first = np.zeros(W, dtype=np.int64)
+        if own is not None:
+            first[:] = 1
+            first[own] = 0
+            send_p[own] = recv_p[own] = 1
+        self.send_bounds = _bounds(s, send_p, stages, first)  # [S+1, W]
+        self.recv_bounds = _bounds(r, recv_p, stages, first)
         send_c = np.diff(self.send_bounds, axis=0)  # [S, W]
         recv_c = np.diff(self.recv_bounds, axis=0)
         self.send_counts = send_c.tolist()
@@ -278,6 +291,15 @@ class _Plan:
         self.send_displs = (self.send_offsets[None, :] + self.send_bounds[:-1]).tolist()
         self.chunk_displs = (np.cumsum(recv_c, axis=1) - recv_c).tolist()
         self.recv_totals = recv_c.sum(axis=1).tolist()
+
+    def is_local(self, c: int) -> bool:
+        """Stage ``c`` holds only the rank's own rows: nothing to exchange."""
+        return self.own is not None and c == 0
+
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The rank's own block of ``t`` (laid out like the input): a view, no copy."""
+        me = self.own
+        return t.narrow(0, int(self.send_offsets[me]), self.send[me])
 
     def perm(self) -> torch.Tensor:
         """Input row of each row in stage-major order (stage 0's rows for every peer first)."""
@@ -510,6 +532,43 @@ class _Run:
         self.transport = _Transport(comm, a2a_kwargs)
         self.out: Optional[torch.Tensor] = None  # direct: the output, filled stage by stage
         self.grad_in: Optional[torch.Tensor] = None  # direct: the input gradient, likewise
+        # own_first on a GPU: fn runs on the peers' rows on the communicator's stream for them
+        # (waiting for their exchanges there) while the caller's stream works on the own rows
+        cuda = plan.device.type == "cuda"
+        self.main = torch.cuda.current_stream(plan.device) if cuda else None
+        self.side = comm._peer_rows_stream() if cuda and plan.own is not None else None
+        self._side_joined = False
+
+    def stage_stream(self, c: int) -> Any:
+        """Where stage ``c``'s forward runs (its backward follows it there): the caller's stream,
+        or the peers' rows stream for the peers' stages of an own-first call."""
+        if self.side is None or self.plan.is_local(c):
+            return contextlib.nullcontext()
+        if not self._side_joined:  # the peers' stream starts after what the caller issued so far
+            self.side.wait_stream(self.main)
+            self._side_joined = True
+        return torch.cuda.stream(self.side)
+
+    def join_side(self) -> None:
+        """The caller's stream waits for the peers' rows stream (also inside a CUDA graph capture,
+        which must end on the stream it began on)."""
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+    def _used_here(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (allocated on the caller's stream) is used on the peers' rows stream: keep the
+        caching allocator from handing its memory out before that stream is done with it."""
+        if self.side is not None and t.is_cuda and torch.cuda.current_stream(t.device) == self.side:
+            t.record_stream(self.side)
+        return t
+
+    def _alloc(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A whole output (or input gradient), allocated on the caller's stream."""
+        with contextlib.nullcontext() if self.main is None else torch.cuda.stream(self.main):
+            return torch.empty(shape, dtype=dtype, device=self.plan.device)
+
+    def _local(self, rows: torch.Tensor) -> Any:
+        return Work(self.comm, DoneRequest(), self.transport.OP, (rows, None))
 
     def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> Any:
         return self.comm.all_to_all_v(x, send, recv, async_op=True, **self.kw)
@@ -543,6 +602,8 @@ class _Run:
     def _to_experts(self, x: torch.Tensor, c: int) -> Any:
         """Stage ``c``'s rows of ``x`` (laid out like the input) to the experts' ranks."""
         p, t = self.plan, self.transport
+        if p.is_local(c):
+            return self._local(p.own_rows(x.detach()))
         if not t.direct:
             return self._a2a(p.pack(x, c), p.send_counts[c], p.recv_counts[c])
         buf = torch.empty((p.recv_totals[c],) + tuple(x.shape[1:]), dtype=x.dtype, device=p.device)
@@ -553,15 +614,20 @@ class _Run:
         (made here when None, laid out like the input). Returns (work, dest)."""
         p, t = self.plan, self.transport
         if not t.direct:
+            if p.is_local(c):
+                return self._local(y), None
             return self._a2a(y, p.recv_counts[c], p.send_counts[c]), None
         if dest is None:
-            dest = torch.empty((p.stage_rows[-1],) + tuple(y.shape[1:]), dtype=y.dtype, device=p.device)
+            dest = self._alloc((p.stage_rows[-1],) + tuple(y.shape[1:]), y.dtype)
+        if p.is_local(c):
+            p.own_rows(dest).copy_(y)
+            return self._local(dest), dest
         return t.exchange(y, p.recv_counts[c], p.chunk_displs[c], dest, p.send_counts[c], p.send_displs[c]), dest
 
     def wait_scatter(self, c: int) -> torch.Tensor:
         rows, _ = self._wait(self.scatter[c])
         self.scatter[c] = None
-        return rows
+        return self._used_here(rows)
 
     def check_result(self, c: int, y: Any, rows: int) -> torch.Tensor:
         if not isinstance(y, torch.Tensor):
@@ -609,13 +675,14 @@ class _Run:
     def wait_grad_scatter(self, c: int) -> torch.Tensor:
         g, _ = self._wait(self.grad_scatter[c])
         self.grad_scatter[c] = None
-        return g
+        return self._used_here(g)
 
     def issue_grad_gather(self, c: int, g: torch.Tensor) -> None:
         self.grad_gather[c], self.grad_in = self._from_experts(g.contiguous(), c, self.grad_in)
 
     def finish_backward(self) -> torch.Tensor:
         p = self.plan
+        self.join_side()
         for c in reversed(range(p.stages)):
             if self.grad_scatter[c] is not None:  # a stage whose output took no part in the loss
                 self.wait_grad_scatter(c)
@@ -701,6 +768,7 @@ def scatter_compute_gather(
     degree: Union[int, str] = 2,
     recv_splits: Optional[Splits] = None,
     algorithm: Optional[str] = None,
+    own_first: bool = False,
 ) -> torch.Tensor:
     """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` stages.
 
@@ -717,6 +785,11 @@ def scatter_compute_gather(
         recv_splits: rows from each rank, if known (else exchanged once, up front).
         algorithm: passed to every ``all_to_all_v`` of the pipeline (e.g. ``"2dh"``); None:
             its default. ``"auto"`` is decided once per call, for the whole input.
+        own_first: the rank's own rows form a stage of their own (stage 0), which ``fn``
+            works on while the peers' rows (cut into ``degree`` stages) are in flight; they
+            are neither exchanged nor copied on the way in (``fn`` gets a view of
+            ``input``). The backward pass likewise starts on the own rows. See "Own rows
+            first" above.
 
     Returns:
         ``[N, *out_shape]``: row ``i`` is ``fn``'s result for ``input`` row ``i``, exactly
@@ -737,6 +810,8 @@ def scatter_compute_gather(
     if input.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"input has unsupported dtype {input.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
     degree = _check_degree(degree)
+    if not isinstance(own_first, bool):
+        raise TypeError(f"own_first must be a bool, got {own_first!r}")
     if algorithm == "auto":
         # Decided once for the whole call (one collective), not once per stage.
         from .hierarchical import choose_algorithm
@@ -759,17 +834,27 @@ def scatter_compute_gather(
     else:
         stages = degree
         send_pieces = recv_pieces = [degree] * w
-    plan = _Plan(send, recv, send_pieces, recv_pieces, stages, dev)
+    own = comm.rank if own_first and w > 1 else None
+    plan = _Plan(send, recv, send_pieces, recv_pieces, stages + (own is not None), dev, own)
     run = _Run(comm, plan, fn, kw)
 
     x = input.contiguous()
     tokens = _Scatter.apply(x, run)
-    departed = []
+    departed: list = [None] * plan.stages
+    # Own rows first on a GPU: the peers' stages are made first, on their own stream, so that
+    # the autograd engine (which runs later-made nodes first) starts the backward on the own
+    # rows too; the caller's stream computes the own rows meanwhile. On the CPU (one thread)
+    # the own stage comes first, while the peers' rows are in flight.
+    order = list(range(plan.stages))
+    if run.side is not None:
+        order = order[1:] + order[:1]
     try:
-        for c in range(stages):
-            rows = _Arrive.apply(tokens[c], run, c)
-            y = run.check_result(c, fn(rows, run.chunk(c)), rows.shape[0])
-            departed.append(_Depart.apply(y, run, c))
+        for c in order:
+            with run.stage_stream(c):
+                rows = _Arrive.apply(tokens[c], run, c)
+                y = run.check_result(c, fn(rows, run.chunk(c)), rows.shape[0])
+                departed[c] = _Depart.apply(y, run, c)
+        run.join_side()
     except BaseException:
         run.abandon()
         raise

@@ -15,7 +15,7 @@ import torch
 
 import moecomm
 
-__all__ = ["resolve_comm", "a2a_accepts_algorithm", "has_scatter_compute_gather", "AllToAll", "all_to_all",
+__all__ = ["resolve_comm", "a2a_accepts_algorithm", "has_scatter_compute_gather", "has_own_first", "AllToAll", "all_to_all",
            "allreduce_max", "allreduce_sum_", "ALGORITHMS"]
 
 ALGORITHMS = ("flat", "2dh", "auto")
@@ -67,6 +67,10 @@ def a2a_accepts_algorithm(comm: "moecomm.Communicator") -> bool:
 
 def has_scatter_compute_gather(comm: "moecomm.Communicator") -> bool:
     return callable(getattr(comm, "scatter_compute_gather", None))
+
+
+def has_own_first(comm: "moecomm.Communicator") -> bool:
+    return has_scatter_compute_gather(comm) and _method_accepts(type(comm), "scatter_compute_gather", "own_first")
 
 
 def _a2a_kwargs(comm: "moecomm.Communicator", algorithm: Optional[str]) -> dict:
@@ -130,7 +134,8 @@ def allreduce_sum_(comm: "moecomm.Communicator", t: torch.Tensor) -> torch.Tenso
     return t
 
 
-def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algorithm):
+def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algorithm, own_first=False):
     """``comm.scatter_compute_gather`` (all-to-all, ``fn`` per chunk, all-to-all back, pipelined)."""
+    kw = {"own_first": True} if own_first else {}
     return comm.scatter_compute_gather(send, list(send_splits), fn, degree=degree, recv_splits=list(recv_splits),
-                                       algorithm=algorithm)
+                                       algorithm=algorithm, **kw)

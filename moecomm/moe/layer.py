@@ -14,7 +14,7 @@ import moecomm_ext
 from . import _comm
 from ._args import float_arg, int_arg
 from ._gather import gather_expert_params
-from .experts import BatchedExperts, ExpertList, FFNExperts, Segments
+from .experts import BatchedExperts, ExpertList, FFNExperts, Segments, WeightGradSum
 from .gates import GATE_TYPES, TopKGate, make_gate
 from .losses import BALANCE_LOSSES, gshard_loss, load_importance_loss, router_z_loss
 from .routing import Routing, capacity_slots, dropless_slots, fixed_capacity, pipelined_capacity_slots, route
@@ -54,7 +54,13 @@ class MoELayer(nn.Module):
 
     Every routing argument marked *per call* can be overridden in ``forward`` without
     rebuilding the layer: ``k`` (``top_k``), ``capacity_factor``, ``overlap_degree``
-    (``a2a_ffn_overlap_degree``), ``algorithm``, ``dropless``, ``parallel_mode``.
+    (``a2a_ffn_overlap_degree``), ``own_first``, ``algorithm``, ``dropless``, ``parallel_mode``.
+
+    ``own_first`` (expert-parallel, more than one rank): the experts start on the tokens this
+    rank routed to its own experts (no exchange, no copy) while the peers' tokens are in
+    flight, and the backward pass likewise (``Communicator.scatter_compute_gather(...,
+    own_first=True)``, with ``overlap_degree`` stages for the peers' rows). Off, an
+    ``overlap_degree`` of 1 is a plain all-to-all before and after the experts.
     """
 
     def __init__(
@@ -83,6 +89,7 @@ class MoELayer(nn.Module):
         experts: Union[None, nn.Module, Callable[[int], nn.Module]] = None,
         parallel_mode: str = "expert",
         overlap_degree: int = 1,
+        own_first: bool = True,
         algorithm: Optional[str] = None,
         inequivalent_tokens: bool = False,
         seed: Optional[int] = None,
@@ -132,6 +139,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"parallel_mode must be one of {PARALLEL_MODES}, got {parallel_mode!r}")
         self.parallel_mode = parallel_mode
         self.overlap_degree = self._check_degree(overlap_degree)
+        self.own_first = self._check_own_first(own_first)
         self.algorithm = self._check_algorithm(algorithm)
         if seed is not None:
             int_arg("seed", seed, 0)
@@ -259,6 +267,13 @@ class MoELayer(nn.Module):
                              f"Communicator.scatter_compute_gather; only overlap_degree=1 is possible")
         return degree
 
+    def _check_own_first(self, own_first: Any) -> bool:
+        own_first = _bool_arg("own_first", own_first)
+        if own_first and not _comm.has_own_first(self.comm):
+            raise ValueError("own_first=True: this moecomm core's Communicator.scatter_compute_gather has no "
+                             "own_first argument; pass own_first=False")
+        return own_first
+
     def _check_algorithm(self, algorithm: Optional[str]) -> Optional[str]:
         if algorithm is None:
             return None
@@ -297,6 +312,7 @@ class MoELayer(nn.Module):
         capacity_factor: Optional[float] = None,
         overlap_degree: Optional[int] = None,
         a2a_ffn_overlap_degree: Optional[int] = None,
+        own_first: Optional[bool] = None,
         algorithm: Optional[str] = None,
         dropless: Optional[bool] = None,
         parallel_mode: Optional[str] = None,
@@ -320,6 +336,7 @@ class MoELayer(nn.Module):
                              f"disagree (they are the same argument)")
         deg = overlap_degree if overlap_degree is not None else a2a_ffn_overlap_degree
         deg = self.overlap_degree if deg is None else self._check_degree(deg)
+        own = self.own_first if own_first is None else self._check_own_first(own_first)
         cf = gate.capacity_factor if capacity_factor is None else float_arg("capacity_factor", capacity_factor)
         algo = self.algorithm if algorithm is None else self._check_algorithm(algorithm)
         drop_less = self.dropless if dropless is None else _bool_arg("dropless", dropless)
@@ -375,16 +392,16 @@ class MoELayer(nn.Module):
         if mode == "auto":
             # identical on every rank (the choice must be): T only where ranks must agree on it
             t_key = T if not (drop_less or ineq) else None
-            auto_key = (t_key, kk, cf, drop_less, deg, str(cdtype), algo)
+            auto_key = (t_key, kk, cf, drop_less, deg, own, str(cdtype), algo)
             mode = self._auto_choice(auto_key)
         self.last_parallel_mode = mode
         x_c = x2 if x2.dtype == cdtype else x2.to(cdtype)
         if mode == "expert":
-            y = self._expert_parallel(x_c, r, deg, algo, cdtype)
+            y = self._expert_parallel(x_c, r, deg, own, algo, cdtype)
         elif mode == "data":
             y = self._data_parallel(x_c, r, cdtype)
         else:  # a timed trial of both paths in auto mode
-            y = self._timed(mode, auto_key, x_c, r, deg, algo, cdtype)
+            y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype)
         self.last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
         y = y.reshape(*lead, self.output_dim)
         if self.result_func is not None:
@@ -434,10 +451,12 @@ class MoELayer(nn.Module):
     def _run_experts(self, rows: Tensor, seg: Segments) -> Tensor:
         return self.experts(rows, seg)
 
-    def _expert_parallel(self, x_c: Tensor, r: Routing, degree, algo: Optional[str], cdtype) -> Tensor:
+    def _expert_parallel(self, x_c: Tensor, r: Routing, degree, own_first: bool, algo: Optional[str],
+                         cdtype) -> Tensor:
         comm = self.comm
         W, El, S, E = comm.size, self.num_local_experts, self.shards, self.num_experts
         El_dest = El if S == 1 else 1  # experts per destination rank, as the rows arrive
+        own_first = own_first and W > 1
         if r.capacity is not None:
             C = r.capacity
             if degree == "auto":  # equal pair blocks: every pair gets the same number of pieces
@@ -452,7 +471,6 @@ class MoELayer(nn.Module):
             send_splits = recv_splits = [degree * El_dest * Cc] * W
             blocks = [[degree * Cc] * El_dest for _ in range(W)]
             seg = Segments.uniform_blocks(W, El_dest, degree * Cc)
-            chunk_seg = Segments.uniform_blocks(W, El_dest, Cc)
         else:
             sm = dropless_slots(r, S, 1)
             send, weights = self._dispatch(x_c, r, sm, S)
@@ -465,19 +483,23 @@ class MoELayer(nn.Module):
             blocks = [got[w * El_dest:(w + 1) * El_dest] for w in range(W)]
             recv_splits = [sum(b) for b in blocks]
             seg = Segments(blocks, El_dest, counts_dev=recv_cnt.view(W, El_dest))
-            chunk_seg = None
 
-        if degree == 1:
+        if degree == 1 and not own_first:
             got_rows = _comm.all_to_all(send, comm, send_splits, recv_splits, algo)
             y = self._run_experts(got_rows, seg)
             back = _comm.all_to_all(y.contiguous(), comm, recv_splits, send_splits, algo)
         else:
-            def fn(rows: Tensor, chunk) -> Tensor:
-                if chunk_seg is not None and chunk.source_splits == [chunk_seg.rows // W] * W:
-                    return self._run_experts(rows, chunk_seg)  # the chunk-aligned capacity layout
-                return self._run_experts(rows, Segments(chunk.group_splits(blocks), El_dest))
+            wgrad_sum = WeightGradSum()  # the stages' weight gradients summed inside the GEMMs
+            piece = El_dest * Cc if r.capacity is not None else 0
 
-            back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo)
+            def fn(rows: Tensor, chunk) -> Tensor:
+                if piece and all(n % piece == 0 for n in chunk.source_splits):
+                    # the capacity layout: every source's rows here are whole [El_dest][Cc] pieces
+                    nb = sum(chunk.source_splits) // piece
+                    return self._run_experts(rows, Segments.uniform_blocks(nb, El_dest, Cc, wgrad_sum))
+                return self._run_experts(rows, Segments(chunk.group_splits(blocks), El_dest, wgrad_sum=wgrad_sum))
+
+            back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo, own_first)
         return self._combine(back, sm, weights)
 
     # -- data-parallel path -----------------------------------------------------------------
@@ -512,12 +534,12 @@ class MoELayer(nn.Module):
         t = st["times"]
         return "trial:expert" if len(t["expert"]) <= len(t["data"]) else "trial:data"
 
-    def _timed(self, trial: str, key, x_c, r, deg, algo, cdtype) -> Tensor:
+    def _timed(self, trial: str, key, x_c, r, deg, own, algo, cdtype) -> Tensor:
         mode = trial.split(":", 1)[1]
         sync = torch.cuda.synchronize if x_c.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        y = self._expert_parallel(x_c, r, deg, algo, cdtype) if mode == "expert" else \
+        y = self._expert_parallel(x_c, r, deg, own, algo, cdtype) if mode == "expert" else \
             self._data_parallel(x_c, r, cdtype)
         sync()
         dt = time.perf_counter() - t0
