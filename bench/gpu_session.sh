@@ -4,7 +4,7 @@
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
-# moegraphprofile and overlapgraph run when named)
+# moegraphprofile, overlapgraph, moeown and overlapown run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -116,6 +116,13 @@ run_step() {
       step overlap_graph_bench 150 "${MPI[@]}" python3 -m bench.overlap --degrees 1,2,3,4 --cuda-graph -n 15 --json "$RES/overlap_graph.json"
       step overlap_graph_ce 150 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --degrees 1,2,3,4,6,8 --cuda-graph -n 15 \
         --json "$RES/overlap_graph_ce.json" ;;
+    moeown)
+      step moe_own_ce 150 "${MPI[@]}" python3 -m bench.moe_layer --p2p-bytes 2G --own-first 0,1 --cuda-graph \
+        --json "$RES/moe_layer_own_ce.json"
+      step moe_own 150 "${MPI[@]}" python3 -m bench.moe_layer --own-first 0,1 --cuda-graph --json "$RES/moe_layer_own.json" ;;
+    overlapown)
+      step overlap_own_ce 200 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --degrees 1,o1,2,o2,4,o4 --cuda-graph -n 15 \
+        --json "$RES/overlap_own_ce.json" ;;
     *) echo "unknown step $1" >> "$LOG" ;;
   esac
 }

@@ -445,7 +445,8 @@ def check_gpu_bf16():
 def check_cuda_graph():
     """GPU, capacity mode: a training step (forward, backward of y and the aux loss) captured
     into a CUDA graph and replayed with new tokens (so new routes) equals the same step run
-    eagerly by a twin layer with the same weights, at overlap degrees 1 and 2 with own rows first, and 1 without."""
+    eagerly by a twin layer with the same weights: overlap degrees 1 and 2 with own rows
+    first, and degree 1 without."""
     import moecomm.communicator as core
 
     errs = []
