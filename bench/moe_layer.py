@@ -45,11 +45,11 @@ __all__ = ["main", "build_parser"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _flags(text: str) -> list:
+def _own_first(text: str) -> list:
     values = [v.strip() for v in text.split(",")]
-    if not values or any(v not in ("0", "1") for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma list of 0 and 1, got {text!r}")
-    return [v == "1" for v in values]
+    if not values or any(v not in ("0", "1", "auto") for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma list of 0, 1 and auto, got {text!r}")
+    return [v if v == "auto" else v == "1" for v in values]
 
 
 def _ints(text: str) -> list:
@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-factor", type=float, default=1.0, help="(1.0); 0 = just enough; < 0 bounded")
     p.add_argument("--dropless", action="store_true", help="route exactly the tokens each expert gets")
     p.add_argument("--overlap-degree", type=_ints, default=[1], help="comma list of degrees or 'auto' (1)")
-    p.add_argument("--own-first", type=_flags, default=[True],
-                   help="comma list of 0/1: the layer's own_first (experts start on the own rows; default 1)")
+    p.add_argument("--own-first", type=_own_first, default=["auto"],
+                   help="comma list of 0, 1, auto: the layer's own_first (experts start on the own rows; auto)")
     p.add_argument("--algorithm", default=None, help="all_to_all_v algorithm: flat, 2dh, auto (default: core's)")
     p.add_argument("--parallel-mode", default="expert", choices=("expert", "data", "auto"))
     p.add_argument("--gate", default="linear", choices=("linear", "cosine"))
@@ -204,7 +204,7 @@ def main(argv: Optional[list] = None) -> list:
         if cuda:
             torch.cuda.reset_peak_memory_stats(comm.device)
         if rank0:
-            sys.stderr.write(f"k={k} overlap_degree={deg} own_first={int(own)} {mode} ...\n")
+            sys.stderr.write(f"k={k} overlap_degree={deg} own_first={own} {mode} ...\n")
         if mode == "graph":
             graph = b.capture(**kw)
             t = b.time(graph.replay)
@@ -222,7 +222,8 @@ def main(argv: Optional[list] = None) -> list:
         useful = 12.0 * args.tokens * k * args.model_dim * args.hidden
         sec = t["median_ms"] / 1e3
         peak = int(b.slowest([float(_peak_bytes(comm))])[0])
-        results.append({"k": k, "overlap_degree": deg, "own_first": own, "mode": mode, "capacity": r.capacity, **t,
+        results.append({"k": k, "overlap_degree": deg, "own_first": own if own == "auto" else int(own),
+                        "mode": mode, "capacity": r.capacity, **t,
                         "tokens_per_s": args.tokens * comm.size / sec,
                         "tflops_per_rank": flops / sec / 1e12, "useful_tflops_per_rank": useful / sec / 1e12,
                         "peak_mem_gib": peak / 2 ** 30, "parallel_mode": L.last_parallel_mode})
@@ -238,10 +239,10 @@ def main(argv: Optional[list] = None) -> list:
                 f"torch {torch.__version__}")
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
                        f"slowest rank; peak memory: {'max_memory_allocated' if cuda else 'max RSS'}",
-                 f"{'k':>2} {'deg':>4} {'own':>3} {'mode':>5} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
+                 f"{'k':>2} {'deg':>4} {'own':>4} {'mode':>5} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
                  f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9} {'host_ms':>8}"]
         for r in results:
-            lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {int(r['own_first']):>3} {r['mode']:>5} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
+            lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {str(r['own_first']):>4} {r['mode']:>5} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
                          f"{r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} {r['tokens_per_s']:>11.4g} "
                          f"{r['tflops_per_rank']:>8.2f} {r['useful_tflops_per_rank']:>7.2f} {r['peak_mem_gib']:>9.3f} "
                          f"{r['host_ms']:>8.3f}")
@@ -249,11 +250,12 @@ def main(argv: Optional[list] = None) -> list:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"header": lines[:2], "results": results, "args": vars(args)}, fh, indent=1)
+    first = dict(k=args.top_k[0], overlap_degree=args.overlap_degree[0], own_first=args.own_first[0])
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        kw = dict(k=args.top_k[0], overlap_degree=args.overlap_degree[0], own_first=args.own_first[0])
+        kw = first
         graph = b.capture(**kw) if args.cuda_graph and cuda else None
         run = graph.replay if graph is not None else (lambda: b.step(**kw))
         run()
@@ -269,11 +271,11 @@ def main(argv: Optional[list] = None) -> list:
             print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                             row_limit=30), flush=True)
     if args.sync_report and cuda:
-        text = sync_report(lambda: b.step(k=args.top_k[0], overlap_degree=args.overlap_degree[0], own_first=args.own_first[0]), sync=b.sync)
+        text = sync_report(lambda: b.step(**first), sync=b.sync)
         if rank0:
             print(text, flush=True)
     if args.host_profile:
-        text = host_profile(lambda: b.step(k=args.top_k[0], overlap_degree=args.overlap_degree[0], own_first=args.own_first[0]), sync=b.sync)
+        text = host_profile(lambda: b.step(**first), sync=b.sync)
         if rank0:
             print(text, flush=True)
     comm.close()

@@ -112,7 +112,8 @@ class Communicator:
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
         self._p2p: Any = None  # moecomm.backends.p2p.PeerTransport, set by init (p2p_bytes=)
-        self._peer_stream: Optional[torch.cuda.Stream] = None  # made on first use: see peer_rows_stream
+        # see _peer_rows_stream; made here, as it may first be needed inside a CUDA graph capture
+        self._peer_stream = torch.cuda.Stream(backend.device) if backend.device.type == "cuda" else None
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -318,7 +319,7 @@ class Communicator:
         """The communicator's stream for ``fn`` on the peers' rows in ``scatter_compute_gather(...,
         own_first=True)`` (the caller's stream meanwhile works on the rank's own rows)."""
         if self._peer_stream is None:
-            self._peer_stream = torch.cuda.Stream(self.device)
+            raise RuntimeError(f"moecomm: a communicator on {self.device} has no CUDA streams")
         return self._peer_stream
 
     # -- torch.distributed-compatible all-to-all --------------------------------------------

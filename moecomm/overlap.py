@@ -33,13 +33,35 @@ must be row-wise in the sense that output row ``i`` belongs to input row ``i``: 
 ``[rows, *out_shape]`` with the same ``out_shape`` and dtype in every call and on every
 rank. It is called once per stage, also with zero rows.
 
+Own rows first
+--------------
+With ``own_first=True`` the rows a rank sends to itself form a stage of their own, stage 0,
+and the peers' pieces follow in stages ``1..degree`` (so ``degree=1`` means: own rows, then
+all the peers' rows in one exchange). The own rows are never exchanged or copied: ``fn``
+gets a view of ``input`` for them (it must not write into its rows), and their results are
+copied into place. ``fn`` works on them while the peers' rows are in flight, which hides
+up to the smaller of ``fn``'s time on the own rows and one exchange, forward and backward,
+with no more exchanges than ``degree`` alone. Where the own rows are ``1/size`` of the
+work (2 ranks: half) that is the cheapest overlap there is: the number of exchanges stays
+that of the unchunked computation.
+
+On a GPU the peers' stages run on a stream of the communicator's own (waiting there for
+their exchanges), while the caller's stream works on the own rows. They are issued first
+on the host, so that the autograd engine, which runs later-made nodes first, also starts
+the backward on the own rows: their output gradient needs no exchange. On the CPU (one
+thread) the own stage is computed first in the forward pass and last in the backward
+pass. ``fn``'s parameters are used once per stage; their gradients are summed by autograd
+(the MoE layer's own experts sum them inside their GEMMs instead:
+:class:`moecomm.moe.experts.WeightGradSum`).
+
 Transport
 ---------
 On NCCL and MPI with the flat algorithm (and ``validate=False``) a stage's rows leave from
 where they lie in ``input`` and land where they belong in the output (per-peer
 displacements; NCCL grouped send/recv, MPI ``Ialltoallv``; on a communicator with peer
 memory, ``init(p2p_bytes=)``, the GPUs' copy engines, which leave the SMs to ``fn``):
-nothing is packed or unpacked, and ``fn`` gets each stage's rows in a buffer of their own. Otherwise (``algorithm="2dh"``
+nothing is packed or unpacked, and ``fn`` gets each stage's rows in a buffer of their own
+(the own rows of ``own_first`` are a view of ``input``). Otherwise (``algorithm="2dh"``
 or ``"auto"``, the torch backend, ``validate=True``) each stage is gathered into a
 contiguous buffer and goes through ``comm.all_to_all_v`` (with its checks and algorithm),
 and the results are scattered back into place.
@@ -69,7 +91,9 @@ Streams (CUDA, NCCL backend)
 Every exchange runs on the backend's own communication stream, ordered after the caller's
 current stream at the moment it is issued; ``fn`` runs on the caller's current stream,
 which waits (``wait_event``, no host synchronisation) on the event of the exchange that
-brought its rows. The global current stream is never switched for the caller's code.
+brought its rows. The global current stream is never switched for the caller's code, but
+for ``fn`` on the peers' rows of an ``own_first`` call (the communicator's stream for them,
+ordered after the caller's and joined back into it before the call returns).
 Buffers handed to the communication stream are protected by ``record_stream`` (the
 backend's ``alltoallv`` does it), so the caching allocator never reuses a buffer a stream
 still reads. When

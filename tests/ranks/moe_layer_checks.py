@@ -289,10 +289,14 @@ def cases_for(W: int, group: str) -> list:
             Case("gate noise gshard", E, k=2, noise=1.0, calls=2),
             Case("load_importance", E, k=2, noise=1.0, layer_kw=dict(balance_loss="load_importance")),
             Case("overlap 2 capacity", E, k=2, cf=1.0, layer_kw=dict(overlap_degree=2)),
-            Case("own_first off", E, k=2, cf=1.0, layer_kw=dict(own_first=False)),
-            Case("own_first off dropless", E, k=2, dropless=True, tokens=ragged, layer_kw=dict(own_first=False)),
-            Case("own_first off overlap 2", E, k=3, cf=0.5, layer_kw=dict(own_first=False, overlap_degree=2)),
-            Case("per-call own_first off", E, k=2, cf=1.0, call_kw=dict(own_first=False)),
+            Case("own_first", E, k=2, cf=1.0, layer_kw=dict(own_first=True)),
+            Case("own_first k=3 cf=0", E, k=3, cf=0.0, tokens=ragged, layer_kw=dict(own_first=True)),
+            Case("own_first dropless", E, k=2, dropless=True, tokens=ragged, layer_kw=dict(own_first=True)),
+            Case("own_first overlap 2", E, k=3, cf=0.5, layer_kw=dict(own_first=True, overlap_degree=2)),
+            Case("per-call own_first", E, k=2, cf=1.0, call_kw=dict(own_first=True)),
+            Case("own_first batched experts", E, k=2, dropless=True, experts="batched", tokens=ragged,
+                 layer_kw=dict(own_first=True)),
+            Case("own_first factory experts", E, k=2, cf=1.0, experts="factory", layer_kw=dict(own_first=True)),
             Case("overlap 3 dropless", E, k=3, dropless=True, layer_kw=dict(overlap_degree=3), tokens=ragged),
             Case("per-call k / cf / dropless", E, k=2, cf=1.0,
                  call_kw=dict(k=3, capacity_factor=0.5, overlap_degree=2)),
@@ -363,6 +367,7 @@ def check_bad_configs():
         expect(ValueError, ["sharded"], lambda: MoELayer(D, H, 1, k=1, comm=comm, experts=factory))
     expect(ValueError, ["k", "num_experts"], lambda: MoELayer(D, H, 4 * W, k=4 * W + 1, comm=comm))
     expect(TypeError, ["own_first", "bool"], lambda: MoELayer(D, H, 4 * W, k=1, comm=comm, own_first=1))
+    expect(TypeError, ["own_first", "bool"], lambda: MoELayer(D, H, 4 * W, k=1, comm=comm, own_first="on"))
     layer = MoELayer(D, H, 4 * W, k=1, comm=comm, device=DEV)
     expect(TypeError, ["own_first"], lambda: layer(torch.zeros(3, D, device=DEV), own_first="yes"))
     collective_assert(not errs, "; ".join(errs))
@@ -445,8 +450,8 @@ def check_gpu_bf16():
 def check_cuda_graph():
     """GPU, capacity mode: a training step (forward, backward of y and the aux loss) captured
     into a CUDA graph and replayed with new tokens (so new routes) equals the same step run
-    eagerly by a twin layer with the same weights: overlap degrees 1 and 2 with own rows
-    first, and degree 1 without."""
+    eagerly by a twin layer with the same weights: overlap degrees 1 (own_first="auto": own
+    rows first when captured, not eagerly) and 2 with own rows first, and degree 1 without."""
     import moecomm.communicator as core
 
     errs = []
@@ -468,7 +473,7 @@ def _check_cuda_graph(comm, errs: list) -> None:
     rank = comm.rank
     E = 4 * comm.size
     kind = "copy engines" if comm._p2p is not None else "nccl"
-    for deg, own in ((1, True), (2, True), (1, False)):
+    for deg, own in ((1, "auto"), (2, True), (1, False)):
         layers = [MoELayer(D, H, E, k=2, comm=comm, seed=3, capacity_factor=1.0, overlap_degree=deg, own_first=own,
                            device=DEV) for _ in range(2)]
         graphed, eager = layers
