@@ -4,7 +4,7 @@
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
-# moegraphprofile, overlapgraph, moeown and overlapown run when named)
+# moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl and perpeer run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -123,6 +123,10 @@ run_step() {
     overlapown)
       step overlap_own_ce 200 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --degrees 1,o1,2,o2,4,o4 --cuda-graph -n 15 \
         --json "$RES/overlap_own_ce.json" ;;
+    overlapownnccl)
+      step overlap_own 200 "${MPI[@]}" python3 -m bench.overlap --degrees 1,o1,2,o2,4 --cuda-graph -n 15 \
+        --json "$RES/overlap_own.json" ;;
+    perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;
     *) echo "unknown step $1" >> "$LOG" ;;
   esac
 }

@@ -16,6 +16,12 @@ the slowest rank's time per call, median over ``--iters``. The methods, from the
   gpu-counts       ``all_to_all_v(x, counts_on_gpu)``
   p2p              the same on a communicator with peer memory (``init(p2p_bytes=)``)
   torch            torch's MoE pattern (counts, ``.tolist()``, data)
+
+``--per-peer`` adds the host cost of the native issuer per peer: one grouped exchange whose
+rows for every peer are cut into ``n`` blocks (``n`` = 1, 2, 4, ... 64 send/recv pairs per
+peer, through the same native call the backend makes), host time of the call against ``n``;
+the slope of a least-squares line is the cost of one more send/recv pair, which is what
+one more peer adds (with 2 GPUs there are not more peers to add).
 """
 
 from __future__ import annotations
@@ -206,18 +212,58 @@ def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dic
     return {k: float(np.median(v)) for k, v in marks.items()}
 
 
+def _per_peer(bench: Bench, iters: int, blocks=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+    """Host time of the native grouped issue with ``n`` send/recv pairs per peer (microseconds,
+    medians), and the least-squares slope: microseconds per extra pair."""
+    comm = bench.comm
+    b = comm._backend
+    if b._native is None:
+        return {}
+    W, me = comm.size, comm.rank
+    row_bytes = 16
+    peers = [p for p in range(W) if p != me]
+    n_max = max(blocks)
+    x = torch.zeros(n_max * len(peers) * 4, row_bytes, dtype=torch.uint8, device=comm.device)
+    out = torch.empty_like(x)
+    medians = {}
+    for n in blocks:
+        ranks = [p for p in peers for _ in range(n)]
+        counts = [4] * len(ranks)
+        times = []
+        for _ in range(iters):
+            bench.world.Barrier()
+            h = b._begin(x, out)
+            t0 = time.perf_counter()
+            b._native.alltoallv(b._comm_ptr, h, x.data_ptr(), out.data_ptr(), counts, counts, row_bytes, (), (),
+                                ranks)
+            times.append((time.perf_counter() - t0) * 1e6)
+            b._end("all_to_all_v").join()
+            torch.cuda.synchronize(comm.device)
+        medians[n] = float(np.median(times))
+    pairs = np.array([n * len(peers) for n in blocks], dtype=np.float64)
+    slope, _ = np.polyfit(pairs, np.array([medians[n] for n in blocks]), 1)
+    return {**{f"{n} per peer": t for n, t in medians.items()}, "us per extra pair (slope)": float(slope)}
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="256K,1M,16M", help="bytes per rank, comma list (256K,1M,16M)")
     p.add_argument("--row-elems", type=int, default=2048)
     p.add_argument("-n", "--iters", type=int, default=200)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--per-peer", action="store_true", help="also the native issuer's host cost per peer")
+    p.add_argument("--only-per-peer", action="store_true", help="only that")
     args = p.parse_args(argv)
     bench_args = argparse.Namespace(backend="nccl", timeout=120.0, dtype="bfloat16", compare=True,
                                     warmup=10, iters=args.iters, row_elems=args.row_elems, p2p_bytes=1 << 30)
     bench = Bench(bench_args)
     report: dict = {"sizes": {}}
-    for text in args.sizes.split(","):
+    if args.per_peer or args.only_per_peer:
+        report["per peer"] = _per_peer(bench, args.iters)
+        if bench.comm.rank == 0:
+            print("# host time of the native grouped issue, n send/recv pairs per peer (us, median): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in report["per peer"].items()), flush=True)
+    for text in ([] if args.only_per_peer else args.sizes.split(",")):
         size = parse_size(text)
         timed = bench.time_methods(_methods(bench, size, args.row_elems))
         row = {name: float(np.median(t)) * 1e6 for name, (t, _) in timed.items()}

@@ -49,12 +49,15 @@ class NcclCalls {
 
   // Rows of row_bytes: send_counts[p] from row send_displs[p] of send (or back to back when
   // send_displs is empty) to peer p; likewise into recv. Blocks issue nothing for zero rows.
+  // `peers` (empty: block p goes to and comes from rank p) names the rank of every block;
+  // several blocks may name one rank (they match in order).
   void alltoallv(uint64_t comm, uint64_t stream, uint64_t send, uint64_t recv, const std::vector<int64_t>& send_counts,
                  const std::vector<int64_t>& recv_counts, int64_t row_bytes, const std::vector<int64_t>& send_displs,
-                 const std::vector<int64_t>& recv_displs) {
+                 const std::vector<int64_t>& recv_displs, const std::vector<int>& peers) {
     const size_t world = send_counts.size();
     if (recv_counts.size() != world || (!send_displs.empty() && send_displs.size() != world) ||
-        (!recv_displs.empty() && recv_displs.size() != world) || row_bytes < 0) {
+        (!recv_displs.empty() && recv_displs.size() != world) || (!peers.empty() && peers.size() != world) ||
+        row_bytes < 0) {
       throw std::invalid_argument("moecomm nccl_issue: alltoallv got inconsistent arguments");
     }
     auto* c = reinterpret_cast<void*>(comm);
@@ -69,12 +72,13 @@ class NcclCalls {
     for (size_t p = 0; p < world && failed == kNcclSuccess; ++p) {
       if (!send_displs.empty()) so = send_displs[p];
       if (!recv_displs.empty()) ro = recv_displs[p];
+      const int peer = peers.empty() ? int(p) : peers[p];
       if (send_counts[p] > 0) {
-        failed = send_(sp + so * row_bytes, size_t(send_counts[p] * row_bytes), kNcclUint8, int(p), c, s);
+        failed = send_(sp + so * row_bytes, size_t(send_counts[p] * row_bytes), kNcclUint8, peer, c, s);
         what = "ncclSend";
       }
       if (failed == kNcclSuccess && recv_counts[p] > 0) {
-        failed = recv_(rp + ro * row_bytes, size_t(recv_counts[p] * row_bytes), kNcclUint8, int(p), c, s);
+        failed = recv_(rp + ro * row_bytes, size_t(recv_counts[p] * row_bytes), kNcclUint8, peer, c, s);
         what = "ncclRecv";
       }
       so += send_counts[p];
@@ -112,5 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NcclCalls>(m, "NcclCalls")
       .def(py::init<const std::string&>(), py::arg("library"),
            "resolve the NCCL functions from `library`, a libnccl already loaded in this process")
-      .def("alltoallv", &NcclCalls::alltoallv, "issue a grouped all-to-all of rows (see nccl_issue.cpp)");
+      .def("alltoallv", &NcclCalls::alltoallv, "issue a grouped all-to-all of rows (see nccl_issue.cpp)",
+           py::arg("comm"), py::arg("stream"), py::arg("send"), py::arg("recv"), py::arg("send_counts"),
+           py::arg("recv_counts"), py::arg("row_bytes"), py::arg("send_displs"), py::arg("recv_displs"),
+           py::arg("peers") = std::vector<int>());
 }
