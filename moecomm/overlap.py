@@ -256,10 +256,13 @@ def _check_degree(degree: Any) -> Union[int, str]:
 # -- the chunk plan ---------------------------------------------------------------------------
 
 
-def _bounds(counts: np.ndarray, pieces: np.ndarray, stages: int, first: np.ndarray) -> np.ndarray:
+def _bounds(counts: np.ndarray, pieces: np.ndarray, stages: int, first: Optional[np.ndarray] = None) -> np.ndarray:
     """``[stages + 1, W]``: where stage ``c``'s piece of each pair starts inside the pair's
-    block; pair ``p``'s pieces travel in stages ``first[p]`` to ``first[p] + pieces[p] - 1``."""
-    c = np.clip(np.arange(stages + 1, dtype=np.int64)[:, None] - first[None, :], 0, None)
+    block; pair ``p``'s pieces travel in stages ``first[p]`` (default 0) to ``first[p] +
+    pieces[p] - 1``."""
+    c = np.arange(stages + 1, dtype=np.int64)[:, None]
+    if first is not None:
+        c = np.clip(c - first[None, :], 0, None)
     return (np.minimum(c, pieces[None, :]) * counts[None, :]) // pieces[None, :]
 
 

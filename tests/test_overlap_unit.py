@@ -39,6 +39,31 @@ def test_plan_pieces_cover_each_block_in_order(counts, stages, data):
         assert part[:, 0].div(2, rounding_mode="floor").tolist() == expect.tolist()
 
 
+@settings(max_examples=40, deadline=None)
+@given(send=st.lists(st.integers(0, 30), min_size=2, max_size=6), degree=st.integers(1, 5), data=st.data())
+def test_own_first_plan(send, degree, data):
+    """own_first: stage 0 holds exactly the own block, the peers' blocks follow in
+    ``degree`` balanced pieces, and packing then unpacking gives the input back."""
+    W = len(send)
+    own = data.draw(st.integers(0, W - 1))
+    recv = data.draw(st.lists(st.integers(0, 30), min_size=W, max_size=W))
+    recv[own] = send[own]
+    plan = ov._Plan(send, recv, [degree] * W, [degree] * W, degree + 1, torch.device("cpu"), own)
+    for counts in (plan.send_counts, plan.recv_counts):
+        assert counts[0] == [n if p == own else 0 for p, n in enumerate(send if counts is plan.send_counts else recv)]
+        assert all(stage[own] == 0 for stage in counts[1:])
+        for p in range(W):
+            if p != own:
+                peer = [stage[p] for stage in counts[1:]]
+                assert max(peer) - min(peer) <= 1
+    assert plan.is_local(0) and not any(plan.is_local(c) for c in range(1, degree + 1))
+    x = torch.arange(sum(send) * 2).reshape(-1, 2)
+    assert torch.equal(plan.own_rows(x), x[sum(send[:own]):sum(send[:own + 1])])
+    parts = [plan.pack(x, c) for c in range(plan.stages)]
+    assert torch.equal(parts[0], plan.own_rows(x))
+    assert torch.equal(plan.unpack(parts, (2,), x.dtype), x)
+
+
 def test_chunk_helpers():
     recv = [3, 0, 4]
     counts = [[1, 2], [0, 0], [3, 1]]  # [source][group]
