@@ -63,7 +63,7 @@ class MoELayer(nn.Module):
     ``overlap_degree`` of 1 is a plain all-to-all before and after the experts. ``"auto"``
     (default): True while the call is captured into a CUDA graph, else False. Measured on
     2 x H200 (``bench/results/README.md``): captured, own rows first shortens the step by
-    6-8%; eagerly the step is bound by the host, whose cost of issuing the pipelined stages
+    5-8%; eagerly the step is bound by the host, whose cost of issuing the pipelined stages
     made it longer.
     """
 
