@@ -294,9 +294,9 @@ class _Plan:
         r = np.asarray(recv, dtype=np.int64)
         send_p = np.asarray(send_pieces, dtype=np.int64)
         recv_p = np.asarray(recv_pieces, dtype=np.int64)
-        first = np.zeros(W, dtype=np.int64)
+        first = None  # the stage of each pair's first piece: 0, or 1 for the peers after the own stage
         if own is not None:
-            first[:] = 1
+            first = np.ones(W, dtype=np.int64)
             first[own] = 0
             send_p[own] = recv_p[own] = 1
         self.send_bounds = _bounds(s, send_p, stages, first)  # [S+1, W]

@@ -272,8 +272,8 @@ class MoELayer(nn.Module):
         return degree
 
     def _check_own_first(self, own_first: Any) -> Union[bool, str]:
-        if own_first != "auto":
-            own_first = _bool_arg("own_first", own_first)
+        if own_first != "auto" and not isinstance(own_first, bool):
+            raise TypeError(f"own_first must be a bool or 'auto', got {own_first!r} ({type(own_first).__name__})")
         if own_first and not _comm.has_own_first(self.comm):
             if own_first == "auto":
                 return False
