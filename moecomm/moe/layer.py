@@ -475,6 +475,7 @@ class MoELayer(nn.Module):
                 degree = max(auto_pieces(comm, [El_dest * C], row_bytes) + [1])
             # each destination block = `degree` equal chunks along the capacity, expert by expert
             Cc = -(-C // degree) if C else 0
+            piece = El_dest * Cc  # rows of one chunk of one source: [El_dest][Cc]
             sm = pipelined_capacity_slots(r, C, E, S, degree, El)
             send, weights = self._dispatch(x_c, r, sm, S)
             send_splits = recv_splits = [degree * El_dest * Cc] * W
@@ -482,6 +483,7 @@ class MoELayer(nn.Module):
             seg = Segments.uniform_blocks(W, El_dest, degree * Cc)
         else:
             sm = dropless_slots(r, S, 1)
+            piece = 0  # no fixed layout: each chunk is regrouped from its counts
             send, weights = self._dispatch(x_c, r, sm, S)
             n = r.counts  # [E] routes per expert (all kept)
             send_cnt = n if S == 1 else n.repeat_interleave(S)  # rank e*S+s gets expert e's rows
@@ -499,7 +501,6 @@ class MoELayer(nn.Module):
             back = _comm.all_to_all(y.contiguous(), comm, recv_splits, send_splits, algo)
         else:
             wgrad_sum = WeightGradSum()  # the stages' weight gradients summed inside the GEMMs
-            piece = El_dest * Cc if r.capacity is not None else 0
 
             def fn(rows: Tensor, chunk) -> Tensor:
                 if piece and all(n % piece == 0 for n in chunk.source_splits):
