@@ -16,6 +16,8 @@ Rows of the table:
   auto       degree="auto" (the stage count it chose in parentheses)
   oD, oauto  the same with own_first=True: fn starts on the rank's own rows while the peers'
              rows (in D stages) are in flight
+  oD:F       own_first=True, own_split=F: the first F of the own rows first, the rest last
+             (oD: the library's default own_split)
 
 Times are per step: ``--steps`` steps are run back to back between two synchronisations
 (as in training, where the host runs ahead of the GPU), the slowest rank's time divided by
@@ -64,17 +66,32 @@ def _parse_degrees(text: str) -> list:
         part = part.strip()
         if not part:
             continue
-        if part in ("auto", "plain", "oauto"):
+        if part in ("auto", "plain"):
             out.append(part)
         else:
             try:
-                out.append(f"o{int(part[1:])}" if part.startswith("o") else int(part))
+                if part.startswith("o"):
+                    _own_mode(part)
+                    out.append(part)
+                else:
+                    out.append(int(part))
             except ValueError:
                 raise argparse.ArgumentTypeError(f"degrees: expected ints, 'auto', 'plain', or those of "
-                                                 f"own_first as oD and oauto, got {part!r}") from None
+                                                 f"own_first as oD, oauto, oD:F and oauto:F, got {part!r}") from None
     if 1 not in out:
         out.insert(0, 1)
     return out
+
+
+def _own_mode(label: str) -> tuple:
+    """``"oD"`` / ``"oauto"`` / ``"oD:F"``: (degree, scatter_compute_gather's own keywords)."""
+    degree, _, split = label[1:].partition(":")
+    kw: dict = {"own_first": True}
+    if split:
+        kw["own_split"] = float(split)
+        if not 0.0 <= kw["own_split"] <= 1.0:
+            raise ValueError(f"own_split {split} is not in [0, 1]")
+    return ("auto" if degree == "auto" else int(degree)), kw
 
 
 class Layer:
@@ -124,15 +141,16 @@ class Layer:
 
     # the step functions: forward + backward of the layer
     def step_overlap(self, degree) -> Callable[[], torch.Tensor]:
-        """``degree``: as ``scatter_compute_gather``'s, or ``"oD"`` / ``"oauto"`` (own rows first)."""
-        own = isinstance(degree, str) and degree.startswith("o")
-        if own:
-            degree = "auto" if degree == "oauto" else int(degree[1:])
+        """``degree``: as ``scatter_compute_gather``'s, or ``"oD"`` / ``"oauto"`` / ``"oD:F"``
+        (own rows first; ``F``: own_split)."""
+        own_kw: dict = {}
+        if isinstance(degree, str) and degree.startswith("o"):
+            degree, own_kw = _own_mode(degree)
 
         def step() -> torch.Tensor:
             x = self.x.detach().requires_grad_()
             out = self.comm.scatter_compute_gather(x, self.send, self.fn, degree=degree, recv_splits=self.recv,
-                                                   algorithm=self.args.algorithm, own_first=own)
+                                                   algorithm=self.args.algorithm, **own_kw)
             out.backward(self.grad_out)
             return out
         return step
@@ -309,7 +327,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         if args.trace:
             _trace(args.trace, f"trace_{d}.json", step, timer, comm.rank == 0)
         label = str(d)
-        if d in ("auto", "oauto"):
+        if d == "auto" or str(d).startswith("oauto"):
             row_bytes = args.model_dim * torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
             from moecomm.overlap import auto_pieces
             pieces = max(auto_pieces(comm, layer.send, row_bytes) + auto_pieces(comm, layer.recv, row_bytes))

@@ -299,6 +299,7 @@ class Communicator:
         recv_splits: Optional[Splits] = None,
         algorithm: Optional[str] = None,
         own_first: bool = False,
+        own_split: float = 0.5,
     ) -> torch.Tensor:
         """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` chunks per peer.
 
@@ -308,12 +309,13 @@ class Communicator:
         ``input``'s row order, exactly the non-overlapped result; differentiable (the backward
         is pipelined too). ``degree``: 1..16 or ``"auto"``. ``own_first``: ``fn`` runs first
         on the rank's own rows (which need no exchange and are not copied) while the peers'
-        rows are in flight, forward and backward. See :mod:`moecomm.overlap`.
+        rows are in flight, forward and backward; ``own_split`` of them first, the rest last,
+        while the peers' results travel home. See :mod:`moecomm.overlap`.
         """
         from .overlap import scatter_compute_gather
 
         return scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
-                                      algorithm=algorithm, own_first=own_first)
+                                      algorithm=algorithm, own_first=own_first, own_split=own_split)
 
     def _peer_rows_stream(self) -> "torch.cuda.Stream":
         """The communicator's stream for ``fn`` on the peers' rows in ``scatter_compute_gather(...,

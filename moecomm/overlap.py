@@ -281,14 +281,17 @@ class _Plan:
     """Host-side chunking of one call: who sends how many rows in each stage."""
 
     def __init__(self, send: list[int], recv: list[int], send_pieces: list[int], recv_pieces: list[int],
-                 stages: int, device: torch.device, own: Optional[int] = None) -> None:
-        """``own``: this rank, when its own rows form stage 0 by themselves (one piece, no
-        exchange) and the peers' pieces follow in stages 1 on (``stages`` counts both)."""
+                 stages: int, device: torch.device, own: Optional[int] = None, own_last: bool = False,
+                 own_split: float = 1.0) -> None:
+        """``own``: this rank, when its own rows form stages of their own (no exchange): stage
+        0 with the first ``round(own_split * rows)`` of them, and with ``own_last`` the last
+        stage with the rest; the peers' pieces fill the stages between (``stages`` counts all)."""
         self.stages = stages
         self.device = device
         self.send = send
         self.recv = recv
         self.own = own
+        self.own_stages = () if own is None else (0, stages - 1) if own_last else (0,)
         W = len(send)
         s = np.asarray(send, dtype=np.int64)
         r = np.asarray(recv, dtype=np.int64)
@@ -301,6 +304,9 @@ class _Plan:
             send_p[own] = recv_p[own] = 1
         self.send_bounds = _bounds(s, send_p, stages, first)  # [S+1, W]
         self.recv_bounds = _bounds(r, recv_p, stages, first)
+        if own_last:  # the own pair: its first rows in stage 0, the rest in the last stage
+            n = int(s[own])
+            self.send_bounds[1:stages, own] = self.recv_bounds[1:stages, own] = min(n, max(0, round(own_split * n)))
         send_c = np.diff(self.send_bounds, axis=0)  # [S, W]
         recv_c = np.diff(self.recv_bounds, axis=0)
         self.send_counts = send_c.tolist()
@@ -321,12 +327,13 @@ class _Plan:
 
     def is_local(self, c: int) -> bool:
         """Stage ``c`` holds only the rank's own rows: nothing to exchange."""
-        return self.own is not None and c == 0
+        return c in self.own_stages
 
-    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """The rank's own block of ``t`` (laid out like the input): a view, no copy."""
+    def own_rows(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        """Stage ``c``'s part of the rank's own block of ``t`` (laid out like the input): a
+        view, no copy."""
         me = self.own
-        return t.narrow(0, int(self.send_offsets[me]), self.send[me])
+        return t.narrow(0, int(self.send_displs[c][me]), int(self.send_bounds[c + 1, me] - self.send_bounds[c, me]))
 
     def perm(self) -> torch.Tensor:
         """Input row of each row in stage-major order (stage 0's rows for every peer first)."""
@@ -565,6 +572,7 @@ class _Run:
         self.main = torch.cuda.current_stream(plan.device) if cuda else None
         self.side = comm._peer_rows_stream() if cuda and plan.own is not None else None
         self._side_joined = False
+        self.own_last = len(plan.own_stages) == 2
 
     def stage_stream(self, c: int) -> Any:
         """Where stage ``c``'s forward runs (its backward follows it there): the caller's stream,
@@ -630,7 +638,7 @@ class _Run:
         """Stage ``c``'s rows of ``x`` (laid out like the input) to the experts' ranks."""
         p, t = self.plan, self.transport
         if p.is_local(c):
-            return self._local(p.own_rows(x.detach()))
+            return self._local(p.own_rows(x.detach(), c))
         if not t.direct:
             return self._a2a(p.pack(x, c), p.send_counts[c], p.recv_counts[c])
         buf = torch.empty((p.recv_totals[c],) + tuple(x.shape[1:]), dtype=x.dtype, device=p.device)
@@ -647,7 +655,7 @@ class _Run:
         if dest is None:
             dest = self._alloc((p.stage_rows[-1],) + tuple(y.shape[1:]), y.dtype)
         if p.is_local(c):
-            p.own_rows(dest).copy_(y)
+            p.own_rows(dest, c).copy_(y)
             return self._local(dest), dest
         return t.exchange(y, p.recv_counts[c], p.chunk_displs[c], dest, p.send_counts[c], p.send_displs[c]), dest
 
@@ -764,7 +772,10 @@ class _Depart(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, token):  # type: ignore[override]
-        return ctx.run.wait_grad_scatter(ctx.c), None, None
+        run = ctx.run
+        if ctx.c == 0 and run.own_last:
+            run.join_side()  # the first own rows go last: while the peers' input gradients travel home
+        return run.wait_grad_scatter(ctx.c), None, None
 
 
 class _Collect(torch.autograd.Function):
@@ -796,6 +807,7 @@ def scatter_compute_gather(
     recv_splits: Optional[Splits] = None,
     algorithm: Optional[str] = None,
     own_first: bool = False,
+    own_split: float = 0.5,
 ) -> torch.Tensor:
     """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` stages.
 
@@ -817,6 +829,9 @@ def scatter_compute_gather(
             are neither exchanged nor copied on the way in (``fn`` gets a view of
             ``input``). The backward pass likewise starts on the own rows. See "Own rows
             first" above.
+        own_split: with ``own_first``, the fraction (0 to 1) of the own rows computed
+            first; the rest form a last stage, computed while the peers' results travel
+            home (in the backward pass the other way round). 1: all of them first.
 
     Returns:
         ``[N, *out_shape]``: row ``i`` is ``fn``'s result for ``input`` row ``i``, exactly
@@ -839,6 +854,8 @@ def scatter_compute_gather(
     degree = _check_degree(degree)
     if not isinstance(own_first, bool):
         raise TypeError(f"own_first must be a bool, got {own_first!r}")
+    if isinstance(own_split, bool) or not isinstance(own_split, numbers.Real) or not 0.0 <= own_split <= 1.0:
+        raise ValueError(f"own_split must be a number in [0, 1], got {own_split!r}")
     if algorithm == "auto":
         # Decided once for the whole call (one collective), not once per stage.
         from .hierarchical import choose_algorithm
@@ -862,7 +879,9 @@ def scatter_compute_gather(
         stages = degree
         send_pieces = recv_pieces = [degree] * w
     own = comm.rank if own_first and w > 1 else None
-    plan = _Plan(send, recv, send_pieces, recv_pieces, stages + (own is not None), dev, own)
+    own_last = own is not None and own_split < 1.0  # the same on every rank: so is the stage count
+    plan = _Plan(send, recv, send_pieces, recv_pieces, stages + (own is not None) + own_last, dev, own, own_last,
+                 float(own_split))
     run = _Run(comm, plan, fn, kw)
 
     x = input.contiguous()
@@ -873,10 +892,12 @@ def scatter_compute_gather(
     # rows too; the caller's stream computes the own rows meanwhile. On the CPU (one thread)
     # the own stage comes first, while the peers' rows are in flight.
     order = list(range(plan.stages))
-    if run.side is not None:
+    if run.side is not None and not run.own_last:
         order = order[1:] + order[:1]
     try:
         for c in order:
+            if c == plan.stages - 1 and run.own_last:
+                run.join_side()  # the last own rows: computed while the peers' results travel home
             with run.stage_stream(c):
                 rows = _Arrive.apply(tokens[c], run, c)
                 y = run.check_result(c, fn(rows, run.chunk(c)), rows.shape[0])

@@ -39,28 +39,40 @@ def test_plan_pieces_cover_each_block_in_order(counts, stages, data):
         assert part[:, 0].div(2, rounding_mode="floor").tolist() == expect.tolist()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(send=st.lists(st.integers(0, 30), min_size=2, max_size=6), degree=st.integers(1, 5), data=st.data())
 def test_own_first_plan(send, degree, data):
-    """own_first: stage 0 holds exactly the own block, the peers' blocks follow in
-    ``degree`` balanced pieces, and packing then unpacking gives the input back."""
+    """own_first: stage 0 holds the own block's first ``round(own_split * n)`` rows and (with
+    ``own_last``) the last stage the rest; the peers' blocks fill the stages between in
+    ``degree`` balanced pieces; packing then unpacking gives the input back."""
     W = len(send)
     own = data.draw(st.integers(0, W - 1))
     recv = data.draw(st.lists(st.integers(0, 30), min_size=W, max_size=W))
     recv[own] = send[own]
-    plan = ov._Plan(send, recv, [degree] * W, [degree] * W, degree + 1, torch.device("cpu"), own)
-    for counts in (plan.send_counts, plan.recv_counts):
-        assert counts[0] == [n if p == own else 0 for p, n in enumerate(send if counts is plan.send_counts else recv)]
-        assert all(stage[own] == 0 for stage in counts[1:])
+    own_last = data.draw(st.booleans())
+    split = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.7, 1.0])) if own_last else 1.0
+    stages = degree + 1 + own_last
+    plan = ov._Plan(send, recv, [degree] * W, [degree] * W, stages, torch.device("cpu"), own, own_last, split)
+    n = send[own]
+    first = min(n, max(0, round(split * n)))
+    own_stages = [0, stages - 1] if own_last else [0]
+    for counts, total in ((plan.send_counts, send), (plan.recv_counts, recv)):
+        assert counts[0] == [first if p == own else 0 for p in range(W)]
+        if own_last:
+            assert counts[-1] == [n - first if p == own else 0 for p in range(W)]
+        peers = [counts[c] for c in range(stages) if c not in own_stages]
+        assert len(peers) == degree and all(stage[own] == 0 for stage in peers)
         for p in range(W):
             if p != own:
-                peer = [stage[p] for stage in counts[1:]]
-                assert max(peer) - min(peer) <= 1
-    assert plan.is_local(0) and not any(plan.is_local(c) for c in range(1, degree + 1))
+                piece = [stage[p] for stage in peers]
+                assert sum(piece) == total[p] and max(piece) - min(piece) <= 1
+    assert [c for c in range(stages) if plan.is_local(c)] == own_stages
     x = torch.arange(sum(send) * 2).reshape(-1, 2)
-    assert torch.equal(plan.own_rows(x), x[sum(send[:own]):sum(send[:own + 1])])
+    block = x[sum(send[:own]):sum(send[:own + 1])]
+    assert torch.equal(torch.cat([plan.own_rows(x, c) for c in own_stages]), block)
     parts = [plan.pack(x, c) for c in range(plan.stages)]
-    assert torch.equal(parts[0], plan.own_rows(x))
+    for c in own_stages:
+        assert torch.equal(parts[c], plan.own_rows(x, c))
     assert torch.equal(plan.unpack(parts, (2,), x.dtype), x)
 
 

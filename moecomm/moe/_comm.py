@@ -136,6 +136,10 @@ def allreduce_sum_(comm: "moecomm.Communicator", t: torch.Tensor) -> torch.Tenso
 
 def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algorithm, own_first=False):
     """``comm.scatter_compute_gather`` (all-to-all, ``fn`` per chunk, all-to-all back, pipelined)."""
-    kw = {"own_first": True} if own_first else {}
+    kw: dict = {}
+    if own_first:
+        kw["own_first"] = True
+        if _method_accepts(type(comm), "scatter_compute_gather", "own_split"):
+            kw["own_split"] = 1.0  # all own rows first: each stage's rows stay whole [experts][capacity] blocks
     return comm.scatter_compute_gather(send, list(send_splits), fn, degree=degree, recv_splits=list(recv_splits),
                                        algorithm=algorithm, **kw)

@@ -56,8 +56,13 @@ COMM = make_comm(timeout=60)
 W, R = COMM.size, COMM.rank
 DEV = COMM.device
 DEGREES = [1, 2, 3, 4, 8, "auto"]
-# (degree, own_first): every degree, and own rows first with a few
-MODES = [(d, False) for d in DEGREES] + [(1, True), (2, True), (3, True), ("auto", True)]
+# (degree, own): every degree; own rows first (own: own_split) with a few
+MODES = [(d, None) for d in DEGREES] + [(1, 1.0), (1, 0.5), (2, 0.5), (2, 0.0), (3, 1.0), ("auto", 0.5)]
+
+
+def own_kw(own) -> dict:
+    """Keyword arguments of an own mode: None (own rows not first) or own_split."""
+    return {} if own is None else {"own_first": True, "own_split": own}
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -166,43 +171,56 @@ def check_equivalence() -> None:
                 problems = Problems()
                 rs = recv if known else None
                 out = COMM.scatter_compute_gather(x, send, fn_checking_chunk(full_ref, recv, problems), degree=d,
-                                                  recv_splits=rs, own_first=own)
+                                                  recv_splits=rs, **own_kw(own))
                 collective_assert(bits_equal(out, x), f"round trip, degree {d} own_first {own}, case {seed}")
                 collective_assert(not problems.items, f"degree {d} own_first {own} case {seed}: {problems.items[:3]}")
-                out = COMM.scatter_compute_gather(x, send, fn_tag, degree=d, recv_splits=rs, own_first=own)
+                out = COMM.scatter_compute_gather(x, send, fn_tag, degree=d, recv_splits=rs, **own_kw(own))
                 collective_assert(bits_equal(out, ref_tag), f"fn_tag, degree {d} own_first {own}, case {seed}, {dtype}")
                 collective_assert(bits_equal(x, rows_for(seed, m, shape, dtype)), "input left unchanged")
 
 
 def check_own_first() -> None:
-    """own_first: stage 0 holds only this rank's rows, as a view of the input (no copy), and
-    the peers' stages none of them; fn sees every stage exactly once."""
+    """own_first: stage 0 holds only this rank's first ``round(own_split * n)`` own rows and,
+    with own_split < 1, the last stage the rest, as views of the input (no copy); the peers'
+    stages hold none of them; fn sees every stage exactly once."""
     m = counts(41, 6, 0.2)
     m[np.arange(W), np.arange(W)] = np.maximum(m[np.arange(W), np.arange(W)], 1)  # every rank keeps a row
     send, recv = splits(m)
     x = rows_for(41, m, (3,), torch.float32)
     own_at = x[sum(send[:R]):].data_ptr()
-    seen: list = []
+    n_own = send[R]
+    for split in (1.0, 0.5, 0.0):
+        seen: list = []
 
-    def fn(rows, chunk):
-        seen.append((chunk.index, list(chunk.source_splits), rows.data_ptr()))
-        return rows * 3
+        def fn(rows, chunk):
+            seen.append((chunk.index, list(chunk.source_splits), rows.data_ptr()))
+            return rows * 3
 
-    out = COMM.scatter_compute_gather(x, send, fn, degree=2, recv_splits=recv, own_first=True)
-    collective_assert(bits_equal(out, x * 3), "own_first result")
-    stages = sorted(seen)
-    ok = [s[0] for s in stages] == ([0, 1, 2] if W > 1 else [0, 1])
-    if W > 1:
-        own_only = [recv[R] if p == R else 0 for p in range(W)]
-        ok = ok and stages[0][1] == own_only and stages[0][2] == own_at
-        ok = ok and all(s[1][R] == 0 for s in stages[1:])
-    collective_assert(ok, f"own_first stages: {[(s[0], s[1]) for s in stages]}")
-    with_errors = False
-    try:
-        COMM.scatter_compute_gather(x, send, fn, degree=2, recv_splits=recv, own_first=1)
-    except TypeError as e:
-        with_errors = "own_first" in str(e)
-    collective_assert(with_errors, "own_first=1 raises TypeError naming own_first")
+        out = COMM.scatter_compute_gather(x, send, fn, degree=2, recv_splits=recv, own_first=True, own_split=split)
+        collective_assert(bits_equal(out, x * 3), f"own_first result, own_split {split}")
+        stages = sorted(seen)
+        last = W > 1 and split < 1
+        ok = [s[0] for s in stages] == list(range(2 + (W > 1) + last))
+        if W > 1:
+            first = round(split * n_own)
+            own_only = [[first if p == R else 0 for p in range(W)]]
+            ends = [stages[0]]
+            if last:
+                own_only.append([n_own - first if p == R else 0 for p in range(W)])
+                ends.append(stages[-1])
+            ok = ok and [e[1] for e in ends] == own_only
+            ok = ok and all(e[2] == own_at + (first * 3 * 4 if k else 0) for k, e in enumerate(ends) if e[1][R])
+            ok = ok and all(s[1][R] == 0 for s in stages[1:len(stages) - last])
+        collective_assert(ok, f"own_first stages, own_split {split}: {[(s[0], s[1]) for s in stages]}")
+    for bad, exc, name in (({"own_first": 1}, TypeError, "own_first"), ({"own_first": True, "own_split": 1.5},
+                                                                           ValueError, "own_split"),
+                           ({"own_first": True, "own_split": "half"}, ValueError, "own_split")):
+        with_errors = False
+        try:
+            COMM.scatter_compute_gather(x, send, fn, degree=2, recv_splits=recv, **bad)
+        except exc as e:
+            with_errors = name in str(e)
+        collective_assert(with_errors, f"{bad} raises {exc.__name__} naming {name}")
 
 
 def check_split_forms() -> None:
@@ -263,7 +281,7 @@ def check_gradients() -> None:
             f.w.grad = None
             xo = x0.clone().requires_grad_()
             out = COMM.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv if d != 3 else None,
-                                              own_first=own)
+                                              **own_kw(own))
             out.backward(gout)
             collective_assert(bits_equal(xo.grad, gx_ref), f"x.grad, degree {d} own_first {own}, seed {seed}")
             collective_assert(torch.allclose(f.w.grad, gw_ref, rtol=1e-5, atol=1e-5),
@@ -273,9 +291,9 @@ def check_gradients() -> None:
         out = COMM.scatter_compute_gather(x0, send, f, degree=2, recv_splits=recv)
         out.backward(gout)
         collective_assert(torch.allclose(f.w.grad, gw_ref, rtol=1e-5, atol=1e-5), "w.grad, input without grad")
-        for d, own in ((4, False), (2, True)):
+        for d, own in ((4, None), (2, 0.5), (2, 1.0)):
             xo = x0.clone().requires_grad_()
-            out = COMM.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv, own_first=own)
+            out = COMM.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv, **own_kw(own))
             gx, gw = torch.autograd.grad(out, (xo, f.w), gout, retain_graph=True)
             collective_assert(bits_equal(gx, gx_ref) and torch.allclose(gw, gw_ref, rtol=1e-5, atol=1e-5),
                               f"autograd.grad, own_first {own}")
@@ -290,10 +308,10 @@ def check_gradients() -> None:
     xr = x0.clone().requires_grad_()
     _plain(xr, send, recv, f).backward(gout)
     ref = (xr.grad, f.w1.grad, f.w2.grad)
-    for d, own in ((2, False), (3, False), (8, False), (1, True), (3, True)):
+    for d, own in ((2, None), (3, None), (8, None), (1, 1.0), (3, 0.5)):
         f.w1.grad = f.w2.grad = None
         xo = x0.clone().requires_grad_()
-        COMM.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv, own_first=own).backward(gout)
+        COMM.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv, **own_kw(own)).backward(gout)
         got = (xo.grad, f.w1.grad, f.w2.grad)
         ok = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, ref))
         collective_assert(ok, f"matmul fn gradients, degree {d} own_first {own}")
@@ -322,8 +340,8 @@ def check_group_order() -> None:
     full_scale = torch.tensor(np.concatenate([np.repeat(np.arange(1, experts + 1), per[p, R]) for p in range(W)])
                               if m[:, R].sum() else np.zeros(0), dtype=torch.float32, device=DEV)
     expected = reference(x, send, recv, lambda rows, ch: rows * full_scale[:, None])
-    for d, own in ((1, False), (2, False), (3, False), (8, False), (1, True), (2, True)):
-        out = COMM.scatter_compute_gather(x, send, fn, degree=d, recv_splits=recv, own_first=own)
+    for d, own in ((1, None), (2, None), (3, None), (8, None), (1, 1.0), (2, 0.5)):
+        out = COMM.scatter_compute_gather(x, send, fn, degree=d, recv_splits=recv, **own_kw(own))
         collective_assert(bits_equal(out, expected), f"group_order, degree {d} own_first {own}")
 
     def fn_splits(rows, chunk):
@@ -348,11 +366,11 @@ def check_algorithm_passthrough() -> None:
     f = ElementwiseFn(3)
     xr = x.clone().requires_grad_()
     _plain(xr, send, recv, f).backward(x)
-    for d, own in ((1, False), (3, False), (2, True)):
-        out = checked.scatter_compute_gather(x, send, fn_tag, degree=d, recv_splits=recv, own_first=own)
+    for d, own in ((1, None), (3, None), (2, 0.5)):
+        out = checked.scatter_compute_gather(x, send, fn_tag, degree=d, recv_splits=recv, **own_kw(own))
         collective_assert(bits_equal(out, ref), f"validate=True, degree {d} own_first {own}")
         xo = x.clone().requires_grad_()
-        checked.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv, own_first=own).backward(x)
+        checked.scatter_compute_gather(xo, send, f, degree=d, recv_splits=recv, **own_kw(own)).backward(x)
         collective_assert(bits_equal(xo.grad, xr.grad), f"validate=True gradients, degree {d} own_first {own}")
     checked.close()
     import inspect
@@ -383,14 +401,15 @@ def check_algorithm_passthrough() -> None:
 @given(seed=st.integers(0, 2**31), max_rows=st.integers(0, 9), zero_fraction=st.sampled_from([0.0, 0.4, 0.9]),
        degree=st.sampled_from([1, 2, 3, 4, 5, 8, 16, "auto"]), known=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int32, torch.uint8]),
-       row_shape=st.sampled_from([(), (1,), (3,), (2, 2)]), grad=st.booleans(), own=st.booleans())
+       row_shape=st.sampled_from([(), (1,), (3,), (2, 2)]), grad=st.booleans(),
+       own=st.sampled_from([None, 0.0, 0.3, 0.5, 1.0]))
 def check_hypothesis(seed, max_rows, zero_fraction, degree, known, dtype, row_shape, grad, own) -> None:
     m = counts(seed, max_rows, zero_fraction)
     send, recv = splits(m)
     x = rows_for(seed, m, row_shape, dtype)
     ref = reference(x, send, recv, fn_tag)
     out = COMM.scatter_compute_gather(x, send, fn_tag, degree=degree, recv_splits=recv if known else None,
-                                      own_first=own)
+                                      **own_kw(own))
     collective_assert(bits_equal(out, ref), f"hypothesis forward: degree {degree} {dtype} {row_shape} seed {seed}")
     if grad and dtype.is_floating_point:
         width = int(np.prod(row_shape)) if row_shape else 1
@@ -403,7 +422,7 @@ def check_hypothesis(seed, max_rows, zero_fraction, degree, known, dtype, row_sh
         f.w.grad = None
         xo = flat.clone().requires_grad_()
         COMM.scatter_compute_gather(xo, send, f, degree=degree, recv_splits=recv if known else None,
-                                    own_first=own).backward(gout)
+                                    **own_kw(own)).backward(gout)
         tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
         collective_assert(bits_equal(xo.grad, gx), f"hypothesis x.grad: degree {degree} {dtype} seed {seed}")
         collective_assert(torch.allclose(f.w.grad.float(), gw.float(), rtol=tol, atol=tol),
@@ -509,14 +528,14 @@ def check_cuda_graph() -> None:
         return
     m = counts(31, 7, 0.3)
     send, recv = splits(m)
-    for d, own in ((2, False), (3, False), ("auto", False), (1, True), (2, True)):
+    for d, own in ((2, None), (3, None), ("auto", None), (1, 1.0), (1, 0.5), (2, 0.5)):
         f, fe = ElementwiseFn(4), ElementwiseFn(4)
         x = rows_for(31, m, (4,), torch.float32).clone().requires_grad_()
         gout = rows_for(131, m, (4,), torch.float32)
 
         def step():
             x.grad = f.w.grad = None
-            out = COMM.scatter_compute_gather(x, send, f, degree=d, recv_splits=recv, own_first=own)
+            out = COMM.scatter_compute_gather(x, send, f, degree=d, recv_splits=recv, **own_kw(own))
             out.backward(gout)
             return out
 
@@ -530,7 +549,7 @@ def check_cuda_graph() -> None:
             got = (out.detach().clone(), x.grad.clone(), f.w.grad.clone())
             xe = x.detach().clone().requires_grad_()
             fe.w.grad = None
-            oute = COMM.scatter_compute_gather(xe, send, fe, degree=d, recv_splits=recv, own_first=own)
+            oute = COMM.scatter_compute_gather(xe, send, fe, degree=d, recv_splits=recv, **own_kw(own))
             oute.backward(gout)
             ok = bits_equal(got[0], oute.detach()) and bits_equal(got[1], xe.grad) and \
                 torch.allclose(got[2], fe.w.grad, rtol=1e-5, atol=1e-5)
