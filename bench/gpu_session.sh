@@ -4,7 +4,8 @@
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
-# moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl and perpeer run when named)
+# moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl and perpeer
+# run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -126,6 +127,14 @@ run_step() {
     overlapownnccl)
       step overlap_own 200 "${MPI[@]}" python3 -m bench.overlap --degrees 1,o1,2,o2,4 --cuda-graph -n 15 \
         --json "$RES/overlap_own.json" ;;
+    overlapsplit)
+      step overlap_split_ce 240 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G \
+        --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,o2:0.3,o4:0.5,4 --cuda-graph -n 15 --json "$RES/overlap_split_ce.json"
+      step overlap_split_ce_prio 240 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --peer-stream-priority -1 \
+        --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,o2:0.3,o4:0.5 --cuda-graph -n 15 --json "$RES/overlap_split_ce_prio.json" ;;
+    overlapsplitnccl)
+      step overlap_split 200 "${MPI[@]}" python3 -m bench.overlap --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,2 --cuda-graph \
+        -n 15 --json "$RES/overlap_split.json" ;;
     perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;
     *) echo "unknown step $1" >> "$LOG" ;;
   esac

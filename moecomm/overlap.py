@@ -35,24 +35,31 @@ rank. It is called once per stage, also with zero rows.
 
 Own rows first
 --------------
-With ``own_first=True`` the rows a rank sends to itself form a stage of their own, stage 0,
-and the peers' pieces follow in stages ``1..degree`` (so ``degree=1`` means: own rows, then
-all the peers' rows in one exchange). The own rows are never exchanged or copied: ``fn``
-gets a view of ``input`` for them (it must not write into its rows), and their results are
-copied into place. ``fn`` works on them while the peers' rows are in flight, which hides
-up to the smaller of ``fn``'s time on the own rows and one exchange, forward and backward,
+With ``own_first=True`` the rows a rank sends to itself form stages of their own. The
+first ``round(own_split * n)`` of its ``n`` own rows are stage 0; the peers' pieces follow
+in stages ``1..degree`` (so ``degree=1`` means: own rows, then all the peers' rows in one
+exchange); with ``own_split < 1`` the rest of the own rows are one more stage, the last.
+The own rows are never exchanged or copied: ``fn`` gets a view of ``input`` for them (it
+must not write into its rows), and their results are copied into place. ``fn`` works on
+the first own rows while the peers' rows are in flight, and on the last own rows while the
+peers' results travel home, which hides up to the smaller of ``fn``'s time on each part
+and one exchange, forward and backward (the backward pass the other way round: it starts
+on the last own rows, whose output gradient needs no exchange, and ends on the first),
 with no more exchanges than ``degree`` alone. Where the own rows are ``1/size`` of the
 work (2 ranks: half) that is the cheapest overlap there is: the number of exchanges stays
-that of the unchunked computation.
+that of the unchunked computation. ``own_split=1`` puts all own rows first: it hides
+nothing of the last exchange.
 
 On a GPU the peers' stages run on a stream of the communicator's own (waiting there for
-their exchanges), while the caller's stream works on the own rows. They are issued first
-on the host, so that the autograd engine, which runs later-made nodes first, also starts
-the backward on the own rows: their output gradient needs no exchange. On the CPU (one
-thread) the own stage is computed first in the forward pass and last in the backward
-pass. ``fn``'s parameters are used once per stage; their gradients are summed by autograd
-(the MoE layer's own experts sum them inside their GEMMs instead:
-:class:`moecomm.moe.experts.WeightGradSum`).
+their exchanges), while the caller's stream works on the own rows; the caller's stream
+waits for the peers' stream before the last own rows (in the backward pass: before the
+first own rows), so that they are computed while the last exchange is in flight rather
+than alongside the peers' rows. With ``own_split=1`` the peers' stages are issued first on
+the host, so that the autograd engine, which runs later-made nodes first, starts the
+backward on the own rows. On the CPU (one thread) the stages run in order in the forward
+pass and in reverse in the backward pass. ``fn``'s parameters are used once per stage;
+their gradients are summed by autograd (the MoE layer's own experts sum them inside their
+GEMMs instead: :class:`moecomm.moe.experts.WeightGradSum`).
 
 Transport
 ---------
@@ -574,14 +581,18 @@ class _Run:
         self._side_joined = False
         self.own_last = len(plan.own_stages) == 2
 
+    def fork_side(self) -> None:
+        """The peers' rows stream starts after what the caller issued so far (once per call)."""
+        if self.side is not None and not self._side_joined:
+            self.side.wait_stream(self.main)
+            self._side_joined = True
+
     def stage_stream(self, c: int) -> Any:
         """Where stage ``c``'s forward runs (its backward follows it there): the caller's stream,
         or the peers' rows stream for the peers' stages of an own-first call."""
         if self.side is None or self.plan.is_local(c):
             return contextlib.nullcontext()
-        if not self._side_joined:  # the peers' stream starts after what the caller issued so far
-            self.side.wait_stream(self.main)
-            self._side_joined = True
+        self.fork_side()
         return torch.cuda.stream(self.side)
 
     def join_side(self) -> None:
@@ -887,14 +898,15 @@ def scatter_compute_gather(
     x = input.contiguous()
     tokens = _Scatter.apply(x, run)
     departed: list = [None] * plan.stages
-    # Own rows first on a GPU: the peers' stages are made first, on their own stream, so that
-    # the autograd engine (which runs later-made nodes first) starts the backward on the own
-    # rows too; the caller's stream computes the own rows meanwhile. On the CPU (one thread)
-    # the own stage comes first, while the peers' rows are in flight.
+    # Own rows first on a GPU: the caller's stream computes the own rows while the peers'
+    # stages run on their own stream. The autograd engine runs later-made nodes first, so the
+    # backward starts on the stage made last: the last own rows, or with all own rows first
+    # (made last here for that reason) those. On the CPU (one thread) the stages go in order.
     order = list(range(plan.stages))
     if run.side is not None and not run.own_last:
         order = order[1:] + order[:1]
     try:
+        run.fork_side()  # before the caller's stream gets the own rows: the peers' rows need not wait for them
         for c in order:
             if c == plan.stages - 1 and run.own_last:
                 run.join_side()  # the last own rows: computed while the peers' results travel home
