@@ -93,6 +93,11 @@ class Bench:
         self.p2p = None
         if self.cuda and args.p2p_bytes:
             self.p2p = moecomm.init(backend="nccl", timeout=args.timeout, p2p_bytes=args.p2p_bytes, set_default=False)
+            if args.p2p_blocks:  # a tuning experiment: the instance's attributes shadow the class defaults
+                size, _, most = args.p2p_blocks.partition(":")
+                self.p2p._p2p.block_bytes = parse_bytes(size)
+                if most:
+                    self.p2p._p2p.max_blocks = int(most)
 
     def _torch_group(self):
         import socket
@@ -276,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also time torch's MoE pattern and the raw backend")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
+    p.add_argument("--p2p-blocks", metavar="BYTES:MAX", default=None,
+                   help="peer-memory kernels: one thread block per BYTES moved, at most MAX in all (default: "
+                        "PeerTransport's, 256K:128)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p

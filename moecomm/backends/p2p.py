@@ -63,14 +63,19 @@ ROW_ALIGN = 16
 _HEADER_BYTES = 64
 
 
-def _copy_blocks(nbytes: int, world: int) -> int:
-    """Thread blocks per peer for moving ``nbytes`` in all: one per 256 KiB, 16 to 128 in all
-    (each rank picks its own: the protocol does not depend on it)."""
-    return max(1, min(128, max(16, nbytes >> 18)) // world)
+def _copy_blocks(nbytes: int, world: int, block_bytes: int, max_blocks: int) -> int:
+    """Thread blocks per peer for moving ``nbytes`` in all: one per ``block_bytes``, 16 to
+    ``max_blocks`` in all (each rank picks its own: the protocol does not depend on it)."""
+    return max(1, min(max_blocks, max(16, nbytes // block_bytes)) // world)
 
 
 class PeerTransport:
     """The arenas of one communicator's ranks and the state of their exchanges."""
+
+    block_bytes: int = 256 << 10
+    """The counts-on-the-GPU kernels (send, copy out) use one thread block of 512 threads
+    per this many bytes they move, at least 16 and at most :attr:`max_blocks` in all."""
+    max_blocks: int = 128
 
     def __init__(self, comm: "Communicator", arena_bytes: int) -> None:
         from moecomm_ext._loader import load_p2p
@@ -144,6 +149,9 @@ class PeerTransport:
         self._status = self._status_t.numpy()
         comm.barrier()  # every rank has mapped every arena before any exchange writes to one
 
+    def _blocks(self, nbytes: int) -> int:
+        return _copy_blocks(nbytes, self.size, self.block_bytes, self.max_blocks)
+
     def capacity_rows(self, row_bytes: int) -> int:
         """Rows of ``row_bytes`` one source can put in one region."""
         return self.region_bytes // row_bytes
@@ -165,8 +173,8 @@ class PeerTransport:
         self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b._stream, self._order,
                                       x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base, self.rank,
                                       self.size, self._seq, self._seq % 2, self.region_bytes, self.data_off,
-                                      self.header_off, done, _copy_blocks(x.numel() * x.element_size(), self.size),
-                                      result, host, self._timeout_ns)
+                                      self.header_off, done, self._blocks(x.numel() * x.element_size()), result, host,
+                                      self._timeout_ns)
         return _HostFlagRequest(self._host_np, 2 * self.size + 1, self._seq)
 
     def exchange(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]], out: torch.Tensor,
@@ -228,7 +236,7 @@ class PeerTransport:
         if out.numel():
             self._ext.launch_copy_out(self._device, self._base, self.data_off, self._seq % 2, self.size,
                                       self.region_bytes, row_bytes, self._ptrs[2], out.data_ptr(),
-                                      _copy_blocks(out.numel() * out.element_size(), self.size),
+                                      self._blocks(out.numel() * out.element_size()),
                                       _cudart.current_stream(self._device))
         rest = self._overflow(x, send, None, out, recv, None, row_bytes, None)
         return DoneRequest() if rest is None else rest
