@@ -90,8 +90,10 @@ measured), so chunking pays only when each stage's GPU work is larger than that.
 layers are faster at ``degree=1`` (exactly the non-overlapped computation). Captured into a
 CUDA graph (splits on the host, ``recv_splits`` given; see the README's "CUDA graphs") a
 replay costs the host almost nothing, and the stage count is limited by the GPU only: on
-2 x H200 with copy engines, 4 stages were best (0.85x of degree 1, where eagerly 4 stages
-were slower than 1; ``bench/results/h200x2/overlap_graph_ce.json``).
+2 x H200 with copy engines, 4 stages took 0.85x the time of degree 1 (where eagerly 4
+stages were slower than 1; ``bench/results/h200x2/overlap_graph_ce.json``), and own rows
+split around 2 peer stages (``own_first=True``) 0.78-0.79x captured, 0.80x eagerly
+(``overlap_split_ce.json``).
 
 Streams (CUDA, NCCL backend)
 ----------------------------
