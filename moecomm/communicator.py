@@ -299,7 +299,7 @@ class Communicator:
         recv_splits: Optional[Splits] = None,
         algorithm: Optional[str] = None,
         own_first: bool = False,
-        own_split: float = 0.5,
+        own_split: float = 0.3,
     ) -> torch.Tensor:
         """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` chunks per peer.
 

@@ -90,8 +90,10 @@ measured), so chunking pays only when each stage's GPU work is larger than that.
 layers are faster at ``degree=1`` (exactly the non-overlapped computation). Captured into a
 CUDA graph (splits on the host, ``recv_splits`` given; see the README's "CUDA graphs") a
 replay costs the host almost nothing, and the stage count is limited by the GPU only: on
-2 x H200 with copy engines, 4 stages were best (0.85x of degree 1, where eagerly 4 stages
-were slower than 1; ``bench/results/h200x2/overlap_graph_ce.json``).
+2 x H200 with copy engines, 4 stages took 0.85x the time of degree 1 (where eagerly 4
+stages were slower than 1; ``bench/results/h200x2/overlap_graph_ce.json``), and own rows
+split around 2 peer stages (``own_first=True``) 0.77-0.78x captured, 0.78-0.81x eagerly
+(``overlap_split_ce*.json``).
 
 Streams (CUDA, NCCL backend)
 ----------------------------
@@ -818,7 +820,7 @@ def scatter_compute_gather(
     recv_splits: Optional[Splits] = None,
     algorithm: Optional[str] = None,
     own_first: bool = False,
-    own_split: float = 0.5,
+    own_split: float = 0.3,
 ) -> torch.Tensor:
     """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` stages.
 
@@ -842,7 +844,9 @@ def scatter_compute_gather(
             first" above.
         own_split: with ``own_first``, the fraction (0 to 1) of the own rows computed
             first; the rest form a last stage, computed while the peers' results travel
-            home (in the backward pass the other way round). 1: all of them first.
+            home (in the backward pass the other way round). 1: all of them first. The
+            default, 0.3, was the best of 0.3, 0.5 and 1 on 2 x H200 (an expert FFN,
+            ``bench/results/h200x2/overlap_split_ce*.json``).
 
     Returns:
         ``[N, *out_shape]``: row ``i`` is ``fn``'s result for ``input`` row ``i``, exactly
