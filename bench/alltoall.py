@@ -131,15 +131,22 @@ class Bench:
 
     def time_methods(self, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, tuple[list[float], torch.Tensor]]:
         """Time every method round-robin (one exchange of each in turn), so that a noisy
-        moment on a shared machine hits them all alike; per exchange, the slowest rank."""
+        moment on a shared machine hits them all alike; per exchange, the slowest rank.
+        Each round takes the methods in a new random order (the same on every rank): a
+        method runs faster after one that left the GPU in the same state (measured on
+        2 x H200: 10-30% for the peer-memory exchange), and a fixed order would give that
+        to the same methods every round."""
         outs = {}
         for name, fn in fns.items():
             for _ in range(self.args.warmup):
                 outs[name] = fn()
         self.sync()
         times: dict[str, list[float]] = {name: [] for name in fns}
+        names = list(fns)
+        order = np.random.default_rng(len(names))
         for _ in range(self.args.iters):
-            for name, fn in fns.items():
+            for i in order.permutation(len(names)):
+                name, fn = names[i], fns[names[i]]
                 self.world.Barrier()
                 t0 = time.perf_counter()
                 outs[name] = fn()
@@ -302,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
     p.add_argument("--p2p-blocks", metavar="BYTES:MAX,...", default=None,
                    help="with --p2p-bytes: also time moecomm-p2p with its kernels using one thread block per BYTES "
-                        "moved, at most MAX in all (PeerTransport's default: 256K:128), one method per setting")
+                        "moved, at most MAX in all (PeerTransport's default: 64K:256), one method per setting")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p

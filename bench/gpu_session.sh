@@ -135,10 +135,11 @@ run_step() {
     overlapsplitnccl)
       step overlap_split 200 "${MPI[@]}" python3 -m bench.overlap --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,2 --cuda-graph \
         -n 15 --json "$RES/overlap_split.json" ;;
-    p2pblocks)  # thread blocks of the counts-on-the-GPU kernels: settings side by side in one process, twice
+    p2pblocks)  # thread blocks of the counts-on-the-GPU kernels: settings side by side in one process (64K:256: the
+                # default again, a control), twice
       for run in 1 2; do
         step "alltoall_p2p_blocks_$run" 150 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
-          -b 256K -e 16M -f 2 -p uniform,random,skewed --compare --p2p-bytes 2G --p2p-blocks 128K:256,64K:256,32K:512 \
+          -b 256K -e 16M -f 2 -p uniform,random,skewed --compare --p2p-bytes 2G --p2p-blocks 256K:128,64K:256,32K:512 \
           -n 40 --no-progress --json "$RES/alltoall_p2p_blocks_$run.json"
       done ;;
     perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;

@@ -72,10 +72,10 @@ def _copy_blocks(nbytes: int, world: int, block_bytes: int, max_blocks: int) -> 
 class PeerTransport:
     """The arenas of one communicator's ranks and the state of their exchanges."""
 
-    block_bytes: int = 256 << 10
+    block_bytes: int = 64 << 10
     """The counts-on-the-GPU kernels (send, copy out) use one thread block of 512 threads
     per this many bytes they move, at least 16 and at most :attr:`max_blocks` in all."""
-    max_blocks: int = 128
+    max_blocks: int = 256
 
     def __init__(self, comm: "Communicator", arena_bytes: int) -> None:
         from moecomm_ext._loader import load_p2p
