@@ -58,6 +58,14 @@ Nodes of unequal size cannot use 2DH (there is no rail through every node): ``in
 hierarchy=True)`` raises ``ValueError`` naming the node sizes, the default skips the groups,
 and ``algorithm="2dh"`` then raises the same ``ValueError``; ``"auto"`` uses the flat exchange.
 
+CUDA graphs
+-----------
+Every 2DH exchange of a layout with more than one phase exchanges counts inside the node,
+on the host, also with ``recv_splits`` given, so it cannot be captured into a CUDA graph:
+``algorithm="2dh"`` raises ``RuntimeError`` during a capture (before anything moves), and
+``"auto"`` runs the flat exchange while a capture is in progress. Layouts of one phase (one
+node, or one rank per node) run the flat exchange of a sub-communicator and can be captured.
+
 Buffers
 -------
 The receive buffers of the intermediate phases come from the communicator's staging pool
@@ -315,8 +323,8 @@ def _max_input_bytes(comm: "Communicator", x: torch.Tensor) -> int:
 def choose_algorithm(comm: "Communicator", x: torch.Tensor) -> str:
     """Collective: what ``algorithm="auto"`` runs for input ``x`` (the same on every rank)."""
     state: Optional[TopologyState] = getattr(comm, "_hier", None)
-    if state is None or state.hierarchy is None:
-        return "flat"
+    if state is None or state.hierarchy is None or comm._capturing():
+        return "flat"  # while a CUDA graph is captured, 2DH's count exchanges cannot run
     h = state.hierarchy
     if state.profile is not None:
         fixed = state.profile.uniform_choice()
@@ -657,6 +665,12 @@ def start_all_to_all_v(
         # exchange (no plan: the backward is the flat reverse, the same exchange).
         sub = h.intra if h.num_nodes == 1 else h.rail
         return sub._start_all_to_all_v(x, send, recv)
+    if comm._capturing():
+        raise RuntimeError(
+            f"moecomm: all_to_all_v(algorithm='2dh') cannot be captured into a CUDA graph on {h.num_nodes} nodes "
+            f"x {h.local_size} ranks: its intra-node count exchange (what the node's ranks route through this "
+            f"rank) waits on the host, also with recv_splits given; capture the flat exchange instead "
+            f"(algorithm='flat', or 'auto', which is flat while capturing)")
     plan = _make_plan(h, send, recv)
     if comm.validate:
         comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)

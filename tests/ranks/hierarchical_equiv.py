@@ -136,9 +136,38 @@ def checks_for(spec: str) -> list:
         ok = got == want and ran == want and np.array_equal(as_bytes(out), expected_bytes(seed, R, m, (4,), torch.float32))
         collective_assert(ok, f"{spec}: auto chose {got}, ran {ran}, expected {want} (no profile)")
 
-    for f in (check_equal, check_grad, check_async_interleaved, check_auto):
+    def check_capture():
+        """While a CUDA graph is captured (simulated: the host waits of the count exchanges
+        are what capture forbids), "auto" picks flat, and an explicit "2dh" that needs a
+        count exchange raises before anything moves, naming the capture, on every rank."""
+        h = comm._hier.hierarchy
+        m = count_matrix(79, W, 3, 0.2)
+        x = input_for(79, R, m, (4,), torch.float32)
+        send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+        comm._capturing = lambda: True
+        try:
+            chosen = hierarchical.choose_algorithm(comm, x)
+            msg = "no error"
+            if h.contiguous and (h.num_nodes == 1 or h.local_size == 1):
+                msg = "single phase"  # runs as the flat exchange of a sub-communicator: capturable
+            else:
+                try:
+                    comm.all_to_all_v(x, send, recv, algorithm="2dh")
+                except RuntimeError as exc:
+                    msg = str(exc)
+        finally:
+            del comm._capturing
+        ok = chosen == "flat" and (msg == "single phase" or ("CUDA graph" in msg and "2dh" in msg
+                                                             and "algorithm='flat'" in msg))
+        collective_assert(ok, f"{spec}: while capturing, auto chose {chosen}; 2dh gave {msg!r}")
+        out, _ = comm.all_to_all_v(x, send, recv, algorithm="2dh")  # and the communicator still works
+        collective_assert(np.array_equal(as_bytes(out), expected_bytes(79, R, m, (4,), torch.float32)),
+                          f"{spec}: 2dh after the refused capture")
+
+    checks = [check_equal, check_grad, check_async_interleaved, check_auto, check_capture]
+    for f in checks:
         f.__name__ = f"{spec}:{getattr(f, '__name__', 'check')}"
-    return [check_equal, check_grad, check_async_interleaved, check_auto]
+    return checks
 
 
 def check_unequal() -> None:
