@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from bench.alltoall import Bench, count_matrix, parse_size
+from bench.alltoall import Bench, build_parser, count_matrix, parse_size
 
 __all__ = ["main"]
 
@@ -254,8 +254,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--per-peer", action="store_true", help="also the native issuer's host cost per peer")
     p.add_argument("--only-per-peer", action="store_true", help="only that")
     args = p.parse_args(argv)
-    bench_args = argparse.Namespace(backend="nccl", timeout=120.0, dtype="bfloat16", compare=True,
-                                    warmup=10, iters=args.iters, row_elems=args.row_elems, p2p_bytes=1 << 30)
+    # bench.alltoall's own parser: every option it has gets its default
+    bench_args = build_parser().parse_args(["--backend", "nccl", "--timeout", "120", "-d", "bfloat16", "--compare",
+                                            "-w", "10", "-n", str(args.iters), "--row-elems", str(args.row_elems),
+                                            "--p2p-bytes", "1G"])
     bench = Bench(bench_args)
     report: dict = {"sizes": {}}
     if args.per_peer or args.only_per_peer:
