@@ -5,7 +5,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl, p2pblocks
-# perpeer and perpeerx3 run when named)
+# perpeer, perpeerx3 and deadlines run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -143,6 +143,7 @@ run_step() {
           -n 40 --no-progress --json "$RES/alltoall_p2p_blocks_$run.json"
       done ;;
     perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;
+    deadlines) step nccl_deadlines 90 "${MPI[@]}" python3 -m tests.ranks.nccl_init_timeout ;;
     perpeerx3)  # the same, three runs
       for run in 1 2 3; do
         step "per_peer_$run" 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 \

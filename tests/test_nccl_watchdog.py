@@ -102,3 +102,23 @@ def test_a_captured_operation_cannot_be_polled():
     request = nccl._EventRequest(object(), 0, None, "all_to_all_v")
     with pytest.raises(RuntimeError, match=r"all_to_all_v was captured into a CUDA graph.*only wait\(\)"):
         request.test()
+
+
+def test_call_before_deadline_returns_and_reraises():
+    assert nccl._call_before_deadline(lambda: 42, 5.0, "ncclCommInitRank", 0) == 42
+
+    def fails():
+        raise ValueError("bad unique id")
+
+    with pytest.raises(ValueError, match="bad unique id"):
+        nccl._call_before_deadline(fails, 5.0, "ncclCommInitRank", 0)
+
+
+def test_call_before_deadline_times_out_naming_the_call():
+    release = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        nccl._call_before_deadline(lambda: release.wait(30), 0.2, "ncclCommSplit", 5)
+    assert time.monotonic() - start < 10
+    assert str(info.value).startswith("moecomm: ncclCommSplit did not complete within 0.2 s on rank 5")
+    release.set()

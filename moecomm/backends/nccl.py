@@ -136,6 +136,33 @@ class _Watchdog:
             self._thread.join(timeout=5)
 
 
+def _call_before_deadline(fn: Callable[[], Any], timeout_s: float, what: str, rank: int) -> Any:
+    """``fn()`` (a blocking NCCL call that returns once every rank has made it: communicator
+    creation, split), run on a thread of its own so that the caller can give up on it.
+
+    Returns ``fn``'s result or raises its exception; raises ``TimeoutError`` naming ``what``
+    when it has not returned within ``timeout_s``. NCCL's blocking calls cannot be cancelled:
+    the thread stays behind, blocked (a daemon thread: it does not keep the process alive).
+    """
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"moecomm-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"moecomm: {what} did not complete within {timeout_s:g} s on rank {rank}: some rank "
+                           f"has not called it (the call cannot be cancelled; end this process)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 _NATIVE_CALLS: dict = {}
 """Cache: libnccl path -> the native issue object (or the reason it is unavailable)."""
 
@@ -210,7 +237,12 @@ class NcclBackend(Backend):
 
         torch.cuda.set_device(device)
         config = None if max_ctas is None else nc.NCCLConfig(max_ctas=max_ctas)
-        comm = nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(unique_id), config)
+
+        def init() -> Any:
+            _cudart.set_device(device.index)  # the current device is per thread
+            return nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(unique_id), config)
+
+        comm = _call_before_deadline(init, timeout_s, "ncclCommInitRank", rank)
         backend = cls(comm, device, timeout_s)
         backend.connect_peers()
         return backend
@@ -386,7 +418,19 @@ class NcclBackend(Backend):
     def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["NcclBackend"]:
         self.check_health()
         torch.cuda.current_stream(self.device).synchronize()
-        sub = self._comm.split(color, key)
+
+        def split() -> Any:
+            _cudart.set_device(self._index)
+            return self._comm.split(color, key)
+
+        try:
+            sub = _call_before_deadline(split, self.timeout_s, "ncclCommSplit", self.rank)
+        except TimeoutError as exc:
+            # The split still runs on this communicator in the abandoned thread: nothing else may
+            # use it, and neither destroying nor aborting it under that call is safe.
+            self._watchdog.failure = exc
+            self._aborted = True
+            raise
         if color is None or not sub.ptr:
             return None
         backend = NcclBackend(sub, self.device, self.timeout_s)
