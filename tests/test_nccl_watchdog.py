@@ -106,6 +106,7 @@ def test_a_captured_operation_cannot_be_polled():
 
 def test_call_before_deadline_returns_and_reraises():
     assert nccl._call_before_deadline(lambda: 42, 5.0, "ncclCommInitRank", 0) == 42
+    assert nccl._call_before_deadline(lambda: 43, float("inf"), "ncclCommInitRank", 0) == 43  # timeout=inf
 
     def fails():
         raise ValueError("bad unique id")

@@ -154,7 +154,9 @@ def _call_before_deadline(fn: Callable[[], Any], timeout_s: float, what: str, ra
 
     thread = threading.Thread(target=run, name=f"moecomm-{what}", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(min(deadline - time.monotonic(), 3600.0))  # (join rejects timeouts past time_t)
     if thread.is_alive():
         raise TimeoutError(f"moecomm: {what} did not complete within {timeout_s:g} s on rank {rank}: some rank "
                            f"has not called it (the call cannot be cancelled; end this process)")
