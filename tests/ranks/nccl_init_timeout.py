@@ -6,7 +6,8 @@
 2. Communicator creation: rank 0 calls ``NcclBackend.create`` with a 3 s timeout while rank 1
    does not; rank 0 gets a ``TimeoutError`` naming ``ncclCommInitRank`` within seconds.
 
-The abandoned NCCL calls stay blocked in their threads, so the ranks leave with ``os._exit``.
+The abandoned NCCL calls stay blocked in their threads, so the ranks finalize MPI and leave with
+``os._exit``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> int:
     ok = world.allreduce(ok, op=MPI.LAND)
     if rank == 0:
         print("nccl deadline checks " + ("passed" if ok else "FAILED"), flush=True)
+    MPI.Finalize()  # (os._exit skips mpi4py's own finalize, which Open MPI's mpirun requires)
     os._exit(0 if ok else 1)
 
 
