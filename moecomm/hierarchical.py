@@ -657,20 +657,21 @@ def start_all_to_all_v(
     send = normalize_splits(send_splits, "send_splits", comm.size)
     check_split_total(send, rows, "send_splits", "input")
     recv = None if recv_splits is None else normalize_splits(recv_splits, "recv_splits", comm.size)
-    if h._pending:  # count exchanges use the sub-communicators too: keep their call order
-        comm._wait_host(_Flush(h), "all_to_all_v (2dh, earlier exchanges)", None)
-    if h.contiguous and (h.num_nodes == 1 or h.local_size == 1):
-        # One node, or one rank per node: the other phase and both copies are empty, and
-        # the sub-communicator holds every rank in rank order. Run the one phase as its flat
-        # exchange (no plan: the backward is the flat reverse, the same exchange).
-        sub = h.intra if h.num_nodes == 1 else h.rail
-        return sub._start_all_to_all_v(x, send, recv)
-    if comm._capturing():
+    single_phase = h.contiguous and (h.num_nodes == 1 or h.local_size == 1)
+    if not single_phase and comm._capturing():
         raise RuntimeError(
             f"moecomm: all_to_all_v(algorithm='2dh') cannot be captured into a CUDA graph on {h.num_nodes} nodes "
             f"x {h.local_size} ranks: its intra-node count exchange (what the node's ranks route through this "
             f"rank) waits on the host, also with recv_splits given; capture the flat exchange instead "
             f"(algorithm='flat', or 'auto', which is flat while capturing)")
+    if h._pending:  # count exchanges use the sub-communicators too: keep their call order
+        comm._wait_host(_Flush(h), "all_to_all_v (2dh, earlier exchanges)", None)
+    if single_phase:
+        # One node, or one rank per node: the other phase and both copies are empty, and
+        # the sub-communicator holds every rank in rank order. Run the one phase as its flat
+        # exchange (no plan: the backward is the flat reverse, the same exchange).
+        sub = h.intra if h.num_nodes == 1 else h.rail
+        return sub._start_all_to_all_v(x, send, recv)
     plan = _make_plan(h, send, recv)
     if comm.validate:
         comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)

@@ -290,17 +290,19 @@ class _Plan:
     """Host-side chunking of one call: who sends how many rows in each stage."""
 
     def __init__(self, send: list[int], recv: list[int], send_pieces: list[int], recv_pieces: list[int],
-                 stages: int, device: torch.device, own: Optional[int] = None, own_last: bool = False,
-                 own_split: float = 1.0) -> None:
-        """``own``: this rank, when its own rows form stages of their own (no exchange): stage
-        0 with the first ``round(own_split * rows)`` of them, and with ``own_last`` the last
-        stage with the rest; the peers' pieces fill the stages between (``stages`` counts all)."""
+                 peer_stages: int, device: torch.device, own: Optional[int] = None, own_split: float = 1.0) -> None:
+        """``peer_stages``: the stages the pairs' pieces travel in. ``own``: this rank, when its
+        own rows form stages of their own (no exchange): stage 0 with the first
+        ``round(own_split * rows)`` of them, and with ``own_split < 1`` one more stage, the
+        last, with the rest (the same on every rank: so is :attr:`stages`)."""
+        self.own_last = own is not None and own_split < 1.0
+        stages = peer_stages + (own is not None) + self.own_last
         self.stages = stages
         self.device = device
         self.send = send
         self.recv = recv
         self.own = own
-        self.own_stages = () if own is None else (0, stages - 1) if own_last else (0,)
+        self.own_stages = () if own is None else (0, stages - 1) if self.own_last else (0,)
         W = len(send)
         s = np.asarray(send, dtype=np.int64)
         r = np.asarray(recv, dtype=np.int64)
@@ -313,7 +315,7 @@ class _Plan:
             send_p[own] = recv_p[own] = 1
         self.send_bounds = _bounds(s, send_p, stages, first)  # [S+1, W]
         self.recv_bounds = _bounds(r, recv_p, stages, first)
-        if own_last:  # the own pair: its first rows in stage 0, the rest in the last stage
+        if self.own_last:  # the own pair: its first rows in stage 0, the rest in the last stage
             n = int(s[own])
             self.send_bounds[1:stages, own] = self.recv_bounds[1:stages, own] = min(n, max(0, round(own_split * n)))
         send_c = np.diff(self.send_bounds, axis=0)  # [S, W]
@@ -581,7 +583,6 @@ class _Run:
         self.main = torch.cuda.current_stream(plan.device) if cuda else None
         self.side = comm._peer_rows_stream() if cuda and plan.own is not None else None
         self._side_joined = False
-        self.own_last = len(plan.own_stages) == 2
 
     def fork_side(self) -> None:
         """The peers' rows stream starts after what the caller issued so far (once per call)."""
@@ -786,7 +787,7 @@ class _Depart(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, token):  # type: ignore[override]
         run = ctx.run
-        if ctx.c == 0 and run.own_last:
+        if ctx.c == 0 and run.plan.own_last:
             run.join_side()  # the first own rows go last: while the peers' input gradients travel home
         return run.wait_grad_scatter(ctx.c), None, None
 
@@ -894,9 +895,7 @@ def scatter_compute_gather(
         stages = degree
         send_pieces = recv_pieces = [degree] * w
     own = comm.rank if own_first and w > 1 else None
-    own_last = own is not None and own_split < 1.0  # the same on every rank: so is the stage count
-    plan = _Plan(send, recv, send_pieces, recv_pieces, stages + (own is not None) + own_last, dev, own, own_last,
-                 float(own_split))
+    plan = _Plan(send, recv, send_pieces, recv_pieces, stages, dev, own, float(own_split))
     run = _Run(comm, plan, fn, kw)
 
     x = input.contiguous()
@@ -907,12 +906,12 @@ def scatter_compute_gather(
     # backward starts on the stage made last: the last own rows, or with all own rows first
     # (made last here for that reason) those. On the CPU (one thread) the stages go in order.
     order = list(range(plan.stages))
-    if run.side is not None and not run.own_last:
+    if run.side is not None and not plan.own_last:
         order = order[1:] + order[:1]
     try:
         run.fork_side()  # before the caller's stream gets the own rows: the peers' rows need not wait for them
         for c in order:
-            if c == plan.stages - 1 and run.own_last:
+            if c == plan.stages - 1 and plan.own_last:
                 run.join_side()  # the last own rows: computed while the peers' results travel home
             with run.stage_stream(c):
                 rows = _Arrive.apply(tokens[c], run, c)

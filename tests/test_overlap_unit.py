@@ -50,9 +50,10 @@ def test_own_first_plan(send, degree, data):
     recv = data.draw(st.lists(st.integers(0, 30), min_size=W, max_size=W))
     recv[own] = send[own]
     own_last = data.draw(st.booleans())
-    split = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.7, 1.0])) if own_last else 1.0
+    split = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.7, 0.99])) if own_last else 1.0
     stages = degree + 1 + own_last
-    plan = ov._Plan(send, recv, [degree] * W, [degree] * W, stages, torch.device("cpu"), own, own_last, split)
+    plan = ov._Plan(send, recv, [degree] * W, [degree] * W, degree, torch.device("cpu"), own, split)
+    assert plan.stages == stages and plan.own_last == own_last
     n = send[own]
     first = min(n, max(0, round(split * n)))
     own_stages = [0, stages - 1] if own_last else [0]

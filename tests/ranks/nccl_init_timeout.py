@@ -41,7 +41,7 @@ def main() -> int:
     backend = NcclBackend.create(2, rank, uid, dev, 3.0)
     world.Barrier()
     if rank == 0:
-        msg, took = _timed(lambda: backend.split(0, 0, [[0, 1]]))
+        msg, took = _timed(lambda: backend.split(0, 0, [[0, 0], [0, 1]]))
         good = msg.startswith("moecomm: ncclCommSplit did not complete within 3 s on rank 0") and took < 30
         try:
             backend.check_health()
