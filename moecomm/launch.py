@@ -58,7 +58,7 @@ def mpi_exchange(comm: Any, payload: bytes, *, root_only: bool, timeout_s: float
         out = np.zeros((comm.Get_size(), width), dtype=np.uint8)
         req = comm.Iallgather([mine, MPI.BYTE], [out, MPI.BYTE])
         rows = list(out)
-    mpi_wait(req, timeout_s=timeout_s, what=f"{what} over MPI", rank=comm.Get_rank())
+    mpi_wait(req, timeout_s=timeout_s, what=what, rank=comm.Get_rank())
     return [bytes(r[2:2 + int.from_bytes(bytes(r[:2]), "little")]) for r in rows]
 
 
@@ -90,7 +90,8 @@ def mpi_agree(comm: Any, outcome: Union[bytes, BaseException], *, timeout_s: flo
     else:
         mine = b"\x01" + outcome
     try:
-        rows = mpi_exchange(comm, mine, root_only=False, timeout_s=timeout_s, what=what)
+        rows = mpi_exchange(comm, mine, root_only=False, timeout_s=timeout_s,
+                            what=f"{what} (the agreement that every rank has started)")
     except TimeoutError:
         if isinstance(outcome, BaseException):
             raise outcome from None
