@@ -16,7 +16,9 @@ private duplicate of ``MPI.COMM_WORLD`` and waits for the others:
 If every rank arrives, MPI is finalized as usual and the exit status is the process's own.
 If not, a process that failed (an uncaught exception, or a communicator it aborted) ends
 the whole job with ``MPI_Abort(1)``: ``mpiexec`` returns non-zero; a process that did not
-fail finalizes as usual.
+fail finalizes as usual. A process with a thread still blocked in an MPI call it gave up on
+(``MPI_Comm_split`` past its deadline) cannot finalize MPI under that call: it always ends
+the job with ``MPI_Abort(1)``, after the same wait.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class _ExitGuard:
         self.rank = world.Get_rank()
         self.timeout_s = timeout_s
         self.aborted = False
+        self.stuck = False  # a thread of this process is blocked in an MPI call that was given up on
         # Collective on COMM_WORLD, but non-blocking: it completes once every rank has armed.
         self.comm, self.ready = world.Idup()
 
@@ -49,9 +52,9 @@ class _ExitGuard:
         exc = getattr(sys, "last_value", None)
         failed = (exc is not None and not _clean_exit(exc)) or self.aborted
         limit = min(GRACE_S, self.timeout_s) if _timed_out(exc) else self.timeout_s + GRACE_S
-        if self._all_arrive(limit):
+        if self._all_arrive(limit) and not self.stuck:
             return
-        if failed:
+        if failed or self.stuck:
             sys.stdout.flush()
             print(f"moecomm: rank {self.rank} ends the MPI job (MPI_Abort): it failed and not every rank reached "
                   f"the exit within {limit:g} s", file=sys.stderr, flush=True)
@@ -99,8 +102,10 @@ def arm(world: Any, timeout_s: float) -> None:
     guard.timeout_s = max(guard.timeout_s, timeout_s)  # the longest wait any communicator may make
 
 
-def note_abort() -> None:
-    """Record that this process aborted a communicator (a failure, for the exit hook)."""
+def note_abort(*, stuck: bool = False) -> None:
+    """Record that this process aborted a communicator (a failure, for the exit hook);
+    ``stuck``: a thread stays blocked in an MPI call, so MPI cannot be finalized at all."""
     guard = _GUARD.get("guard")
     if guard is not None:
         guard.aborted = True
+        guard.stuck = guard.stuck or stuck

@@ -104,6 +104,17 @@ def init(
             source gets ``p2p_bytes / (4 * size)`` of it per exchange; rows beyond go
             through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
             peer access); otherwise ValueError. Default: None (off).
+
+    Collective: every rank of the launch (or of ``process_group``) must call it. Under an MPI
+    launcher it also registers, once per process, the exit hook of :mod:`moecomm._exit`
+    (a process that failed does not wait in MPI finalization for a stuck peer).
+
+    Raises:
+        ValueError, TypeError: this rank's arguments, before anything is sent.
+        RuntimeError: ``moecomm.init failed on rank R: ...``: another rank's arguments were
+            refused (every rank raises; none waits for the failed one).
+        TimeoutError: some rank did not join a step of the creation within ``timeout``
+            (named: ``moecomm.init``, ``MPI_Comm_idup``, ``ncclCommInitRank``, ...).
     """
     # Every check that needs no peer comes first; under a launcher a rank whose check failed
     # still joins the agreement that follows, so that its peers raise instead of waiting.

@@ -172,7 +172,8 @@ class MpiBackend(Backend):
         """``MPI_Comm_split`` has no non-blocking form: it runs on a thread of its own (mpi4py
         initializes MPI with ``MPI_THREAD_MULTIPLE``), and ``TimeoutError`` names it when it
         has not returned within the timeout. The call cannot be cancelled, so this backend then
-        refuses further work with that error (and the process's exit ends the MPI job)."""
+        refuses further work with that error (and the process's exit ends the MPI job with
+        ``MPI_Abort``: see :mod:`moecomm._exit`)."""
         self.check_health()
         MPI = self._MPI
         split = functools.partial(self._comm.Split, MPI.UNDEFINED if color is None else color, key)
@@ -181,7 +182,7 @@ class MpiBackend(Backend):
                 sub = _call_before_deadline(split, self.timeout_s, "MPI_Comm_split", self.rank)
             except TimeoutError as exc:
                 self._failure = exc
-                note_abort()
+                note_abort(stuck=True)
                 raise
         else:  # a thread could not call MPI: the communicator gathered the table first, under its deadline
             sub = split()

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 import moecomm
 
-PHASES = ("init", "split", "counts", "rows", "2dh-intra", "2dh-rail", "overlap", "moe")
+PHASES = ("init", "init-torch", "split", "counts", "rows", "2dh-intra", "2dh-rail", "overlap", "moe")
 KINDS = ("raise", "sleep", "exit")
 
 
@@ -56,7 +56,11 @@ def main() -> None:
     R, W = world.Get_rank(), world.Get_size()
     bad = R == victim
     comm = None
-    if phase != "init":
+    if phase == "init-torch":
+        from tests.mpi_util import init_gloo_over_mpi
+
+        init_gloo_over_mpi()
+    elif phase != "init":
         comm = moecomm.init("mpi", local_size=2 if phase.startswith("2dh") else None, set_default=False)
     setup = {}
     if phase == "moe":
@@ -101,6 +105,11 @@ def run(phase: str, kind: str, bad: bool, comm, R: int, W: int, setup: dict) -> 
         elif bad:
             fault(kind, "init")
         moecomm.init("mpi", set_default=False)
+        return
+    if phase == "init-torch":  # over a torch process group (gloo): only a refused argument
+        import torch.distributed as dist
+
+        moecomm.init("torch", process_group=dist.group.WORLD, max_ctas=4 if bad else None, set_default=False)
         return
     if phase == "split":  # the fault comes after the gathered table, where MPI_Comm_split would block
         if bad:
