@@ -52,13 +52,16 @@ class _ExitGuard:
         exc = getattr(sys, "last_value", None)
         failed = (exc is not None and not _clean_exit(exc)) or self.aborted
         limit = min(GRACE_S, self.timeout_s) if _timed_out(exc) else self.timeout_s + GRACE_S
-        if self._all_arrive(limit) and not self.stuck:
+        arrived = self._all_arrive(limit)
+        if self.stuck:
+            why = "a thread is still blocked in an MPI call that timed out, so MPI cannot be finalized"
+        elif failed and not arrived:
+            why = f"it failed and not every rank reached the exit within {limit:g} s"
+        else:
             return
-        if failed or self.stuck:
-            sys.stdout.flush()
-            print(f"moecomm: rank {self.rank} ends the MPI job (MPI_Abort): it failed and not every rank reached "
-                  f"the exit within {limit:g} s", file=sys.stderr, flush=True)
-            MPI.COMM_WORLD.Abort(1)
+        sys.stdout.flush()
+        print(f"moecomm: rank {self.rank} ends the MPI job (MPI_Abort): {why}", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
 
     def _all_arrive(self, limit: float) -> bool:
         deadline = time.monotonic() + limit
