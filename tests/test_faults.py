@@ -18,5 +18,5 @@ pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs m
 
 def test_fault_subset():
     lines: list[str] = []
-    problems = run_all(SUBSET, jobs=3, timeout_s=3.0, echo=lines.append)
-    assert not problems, "\n".join(lines + problems)
+    failures = run_all(SUBSET, jobs=3, timeout_s=3.0, echo=lines.append)
+    assert not failures, "\n".join(lines + failures)

@@ -6,7 +6,8 @@ victim either finished the phase (it did not need the victim after the fault) or
 named error within ``2 * timeout + 2 s``: ``TimeoutError`` saying what did not complete, or
 ``RuntimeError`` naming the victim's rank; and at least one of them raised.
 
-``python -m tests.faults [--ranks 2,3,4] [--phases ...] [--kinds ...] [--jobs N] [--timeout S]``
+``python -m tests.faults [--ranks 2,3,4] [--phases ...] [--kinds ...] [--subset] [--jobs N] [--timeout S]
+[--launcher "mpirun --allow-run-as-root"]``
 runs the full matrix (or a part of it) and prints one line per case.
 """
 
@@ -17,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -68,13 +70,13 @@ SUBSET = [  # what pytest runs: each phase and kind at least once, each world si
 ]
 
 
-def run_case(case: Case, timeout_s: float = 3.0) -> tuple[list[str], str]:
+def run_case(case: Case, timeout_s: float = 3.0, launcher: str = "mpiexec") -> tuple[list[str], str]:
     """Run one case; returns (problems, a one-line summary). No problems: it passed."""
     with tempfile.TemporaryDirectory(prefix="moecomm-faults-") as out:
         env = dict(os.environ, MOECOMM_TIMEOUT=str(timeout_s), FAULTS_DIR=out, OMP_NUM_THREADS="1",
                    MOECOMM_EXT_DISABLE="1", FAULTS_HANG_S=str(4 * timeout_s + 30),
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = ["mpiexec", "-n", str(case.ranks), sys.executable, "-m", "tests.faults.rank",
+        cmd = [*shlex.split(launcher), "-n", str(case.ranks), sys.executable, "-m", "tests.faults.rank",
                case.phase, case.kind, str(case.victim)]
         limit = 8 * timeout_s + 120  # a job that hangs (start-up included) is stopped here and fails
         try:
@@ -138,13 +140,15 @@ def judge(case: Case, timeout_s: float, rc, end: float, lines: dict) -> list[str
     return problems
 
 
-def run_all(cases: list[Case], jobs: int, timeout_s: float, echo=print) -> list[str]:
-    problems: list[str] = []
+def run_all(cases: list[Case], jobs: int, timeout_s: float, echo=print, launcher: str = "mpiexec") -> list[str]:
+    """Run ``cases``, ``jobs`` at a time; returns one report per failed case (none: all passed)."""
+    failures: list[str] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for case, (probs, summary) in zip(cases, pool.map(lambda c: run_case(c, timeout_s), cases)):
+        for case, (probs, summary) in zip(cases, pool.map(lambda c: run_case(c, timeout_s, launcher), cases)):
             echo(("FAIL " if probs else "ok   ") + summary)
-            problems += probs
-    return problems
+            if probs:
+                failures.append("\n".join(probs))
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,17 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--subset", action="store_true", help="only the cases pytest runs")
-    ap.add_argument("--jobs", type=int, default=2, help="cases run at once")
+    ap.add_argument("--jobs", type=int, default=3, help="cases run at once")
     ap.add_argument("--timeout", type=float, default=3.0, help="MOECOMM_TIMEOUT of the ranks, seconds")
+    ap.add_argument("--launcher", default="mpiexec",
+                    help='the MPI launcher and its options, e.g. "mpirun --allow-run-as-root" (Open MPI)')
     a = ap.parse_args(argv)
     sizes = {int(n) for n in a.ranks.split(",")}
     phases, kinds = set(a.phases.split(",")), set(a.kinds.split(","))
     cases = [c for c in (SUBSET if a.subset else all_cases())
              if c.ranks in sizes and c.phase in phases and c.kind in kinds]
     t0 = time.monotonic()
-    problems = run_all(cases, a.jobs, a.timeout, echo=lambda s: print(s, flush=True))
-    print(f"{len(cases)} cases, {len(cases) - len({p.split(':')[0] for p in problems})} passed, "
-          f"in {time.monotonic() - t0:.0f} s", flush=True)
-    for p in problems:
-        print(p)
-    return 1 if problems else 0
+    failures = run_all(cases, a.jobs, a.timeout, echo=lambda s: print(s, flush=True), launcher=a.launcher)
+    print(f"{len(cases)} cases, {len(cases) - len(failures)} passed, in {time.monotonic() - t0:.0f} s", flush=True)
+    for f in failures:
+        print(f)
+    return 1 if failures else 0
