@@ -7,9 +7,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import env
+from . import _exit, env
 from .communicator import Communicator
-from .launch import detect_launcher, host_name, mpi_exchange, mpi_world
+from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
 from .pool import StagingPool
 
@@ -104,23 +104,47 @@ def init(
             source gets ``p2p_bytes / (4 * size)`` of it per exchange; rows beyond go
             through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
             peer access); otherwise ValueError. Default: None (off).
+
+    Collective: every rank of the launch (or of ``process_group``) must call it. Under an MPI
+    launcher it also registers, once per process, the exit hook of :mod:`moecomm._exit`
+    (a process that failed does not wait in MPI finalization for a stuck peer).
+
+    Raises:
+        ValueError, TypeError: this rank's arguments, before anything is sent.
+        RuntimeError: ``moecomm.init failed on rank R: ...``: another rank's arguments were
+            refused (every rank raises; none waits for the failed one).
+        TimeoutError: some rank did not join a step of the creation within ``timeout``
+            (named: ``moecomm.init``, ``MPI_Comm_idup``, ``ncclCommInitRank``, ...).
     """
-    backend = env.default_backend() if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    timeout_s = _seconds(timeout)
-    validate = env.default_validate() if validate is None else bool(validate)
-    pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else int(pool_bytes))
-    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or not 1 <= max_ctas <= 32):
-        raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
-    if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
-        raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
+    # Every check that needs no peer comes first; under a launcher a rank whose check failed
+    # still joins the agreement that follows, so that its peers raise instead of waiting.
+    problem: Optional[Exception] = None
+    try:
+        backend = env.default_backend() if backend is None else backend
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        timeout_s = _seconds(timeout)
+        validate = env.default_validate() if validate is None else bool(validate)
+        pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else int(pool_bytes))
+        if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
+                                     or not 1 <= max_ctas <= 32):
+            raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
+        if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
+            raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
+        if hierarchy is not None and not isinstance(hierarchy, bool):
+            raise TypeError(f"hierarchy must be True, False or None, got {hierarchy!r}")
+        if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int)
+                                       or local_size < 1):
+            raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+    except (TypeError, ValueError) as exc:
+        problem = exc
+        timeout_s = _fallback_seconds(timeout)
 
     if process_group is not None:
         backend_obj, hosts, rank = _from_process_group(process_group, backend, device, timeout_s, None, max_ctas,
-                                                       p2p_bytes)
+                                                       p2p_bytes, problem)
     else:
-        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size, max_ctas, p2p_bytes)
+        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size, max_ctas, p2p_bytes, problem)
     layout = (
         Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
         else Layout.from_hosts(rank, hosts)
@@ -138,6 +162,16 @@ def init(
     if set_default:
         set_default_communicator(comm)
     return comm
+
+
+def _fallback_seconds(timeout: Any) -> float:
+    """The deadline of the agreement when this rank's own ``timeout`` was refused."""
+    for candidate in (timeout, None):
+        try:
+            return _seconds(candidate)
+        except (TypeError, ValueError):
+            continue
+    return 600.0
 
 
 def _attach_peer_transport(comm: Communicator, p2p_bytes: int, hosts: list) -> None:
@@ -174,46 +208,56 @@ def _nccl_only(options: dict, backend: str) -> None:
 
 
 def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int],
-                   p2p_bytes: Optional[int]):
+                   p2p_bytes: Optional[int], problem: Optional[Exception]):
     nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes}
     from .backends.nccl import NcclBackend, nccl_available
 
     launcher = detect_launcher()
-    if backend == "auto":
+    if problem is None and backend == "auto":
         if nccl_available():
             backend = "nccl"
         else:
             backend = "torch" if launcher == "torchrun" else "mpi"
     if launcher == "torchrun":
-        if backend == "mpi":
-            raise ValueError(
+        if problem is None and backend == "mpi":
+            problem = ValueError(
                 "backend='mpi' needs an MPI launcher (mpirun/mpiexec); under torchrun use 'torch' or 'nccl'"
             )
         import torch.distributed as dist
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas, p2p_bytes)
+        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas, p2p_bytes,
+                                   problem)
 
     world = mpi_world()
-    hosts = [h.decode() for h in mpi_exchange(world, host_name().encode(), root_only=False,
-                                              timeout_s=timeout_s, what="host-name exchange")]
+    _exit.arm(world, timeout_s)
     rank = world.Get_rank()
-    _nccl_only(nccl_only, backend)
+    try:
+        if problem is not None:
+            raise problem
+        _nccl_only(nccl_only, backend)
+        if backend == "torch":
+            raise ValueError("backend='torch' needs process_group= (or a torchrun launch)")
+        outcome: Union[bytes, Exception] = host_name().encode()
+    except (TypeError, ValueError) as exc:
+        outcome = exc
+    hosts = [h.decode() for h in mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init")]
     if backend == "mpi":
         from .backends.mpi import MpiBackend
 
-        return MpiBackend(world), hosts, rank
-    if backend == "torch":
-        raise ValueError("backend='torch' needs process_group= (or a torchrun launch)")
-    dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
-    uid = mpi_exchange(world, NcclBackend.new_unique_id() if rank == 0 else b"", root_only=True,
-                       timeout_s=timeout_s, what="NCCL unique-id broadcast")[0]
+        return MpiBackend(world, timeout_s), hosts, rank
+    try:
+        dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
+        outcome = NcclBackend.new_unique_id() if rank == 0 else b""
+    except Exception as exc:  # noqa: BLE001 - named to every rank by the agreement
+        outcome = exc
+    uid = mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init (NCCL unique id)")[0]
     return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s, max_ctas), hosts, rank
 
 
 def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],
-                        max_ctas: Optional[int], p2p_bytes: Optional[int]):
+                        max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]):
     nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes}
     import torch.distributed as dist
 
@@ -224,14 +268,28 @@ def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float,
         raise RuntimeError("process_group given, but torch.distributed is not initialized")
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    hosts: list[Any] = [None] * size
-    dist.all_gather_object(hosts, host_name(), group=group)
     pg_backend = str(dist.get_backend(group)).lower()
-    if backend == "auto":
-        backend = "nccl" if "nccl" in pg_backend else "torch"
-    if backend == "mpi":
-        raise ValueError("backend='mpi' cannot be built on a torch process_group; use 'torch' or 'nccl'")
-    _nccl_only(nccl_only, backend)
+    try:
+        if problem is not None:
+            raise problem
+        if backend == "auto":
+            backend = "nccl" if "nccl" in pg_backend else "torch"
+        if backend == "mpi":
+            raise ValueError("backend='mpi' cannot be built on a torch process_group; use 'torch' or 'nccl'")
+        _nccl_only(nccl_only, backend)
+        mine: tuple = (host_name(), None)
+    except (TypeError, ValueError) as exc:
+        mine = (None, exc)
+    # The host-name exchange doubles as the agreement that every rank's arguments passed.
+    rows: list[Any] = [None] * size
+    dist.all_gather_object(rows, (mine[0], None if mine[1] is None else f"{type(mine[1]).__name__}: {mine[1]}"),
+                           group=group)
+    if mine[1] is not None:
+        raise mine[1]
+    failed = [(r, msg) for r, (_, msg) in enumerate(rows) if msg is not None]
+    if failed:
+        raise RuntimeError("moecomm.init failed on " + "; ".join(f"rank {r}: {msg}" for r, msg in failed))
+    hosts = [h for h, _ in rows]
     if backend == "torch":
         dev = torch.device("cpu") if "nccl" not in pg_backend else _cuda_device(device, _local_rank(rank, hosts, local_size))
         return TorchBackend(group, dev), hosts, rank

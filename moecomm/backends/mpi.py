@@ -7,11 +7,16 @@ and every torch dtype (bfloat16, float8, bool) moves bit for bit.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import functools
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from .._exit import note_abort
+from ..launch import mpi_wait
 from ..splits import split_offsets
 from .base import Backend, Request
 
@@ -21,6 +26,30 @@ __all__ = ["MpiBackend", "MpiRequest", "byte_view"]
 def byte_view(t: torch.Tensor) -> np.ndarray:
     """A writable uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
     return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _call_before_deadline(fn: Callable[[], Any], timeout_s: float, what: str, rank: int) -> Any:
+    """``fn()`` (a blocking MPI call) on a daemon thread; ``TimeoutError`` naming ``what`` if it
+    has not returned within ``timeout_s`` (the thread stays behind, blocked)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"moecomm-{what}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(min(deadline - time.monotonic(), 3600.0))
+    if thread.is_alive():
+        raise TimeoutError(f"moecomm: {what} did not complete within {timeout_s:g} s on rank {rank}: some rank "
+                           f"has not called it (the call cannot be cancelled; the communicator was aborted)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class MpiRequest(Request):
@@ -47,11 +76,21 @@ class MpiBackend(Backend):
     progress_on_test = True
     supports_displacements = True
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, timeout_s: float, *, adopt: bool = False) -> None:
+        """A backend over a duplicate of ``comm`` (made without blocking: ``MPI_Comm_idup``,
+        polled until ``timeout_s`` seconds, then ``TimeoutError``), or over ``comm`` itself
+        when ``adopt`` (the backend then owns and frees it)."""
         from mpi4py import MPI
 
         self._MPI = MPI
-        self._comm = comm.Dup()
+        self.timeout_s = float(timeout_s)
+        self._failure: Optional[BaseException] = None
+        if adopt:
+            self._comm = comm
+        else:
+            dup, req = comm.Idup()
+            mpi_wait(req, timeout_s=self.timeout_s, what="MPI_Comm_idup (moecomm.init)", rank=comm.Get_rank())
+            self._comm = dup
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()
         self.device = torch.device("cpu")
@@ -130,14 +169,35 @@ class MpiBackend(Backend):
         return MpiRequest(self._comm.Ibarrier(), ())
 
     def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["MpiBackend"]:
-        sub = self._comm.Split(self._MPI.UNDEFINED if color is None else color, key)
-        if sub == self._MPI.COMM_NULL:
+        """``MPI_Comm_split`` has no non-blocking form: it runs on a thread of its own (mpi4py
+        initializes MPI with ``MPI_THREAD_MULTIPLE``), and ``TimeoutError`` names it when it
+        has not returned within the timeout. The call cannot be cancelled, so this backend then
+        refuses further work with that error (and the process's exit ends the MPI job with
+        ``MPI_Abort``: see :mod:`moecomm._exit`)."""
+        self.check_health()
+        MPI = self._MPI
+        split = functools.partial(self._comm.Split, MPI.UNDEFINED if color is None else color, key)
+        if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            try:
+                sub = _call_before_deadline(split, self.timeout_s, "MPI_Comm_split", self.rank)
+            except TimeoutError as exc:
+                self._failure = exc
+                note_abort(stuck=True)
+                raise
+        else:  # a thread could not call MPI: the communicator gathered the table first, under its deadline
+            sub = split()
+        if sub == MPI.COMM_NULL:
             return None
-        backend = MpiBackend(sub)
-        sub.Free()
-        return backend
+        return MpiBackend(sub, self.timeout_s, adopt=True)
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
+        if self._failure is not None:  # a split still runs on the communicator: leave it allocated
+            self.abort()
+            return
         for dt in self._row_types.values():
             dt.Free()
         self._row_types.clear()
@@ -146,6 +206,7 @@ class MpiBackend(Backend):
             self._comm = self._MPI.COMM_NULL
 
     def abort(self) -> None:
+        note_abort()
         # MPI cannot cancel a collective in flight: the communicator is left allocated and
         # its buffers referenced (by the requests the caller abandoned), so that late peers
         # never write into freed memory.
