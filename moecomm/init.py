@@ -203,7 +203,7 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
             backend = {"torchrun": "torch", "single": "self"}.get(launcher, "mpi")
     if backend == "self" and launcher != "single":
         raise ValueError(f"backend='self' is for a single process without a launcher; this one runs under {launcher}")
-    if launcher == "single" and backend in ("self", "torch"):
+    if launcher == "single" and backend in ("self", "torch", "nccl"):
         return _single_process(backend, device, timeout_s, nccl_only)
     if launcher == "torchrun":
         if backend == "mpi":
@@ -236,6 +236,12 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
 def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict):
     """A communicator of size 1 without a launcher and without mpi4py."""
     _nccl_only(nccl_only, backend)
+    if backend == "nccl":
+        from .backends.nccl import NcclBackend
+
+        dev = _cuda_device(device, 0)
+        return NcclBackend.create(1, 0, NcclBackend.new_unique_id(), dev, timeout_s, nccl_only["max_ctas"]), \
+            [host_name()], 0
     if device is not None and torch.device(device if not isinstance(device, int) else "cuda").type != "cpu":
         raise ValueError(f"device: a single-process {backend!r} communicator runs on the CPU, got {device!r}")
     if backend == "self":
