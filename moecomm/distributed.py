@@ -19,7 +19,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .communicator import Communicator, Work
+from .communicator import Communicator
+from .communicator import Work as _Work  # not ``Work``: that name is torch.distributed's here
 from .init import default_communicator, init
 from .splits import Splits
 
@@ -74,7 +75,7 @@ def all_to_all_single(
     input_split_sizes: Optional[Splits] = None,
     group: Any = None,
     async_op: bool = False,
-) -> Optional[Work]:
+) -> Optional[_Work]:
     """``torch.distributed.all_to_all_single``: same arguments, same semantics."""
     return communicator_for(group).all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, async_op=async_op
@@ -86,6 +87,6 @@ def all_to_all(
     input_tensor_list: Sequence[torch.Tensor],
     group: Any = None,
     async_op: bool = False,
-) -> Optional[Work]:
+) -> Optional[_Work]:
     """``torch.distributed.all_to_all``: same arguments, same semantics."""
     return communicator_for(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op)

@@ -80,6 +80,7 @@ def test_group_none_uses_torch_default_group_once():
 
     assert mdist.all_to_all_single is not dist.all_to_all_single
     assert mdist.init_process_group is dist.init_process_group and mdist.group is dist.group
+    assert mdist.Work is dist.Work  # torch's names are not shadowed by moecomm's
     moecomm.set_default_communicator(None)
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"moecomm\.init\(\).*group="):
