@@ -1,6 +1,7 @@
-"""The README's examples run as written (issue 18).
+"""The READMEs' examples run as written (issue 18).
 
-Every ```python block runs, in order, in one process without a launcher (with mpi4py made
+Every ```python block of README.md and moecomm/moe/README.md (those using ``torch.cuda``
+only with CUDA) runs, in order, in one process without a launcher (with mpi4py made
 unimportable: a single process needs nothing but torch and numpy) and on 3 MPI ranks
 (``tests/ranks/readme_blocks.py``; for blocks that call ``init_process_group`` it sets
 torchrun's variables). Every command line of the ```sh blocks is listed in ``SHELL`` below:
@@ -23,6 +24,7 @@ from tests.ranks.readme_blocks import code_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+MOE_README = os.path.join(ROOT, "moecomm", "moe", "README.md")
 QUICK = "-n 2 -w 1 --no-progress"  # bench.alltoall: 2 timed exchanges after 1 untimed, no bar
 
 # README command -> (command run here, or None) and why it differs / is skipped
@@ -93,13 +95,16 @@ def test_readme_has_runnable_python_blocks():
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [1, 3])
 def test_readme_python_blocks_run(nprocs):
-    driver = [sys.executable, "-m", "tests.ranks.readme_blocks", README, str(_free_port())]
+    driver = [sys.executable, "-m", "tests.ranks.readme_blocks", str(_free_port()), README, MOE_README]
     if nprocs == 1:
         out = _run(driver + ["--no-mpi4py"], ROOT)  # no launcher at all
     else:
         out = _run(["mpiexec", "-n", str(nprocs)] + driver, ROOT)
-    n = len(code_blocks(README, "python"))
-    assert f"{n} README python blocks ran on {nprocs} rank(s)" in out
+    import torch
+
+    blocks = [code for path in (README, MOE_README) for _, code in code_blocks(path, "python")]
+    gpu = 0 if torch.cuda.is_available() else sum("torch.cuda" in code for code in blocks)
+    assert f"{len(blocks) - gpu} README python blocks ran on {nprocs} rank(s), {gpu} skipped (CUDA)" in out
     for r in range(nprocs):
         assert f"rank {r}/{nprocs}: sent" in out  # the Quick start's own line
 

@@ -1,4 +1,5 @@
-"""Run every ```python block of README.md as written, each in a fresh namespace, in order.
+"""Run every ```python block of the given markdown files as written, each in a fresh
+namespace, in order; blocks that use ``torch.cuda`` only where CUDA is available.
 
 Launched by ``tests/test_readme.py`` as one process (no launcher) and under ``mpiexec -n 3``.
 Between blocks the default communicator is cleared and torch.distributed torn down, so each
@@ -7,7 +8,7 @@ torchrun: for it this driver plays torchrun's part, setting ``RANK``, ``WORLD_SI
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (from the MPI launcher's rank and size, and
 the port given on the command line) while it runs.
 
-Usage: ``python -m tests.ranks.readme_blocks README.md PORT [--no-mpi4py]``
+Usage: ``python -m tests.ranks.readme_blocks PORT README.md [MORE.md ...] [--no-mpi4py]``
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _launcher_rank_size() -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> None:
-    readme, port = argv[0], argv[1]
+    port, readmes = argv[0], [a for a in argv[1:] if not a.startswith("--")]
     if "--no-mpi4py" in argv:
         _block_mpi4py()
     import torch.distributed as dist
@@ -56,8 +57,14 @@ def main(argv: list[str]) -> None:
     rank, size = _launcher_rank_size()
     torchrun_vars = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    blocks = code_blocks(readme, "python")
-    for line, code in blocks:
+    import torch
+
+    blocks = [(path, line, code) for path in readmes for line, code in code_blocks(path, "python")]
+    ran = skipped = 0
+    for readme, line, code in blocks:
+        if "torch.cuda" in code and not torch.cuda.is_available():
+            skipped += 1
+            continue
         plays_torchrun = "init_process_group" in code
         if plays_torchrun:
             os.environ.update(torchrun_vars)
@@ -70,9 +77,10 @@ def main(argv: list[str]) -> None:
             moecomm.set_default_communicator(None)
             if dist.is_initialized():
                 dist.destroy_process_group()
-        print(f"[rank {rank}] README block at line {line} ran", flush=True)
+        ran += 1
+        print(f"[rank {rank}] {readme}:{line} ran", flush=True)
     if rank == 0:
-        print(f"{len(blocks)} README python blocks ran on {size} rank(s)", flush=True)
+        print(f"{ran} README python blocks ran on {size} rank(s), {skipped} skipped (CUDA)", flush=True)
     if "--no-mpi4py" in argv:
         assert "mpi4py" not in sys.modules
 
