@@ -40,21 +40,29 @@ def _env() -> dict:
     return env
 
 
-def _run(launcher: str, nprocs: int, script: str, out_dir: str) -> None:
+def _run(launcher: str, nprocs: int, script: str, out_dir: str, device: str) -> None:
     env = _env()
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
-               script, out_dir]
+               script, out_dir, device]
     else:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        cmd = ["mpiexec", "-n", str(nprocs), sys.executable, script, out_dir]
+        cmd = ["mpiexec", "-n", str(nprocs), sys.executable, script, out_dir, device]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("launcher,nprocs", [("torchrun", 2), ("mpiexec", 3)])
-def test_import_swap_runs_the_torch_script_unchanged(tmp_path, launcher, nprocs):
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("launcher,nprocs,device", [
+    pytest.param("torchrun", 2, "cpu", marks=pytest.mark.mpi),
+    pytest.param("mpiexec", 3, "cpu", marks=pytest.mark.mpi),
+    pytest.param("torchrun", 2, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")]),
+])
+def test_import_swap_runs_the_torch_script_unchanged(tmp_path, launcher, nprocs, device):
+    """On GPUs the script runs NCCL process groups, and the swapped one moecomm's NCCL backend."""
     text = open(SCRIPT).read()
     assert text.count(TORCH_IMPORT) == 1
     swapped = tmp_path / "swapped_moe_script.py"
@@ -63,7 +71,7 @@ def test_import_swap_runs_the_torch_script_unchanged(tmp_path, launcher, nprocs)
     for name, script in (("torch", SCRIPT), ("moecomm", str(swapped))):
         out = tmp_path / name
         out.mkdir()
-        _run(launcher, nprocs, script, str(out))
+        _run(launcher, nprocs, script, str(out), device)
         runs[name] = [torch.load(out / f"rank{r}.pt") for r in range(nprocs)]
     for r in range(nprocs):
         a, b = runs["torch"][r], runs["moecomm"][r]

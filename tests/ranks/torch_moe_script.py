@@ -4,9 +4,10 @@
 dist`` line changed to ``import moecomm.distributed as dist``, under torchrun and under
 mpiexec, and compares the two runs' outputs. Nothing else in it knows moecomm.
 
-Usage: ``torchrun --standalone --nproc-per-node N torch_moe_script.py OUT_DIR`` (or under
-mpiexec with ``MASTER_ADDR``/``MASTER_PORT`` set). Each rank writes ``OUT_DIR/rank{r}.pt``
-and checks its result against a dense reference computed locally.
+Usage: ``torchrun --standalone --nproc-per-node N torch_moe_script.py OUT_DIR [cuda]`` (or
+under mpiexec with ``MASTER_ADDR``/``MASTER_PORT`` set). Gloo on CPU tensors, or with ``cuda``
+NCCL on ``cuda:LOCAL_RANK``. Each rank writes ``OUT_DIR/rank{r}.pt`` and checks its result
+against a dense reference computed locally.
 """
 
 import os
@@ -31,17 +32,20 @@ def _mpi_launcher_env() -> None:
                     break
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, device: str = "cpu") -> None:
     _mpi_launcher_env()
-    dist.init_process_group("gloo")
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     experts = EXPERTS_PER_RANK * world
     shared = torch.Generator().manual_seed(1234)
-    gate_w = torch.randn(HIDDEN, experts, generator=shared, dtype=torch.float64)
-    expert_w = torch.randn(experts, HIDDEN, HIDDEN, generator=shared, dtype=torch.float64)
+    gate_w = torch.randn(HIDDEN, experts, generator=shared, dtype=torch.float64).to(device)
+    expert_w = torch.randn(experts, HIDDEN, HIDDEN, generator=shared, dtype=torch.float64).to(device)
     mine = torch.Generator().manual_seed(100 + rank)
     tokens = 2 + 3 * rank  # a different number of tokens on every rank
-    x = torch.randn(tokens, HIDDEN, generator=mine, dtype=torch.float64)
+    x = torch.randn(tokens, HIDDEN, generator=mine, dtype=torch.float64).to(device)
 
     probs = torch.softmax(x @ gate_w, dim=1)
     prob, expert = probs.max(dim=1)
@@ -54,19 +58,19 @@ def main(out_dir: str) -> None:
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts)
     sent, got = send_counts.tolist(), recv_counts.tolist()
-    rows = torch.empty(sum(got), HIDDEN, dtype=x.dtype)
+    rows = torch.empty(sum(got), HIDDEN, dtype=x.dtype, device=device)
     dist.all_to_all_single(rows, x[order], got, sent)
-    row_expert = torch.empty(sum(got), dtype=torch.int64)
+    row_expert = torch.empty(sum(got), dtype=torch.int64, device=device)
     dist.all_to_all_single(row_expert, expert[order].contiguous(), got, sent)
     computed = torch.einsum("th,thk->tk", rows, expert_w[row_expert])
-    back = torch.empty(tokens, HIDDEN, dtype=x.dtype)
+    back = torch.empty(tokens, HIDDEN, dtype=x.dtype, device=device)
     dist.all_to_all_single(back, computed, sent, got, async_op=True).wait()
     dropless = torch.empty_like(back)
     dropless[order] = back * prob[order, None]
 
     # capacity dispatch: one [experts per rank, CAPACITY, HIDDEN] block per peer, a list all_to_all
-    blocks = [torch.zeros(EXPERTS_PER_RANK, CAPACITY, HIDDEN, dtype=x.dtype) for _ in range(world)]
-    slot_of = torch.full((tokens,), -1, dtype=torch.int64)
+    blocks = [torch.zeros(EXPERTS_PER_RANK, CAPACITY, HIDDEN, dtype=x.dtype, device=device) for _ in range(world)]
+    slot_of = torch.full((tokens,), -1, dtype=torch.int64, device=device)
     used = [0] * experts
     for t in range(tokens):
         e = int(expert[t])
@@ -90,11 +94,12 @@ def main(out_dir: str) -> None:
     torch.testing.assert_close(dropless, dense)
     torch.testing.assert_close(capacity[kept], dense[kept])
     assert not capacity[~kept].any()
-    torch.save({"dropless": dropless, "capacity": capacity, "recv_counts": recv_counts, "kept": kept},
+    torch.save({k: v.cpu() for k, v in dict(dropless=dropless, capacity=capacity, recv_counts=recv_counts,
+                                            kept=kept).items()},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
