@@ -137,3 +137,26 @@ def test_self_backend_is_a_bit_exact_copy(rows, width, dtype, seed):
     comm.all_to_all_single(o, x, [rows], [rows])
     assert torch.equal(o, x)
     comm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_single_process_nccl_without_mpi4py():
+    """With nccl4py and a GPU, ``init()`` without a launcher is NCCL of size 1, and needs no mpi4py."""
+    code = _BLOCKER + textwrap.dedent("""
+        import torch, moecomm
+        from moecomm.backends.nccl import nccl_available
+        assert nccl_available(), "nccl4py is not installed"
+        comm = moecomm.init()
+        assert (comm.backend, comm.size, comm.device.type) == ("nccl", 1, "cuda"), comm
+        x = torch.randn(9, 5, device=comm.device)
+        out, recv = comm.all_to_all_v(x, torch.tensor([9], device=comm.device))
+        assert torch.equal(out, x) and list(recv) == [9]
+        comm.close()
+        assert "mpi4py" not in sys.modules
+        print("nccl single-process checks passed")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "nccl single-process checks passed" in proc.stdout
