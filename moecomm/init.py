@@ -86,7 +86,8 @@ def init(
     Args:
         backend: ``"auto"`` (NCCL where CUDA and nccl4py are available, else MPI under an
             MPI launcher, torch.distributed/gloo under torchrun, ``"self"`` in a single
-            process), ``"mpi"``, ``"nccl"``, ``"torch"`` or ``"self"`` (one process without a
+            process; without a launcher but with torch.distributed initialized, its default
+            group, as ``process_group=``), ``"mpi"``, ``"nccl"``, ``"torch"`` or ``"self"`` (one process without a
             launcher, CPU: collectives are copies; needs no mpi4py). In a single process
             ``"torch"`` makes a one-rank gloo group on an in-process store if
             torch.distributed is not initialized. Default: ``$MOECOMM_BACKEND`` or "auto".
@@ -196,6 +197,12 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     from .backends.nccl import NcclBackend, nccl_available
 
     launcher = detect_launcher()
+    if launcher == "single" and backend == "auto" and _torch_dist_initialized():
+        # processes started without a launcher's variables (torch.multiprocessing, say) that
+        # made a torch.distributed group: build on it rather than on this process alone
+        import torch.distributed as dist
+
+        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas, p2p_bytes)
     if backend == "auto":
         if nccl_available():
             backend = "nccl"
@@ -231,6 +238,12 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     uid = mpi_exchange(world, NcclBackend.new_unique_id() if rank == 0 else b"", root_only=True,
                        timeout_s=timeout_s, what="NCCL unique-id broadcast")[0]
     return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s, max_ctas), hosts, rank
+
+
+def _torch_dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict):

@@ -37,8 +37,13 @@ _CHECKS = textwrap.dedent("""
     import moecomm.distributed as dist
     from moecomm.functional import all_to_all_v
 
+    from moecomm.backends.nccl import nccl_available
+
     g = torch.Generator().manual_seed(0)
-    comm = moecomm.init()
+    auto = moecomm.init(set_default=False)
+    assert (auto.backend, auto.size) == ("nccl" if nccl_available() else "self", 1), auto
+    auto.close()
+    comm = moecomm.init(backend="self")
     assert (comm.backend, comm.rank, comm.size, comm.device.type) == ("self", 0, 1, "cpu"), comm
 
     x = torch.randn(7, 3, generator=g)
@@ -160,3 +165,22 @@ def test_single_process_nccl_without_mpi4py():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "nccl single-process checks passed" in proc.stdout
+
+
+def test_auto_without_launcher_builds_on_an_initialized_torch_group():
+    """No launcher variables, but torch.distributed initialized (torch.multiprocessing, say):
+    ``init()`` builds on its default group instead of a communicator of this process alone."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = moecomm.init(set_default=False)
+        assert comm.backend == "torch" and comm.size == 1
+        comm.close()
+    finally:
+        dist.destroy_process_group()
+    from moecomm.backends.nccl import nccl_available
+
+    alone = moecomm.init(set_default=False)
+    assert alone.backend == ("nccl" if nccl_available() else "self")
+    alone.close()
