@@ -7,7 +7,8 @@ unimportable: a single process needs nothing but torch and numpy) and on 3 MPI r
 torchrun's variables). Every command line of the ```sh blocks is listed in ``SHELL`` below:
 run on the CPU with the substitutions written there (smaller sizes, fewer iterations, 3 ranks,
 a stored profile for PROFILE.json), or skipped with the reason. A new README command without
-an entry fails the test.
+an entry fails the test. On a machine with CUDA, ``MOECOMM_BACKEND`` (the default of
+``init(backend=)``) keeps these CPU examples on the CPU.
 """
 
 from __future__ import annotations
@@ -64,18 +65,22 @@ def _commands() -> list[str]:
     return out
 
 
-def _env() -> dict:
+def _env(cpu_backend: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "TORCHELASTIC"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOECOMM_BACKEND")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("MOECOMM_TIMEOUT", "60")
+    import torch
+
+    if torch.cuda.is_available():  # these are the CPU examples: 3 ranks must not share 2 GPUs through NCCL
+        env["MOECOMM_BACKEND"] = cpu_backend
     return env
 
 
-def _run(cmd: list[str], cwd: str) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=180)
+def _run(cmd: list[str], cwd: str, cpu_backend: str = "mpi") -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(cpu_backend), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc.stdout
 
@@ -97,7 +102,7 @@ def test_readme_has_runnable_python_blocks():
 def test_readme_python_blocks_run(nprocs):
     driver = [sys.executable, "-m", "tests.ranks.readme_blocks", str(_free_port()), README, MOE_README]
     if nprocs == 1:
-        out = _run(driver + ["--no-mpi4py"], ROOT)  # no launcher at all
+        out = _run(driver + ["--no-mpi4py"], ROOT, cpu_backend="self")  # no launcher at all
     else:
         out = _run(["mpiexec", "-n", str(nprocs)] + driver, ROOT)
     import torch
