@@ -16,7 +16,6 @@ better than NCCL's kernels, which take SMs from the GEMMs.
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Callable
 

@@ -26,7 +26,6 @@ one more peer adds (with 2 GPUs there are not more peers to add).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from typing import Callable, Optional

@@ -9,7 +9,6 @@ copy of the same bytes for scale. Then a cProfile of the issuing at the first si
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats

@@ -9,7 +9,6 @@ exchange (log-log, with the p99 as a shaded band) and the bus bandwidth. Needs m
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Optional, Sequence
