@@ -4,7 +4,9 @@ Run under MPI::
 
     mpiexec -n 4 python -m bench.alltoall -b 1K -e 64M -f 4 --compare
 
-``size`` is the bytes each rank sends in one exchange (summed over its peers); ``algbw`` is
+``size`` is the bytes each rank sends in one exchange (summed over its peers), in whole rows
+of ``--row-elems`` elements: a size below one row is rounded up to one row, other sizes down
+to whole rows, and the table, the JSON and the bandwidths all use those bytes. ``algbw`` is
 size / time and ``busbw`` is algbw * (n-1)/n, as nccl-tests define them for alltoall. Times
 are per exchange, the slowest rank's, over ``--iters`` timed runs: median and p99.
 
@@ -19,6 +21,8 @@ Methods (``--compare`` adds the last two):
                  all_to_all_single with splits (gloo on CPU, NCCL on GPU)
   raw            the backend itself: mpi4py ``Alltoallv`` (CPU), nccl4py ``ncclAlltoAll``
                  on uniform splits (GPU)
+
+``python -m bench.plot results.json -o plot.png`` draws a ``--json`` file.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import torch
 
 import moecomm
 from topology.measure import parse_bytes
+from topology.rank_parser import RankZeroParser
 
-__all__ = ["main", "parse_size", "count_matrix"]
+__all__ = ["main", "parse_size", "count_matrix", "plan_sizes", "build_parser"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
@@ -72,11 +77,33 @@ def count_matrix(pattern: str, size: int, rows_per_rank: int, seed: int) -> np.n
     return m
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
-    sys.stderr.flush()
+def plan_sizes(minbytes: int, maxbytes: int, factor: int, row_bytes: int) -> list[tuple[int, int]]:
+    """The sizes to time, as ``(requested_bytes, rows)``: each requested size (``minbytes``,
+    times ``factor`` up to ``maxbytes``) in whole rows, at least one; a size that rounds to
+    the rows of an earlier one is left out. The bytes timed are ``rows * row_bytes``."""
+    if minbytes < 1 or maxbytes < minbytes or factor < 2 or row_bytes < 1:
+        raise ValueError(f"need 1 <= minbytes <= maxbytes, factor >= 2 and row_bytes >= 1, got "
+                         f"{minbytes}, {maxbytes}, {factor}, {row_bytes}")
+    plan: list[tuple[int, int]] = []
+    size = minbytes
+    while size <= maxbytes:
+        rows = max(size // row_bytes, 1)
+        if not plan or plan[-1][1] != rows:
+            plan.append((size, rows))
+        size *= factor
+    return plan
+
+
+def _progress_bar(total: int, enabled: bool):
+    """A tqdm bar on stderr (None when disabled or tqdm is not installed)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        sys.stderr.write("# no progress bar: pip install tqdm for one\n")
+        return None
+    return tqdm(total=total, unit="size", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
 def _block_setting(text: str) -> tuple[int, int]:
@@ -159,11 +186,14 @@ class Bench:
             result[name] = (slowest.tolist(), outs[name])
         return result
 
-    def run_size(self, pattern: str, size_bytes: int) -> list[dict]:
+    def row_bytes(self) -> int:
+        return self.args.row_elems * torch.empty((), dtype=self.dtype).element_size()
+
+    def run_size(self, pattern: str, rows: int) -> list[dict]:
+        """Time every method on ``rows`` rows per rank (``rows * row_bytes()`` bytes)."""
         W, R = self.comm.size, self.comm.rank
-        esize = torch.empty((), dtype=self.dtype).element_size()
-        row_bytes = self.args.row_elems * esize
-        rows = max(size_bytes // row_bytes, 0)
+        row_bytes = self.row_bytes()
+        size_bytes = rows * row_bytes
         m = count_matrix(pattern, W, rows, seed=size_bytes)
         send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
         # Row values encode (source, destination): exact in every dtype for W <= 11.
@@ -197,7 +227,7 @@ class Bench:
             med = float(np.median(times))
             p99 = float(np.percentile(times, 99))
             algbw = size_bytes / med / 1e9 if med > 0 else 0.0
-            results.append(dict(pattern=pattern, size=rows * row_bytes, rows=rows, method=name, time_us=med * 1e6,
+            results.append(dict(pattern=pattern, size=size_bytes, rows=rows, method=name, time_us=med * 1e6,
                                 p99_us=p99 * 1e6, algbw=algbw, busbw=algbw * (W - 1) / W, check=check(out)))
         return results
 
@@ -293,8 +323,10 @@ def format_table(results: list[dict], header: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.alltoall", description=__doc__.split("\n\n")[0])
-    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size per rank (1K)")
+    p = RankZeroParser(prog="python -m bench.alltoall", description=__doc__.split("\n\n")[0],
+                       epilog="Methods and columns: see the module docstring and the README's Benchmarks section.")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"),
+                   help="smallest size per rank (1K); below one row it is one row")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"), help="largest size per rank (16M)")
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (4)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed exchanges per size (20)")
@@ -316,27 +348,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.row_elems < 1:
-        raise SystemExit("need -b <= -e, -f >= 2, -n >= 1 and --row-elems >= 1")
+        parser.error("need -b <= -e, -f >= 2, -n >= 1 and --row-elems >= 1")
     bench = Bench(args)
-    sizes = []
-    s = args.minbytes
-    while s <= args.maxbytes:
-        sizes.append(s)
-        s *= args.stepfactor
+    row_bytes = bench.row_bytes()
+    plan = plan_sizes(args.minbytes, args.maxbytes, args.stepfactor, row_bytes)
     patterns = [p for p in args.patterns.split(",") if p]
     rank0 = bench.comm.rank == 0
+    rounded = [f"{_fmt_size(req)} -> {_fmt_size(rows * row_bytes)}" for req, rows in plan if req != rows * row_bytes]
+    if rank0 and rounded:
+        sys.stderr.write(f"# sizes in whole rows of {row_bytes} bytes: {', '.join(rounded)}\n")
     results: list[dict] = []
-    total = len(sizes) * len(patterns)
-    for i, (pattern, size) in enumerate((p, s) for p in patterns for s in sizes):
-        if rank0 and not args.no_progress:
-            _progress(i, total, f"{pattern} {_fmt_size(size)}")
-        results.extend(bench.run_size(pattern, size))
+    bar = _progress_bar(len(plan) * len(patterns), rank0 and not args.no_progress)
+    for pattern, (_, rows) in ((p, s) for p in patterns for s in plan):
+        if bar is not None:
+            bar.set_description(f"{pattern} {_fmt_size(rows * row_bytes)}")
+        results.extend(bench.run_size(pattern, rows))
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
     if rank0:
-        if not args.no_progress:
-            _progress(total, total, "done")
-            sys.stderr.write("\n")
         name = torch.cuda.get_device_name(bench.device) if bench.cuda else "cpu"
         header = (f"# moecomm all-to-all: {bench.comm.size} ranks, backend {bench.comm.backend}, {name}, "
                   f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters, torch {torch.__version__}")

@@ -29,12 +29,13 @@ import torch
 import moecomm
 from moecomm import _blocks
 from topology.measure import alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
+from topology.rank_parser import RankZeroParser
 
 __all__ = ["main"]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.hierarchical", description=__doc__,
+    p = RankZeroParser(prog="python -m bench.hierarchical", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1M,16M,256M", help="bytes per rank (default 1M,16M,256M)")
     p.add_argument("--local-size", type=int, default=None, help="ranks per node (default: from host names)")

@@ -9,7 +9,6 @@ copy of the same bytes for scale. Then a cProfile of the issuing at the first si
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -21,6 +20,7 @@ import torch
 
 from moecomm import _blocks
 from topology.measure import format_bytes, parse_bytes
+from topology.rank_parser import RankZeroParser
 
 __all__ = ["main"]
 
@@ -46,7 +46,7 @@ def _time(fn, dev: torch.device, iters: int) -> tuple[float, float]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.layout_copies", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog="python -m bench.layout_copies", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1M,16M,256M")
     p.add_argument("--grid", default="2x2", help="A x B blocks (2x2)")
     p.add_argument("--row-bytes", type=int, default=4096)

@@ -35,6 +35,7 @@ import torch
 
 import moecomm
 from moecomm.moe import MoELayer
+from topology.rank_parser import RankZeroParser
 
 from .alltoall import parse_size
 from .graphs import capture
@@ -62,7 +63,7 @@ def _ints(text: str) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.moe_layer", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog="python -m bench.moe_layer", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--backend", default=None, help="moecomm backend (default: nccl on GPUs, mpi on CPUs)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (GPU 8192, CPU 256)")

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import moecomm
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
+from topology.rank_parser import RankZeroParser
 
 from .alltoall import parse_size
 from .graphs import capture
@@ -239,7 +240,7 @@ def _trace(directory: str, name: str, step: Callable[[], torch.Tensor], timer: "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (NCCL backend) or cpu (MPI backend); default: cuda when available")
     p.add_argument("--small", action="store_true", help="small sizes for a quick run (CPU defaults)")

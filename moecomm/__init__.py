@@ -2,8 +2,10 @@
 
 Quick start::
 
-    import moecomm
+    import torch, moecomm
     comm = moecomm.init()                       # mpirun / torchrun / single process
+    send_splits = torch.randint(0, 5, (comm.size,))     # rows for each rank
+    x = torch.randn(int(send_splits.sum()), 16, device=comm.device)
     out, recv_splits = comm.all_to_all_v(x, send_splits)
 """
 

@@ -85,7 +85,7 @@ class Communicator:
 
     Attributes:
         rank, size: this rank and the number of ranks.
-        backend: ``"mpi"``, ``"nccl"`` or ``"torch"``.
+        backend: ``"mpi"``, ``"nccl"``, ``"torch"`` or ``"self"`` (one process).
         device: where tensors must live (``cpu`` or this rank's ``cuda:N``).
         local_rank, local_size, node_rank, num_nodes: the node layout (from host names, or
             from the ``local_size=`` override).

@@ -15,17 +15,31 @@ from .pool import StagingPool
 
 __all__ = ["init", "default_communicator", "set_default_communicator", "BACKENDS"]
 
-BACKENDS = ("auto", "mpi", "nccl", "torch")
+BACKENDS = ("auto", "mpi", "nccl", "torch", "self")
 
 _default: dict[str, Communicator] = {}  # explicit registry: the communicator ``group=None`` means
 
 
 def default_communicator() -> Communicator:
-    """The communicator made by the last :func:`init` with ``set_default=True``."""
+    """The communicator made by the last :func:`init` with ``set_default=True``.
+
+    Without one, when ``torch.distributed`` is initialized: the communicator bound to its
+    default process group (made on first use, a collective call, and kept).
+
+    Raises:
+        RuntimeError: neither exists.
+    """
     comm = _default.get("default")
-    if comm is None or comm.closed:
-        raise RuntimeError("moecomm: no default communicator: call moecomm.init() first (or pass one explicitly)")
-    return comm
+    if comm is not None and not comm.closed:
+        return comm
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .distributed import communicator_for
+
+        return communicator_for(dist.group.WORLD)
+    raise RuntimeError("moecomm: no default communicator: call moecomm.init() first, or pass group= "
+                       "(a moecomm.Communicator or a torch ProcessGroup)")
 
 
 def set_default_communicator(comm: Optional[Communicator]) -> None:
@@ -71,8 +85,12 @@ def init(
 
     Args:
         backend: ``"auto"`` (NCCL where CUDA and nccl4py are available, else MPI under an
-            MPI launcher or a single process, else torch.distributed/gloo under torchrun),
-            ``"mpi"``, ``"nccl"`` or ``"torch"``. Default: ``$MOECOMM_BACKEND`` or "auto".
+            MPI launcher, torch.distributed/gloo under torchrun, ``"self"`` in a single
+            process; without a launcher but with torch.distributed initialized, its default
+            group, as ``process_group=``), ``"mpi"``, ``"nccl"``, ``"torch"`` or ``"self"`` (one process without a
+            launcher, CPU: collectives are copies; needs no mpi4py). In a single process
+            ``"torch"`` makes a one-rank gloo group on an in-process store if
+            torch.distributed is not initialized. Default: ``$MOECOMM_BACKEND`` or "auto".
         process_group: an initialized torch.distributed group to build on (same ranks). An
             NCCL group gets an nccl4py communicator bootstrapped through it; any other group
             runs the collectives through torch.distributed (``backend="torch"``).
@@ -213,11 +231,24 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     from .backends.nccl import NcclBackend, nccl_available
 
     launcher = detect_launcher()
+    if launcher == "single" and backend == "auto" and _torch_dist_initialized():
+        # processes started without a launcher's variables (torch.multiprocessing, say) that
+        # made a torch.distributed group: build on it rather than on this process alone
+        import torch.distributed as dist
+
+        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas, p2p_bytes,
+                                   problem)
+    if launcher == "single" and problem is not None:
+        raise problem  # no peers to tell
     if problem is None and backend == "auto":
         if nccl_available():
             backend = "nccl"
         else:
-            backend = "torch" if launcher == "torchrun" else "mpi"
+            backend = {"torchrun": "torch", "single": "self"}.get(launcher, "mpi")
+    if backend == "self" and launcher != "single":
+        raise ValueError(f"backend='self' is for a single process without a launcher; this one runs under {launcher}")
+    if launcher == "single" and backend in ("self", "torch", "nccl"):
+        return _single_process(backend, device, timeout_s, nccl_only)
     if launcher == "torchrun":
         if problem is None and backend == "mpi":
             problem = ValueError(
@@ -254,6 +285,35 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
         outcome = exc
     uid = mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init (NCCL unique id)")[0]
     return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s, max_ctas), hosts, rank
+
+
+def _torch_dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict):
+    """A communicator of size 1 without a launcher and without mpi4py."""
+    _nccl_only(nccl_only, backend)
+    if backend == "nccl":
+        from .backends.nccl import NcclBackend
+
+        dev = _cuda_device(device, 0)
+        return NcclBackend.create(1, 0, NcclBackend.new_unique_id(), dev, timeout_s, nccl_only["max_ctas"]), \
+            [host_name()], 0
+    if device is not None and torch.device(device if not isinstance(device, int) else "cuda").type != "cpu":
+        raise ValueError(f"device: a single-process {backend!r} communicator runs on the CPU, got {device!r}")
+    if backend == "self":
+        from .backends.single import SelfBackend
+
+        return SelfBackend(), [host_name()], 0
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return _from_process_group(dist.group.WORLD, backend, None, timeout_s, None, None, None, None)
 
 
 def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],

@@ -1,10 +1,9 @@
-"""The tuner's pieces without MPI ranks: PNG writer, plot, fits, model, CLI show/simulate."""
+"""The tuner's pieces without MPI ranks: fits, model, CLI show (its matplotlib plot)/simulate."""
 
 from __future__ import annotations
 
 import json
-import struct
-import zlib
+import sys
 
 import pytest
 
@@ -12,70 +11,18 @@ from moecomm.profile import Fingerprint, Profile, ProfileEntry
 from topology import cli
 from topology.measure import fit_alpha_beta, fit_link, format_bytes, parse_bytes
 from topology.model import Link, Links, crossover, flat_time, hdh_time, model_error
-from topology.png import Canvas, encode_png, line_plot
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _decode_png(data: bytes) -> tuple[int, int, bytes]:
-    """A strict reader for what encode_png writes: checks signature, CRCs and filters."""
+def _png_pixels(path):
+    """The image as an [h, w, channels] array, read back by matplotlib (a PNG it can decode)."""
+    import matplotlib.image
+
+    data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    at, idat, header = 8, b"", None
-    kinds = []
-    while at < len(data):
-        (length,) = struct.unpack(">I", data[at:at + 4])
-        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + length]
-        (crc,) = struct.unpack(">I", data[at + 8 + length:at + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, f"bad CRC in {kind}"
-        kinds.append(kind)
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat += body
-        at += 12 + length
-    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
-    w, h, depth, color, *_ = header
-    assert (depth, color) == (8, 2)
-    raw = zlib.decompress(idat)
-    assert len(raw) == h * (1 + 3 * w)
-    rows = [raw[y * (1 + 3 * w):(y + 1) * (1 + 3 * w)] for y in range(h)]
-    assert all(r[0] == 0 for r in rows)
-    return w, h, b"".join(r[1:] for r in rows)
+    return matplotlib.image.imread(str(path))
 
-
-def test_png_roundtrip():
-    rgb = bytes(range(256))[:4 * 3 * 3] + bytes(4 * 3 * 3)
-    rgb = rgb[:4 * 6 * 3].ljust(4 * 6 * 3, b"\x07")
-    w, h, back = _decode_png(encode_png(4, 6, rgb))
-    assert (w, h, back) == (4, 6, rgb)
-    with pytest.raises(ValueError):
-        encode_png(4, 6, b"short")
-
-
-def test_canvas_draws():
-    c = Canvas(40, 20)
-    c.line(0, 0, 39, 19, (255, 0, 0))
-    c.rect(10, 10, 12, 12, (0, 0, 255))
-    width = c.text(0, 0, "2DH 1MS", (0, 128, 0), scale=1)
-    assert width == Canvas.text_width("2DH 1MS", 1) == 7 * 6 - 1
-    _, _, px = _decode_png(c.png())
-    pixel = lambda x, y: px[(y * 40 + x) * 3:(y * 40 + x) * 3 + 3]  # noqa: E731
-    assert pixel(39, 19) == b"\xff\x00\x00" and pixel(11, 11) == b"\x00\x00\xff"
-    assert b"\x00\x80\x00" in px  # some text was drawn
-
-
-def test_line_plot(tmp_path):
-    series = [("flat", [(4096, 1e-3), (65536, 2e-3), (1 << 20, 1e-2)]),
-              ("2dh", [(4096, 5e-4), (65536, 3e-3), (1 << 20, 3e-2)])]
-    canvas = line_plot(series, title="TEST", x_label="BYTES", y_label="TIME", x_format=str, y_format=str,
-                       marks=[(30000, "X")])
-    path = tmp_path / "plot.png"
-    canvas.save(str(path))
-    w, h, px = _decode_png(path.read_bytes())
-    assert (w, h) == (900, 560)
-    colors = {px[i:i + 3] for i in range(0, len(px), 3)}
-    assert bytes((31, 119, 180)) in colors and bytes((214, 39, 40)) in colors
-    assert line_plot([("a", [])], title="", x_label="", y_label="", x_format=str, y_format=str).png()
 
 
 def test_fits_recover_parameters():
@@ -139,8 +86,21 @@ def test_cli_show(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 node(s) x 4 rank(s)" in out and "flat med" in out and "2dh p99" in out and f"plot: {png}" in out
     assert out.count("KiB") >= 2 and "1 MiB" in out
-    w, h, _ = _decode_png(png.read_bytes())
-    assert (w, h) == (900, 560)
+    px = _png_pixels(png)
+    assert px.shape[:2] == (560, 900)
+    colors = {tuple(round(float(c), 2) for c in p[:3]) for p in px.reshape(-1, px.shape[2])[::7]}
+    assert (0.12, 0.47, 0.71) in colors and (1.0, 0.5, 0.05) in colors  # flat and 2dh lines (C0, C1)
+
+
+def test_cli_show_without_matplotlib(tmp_path, capsys, monkeypatch):
+    path = _profile(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["show", path]) == 0  # the table still; the default plot is skipped, saying why
+    out = capsys.readouterr().out
+    assert "flat med" in out and "no plot: plotting needs matplotlib" in out
+    assert cli.main(["show", path, "--png", str(tmp_path / "x.png")]) == 2
+    assert "pip install" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
 
 
 def test_cli_simulate(tmp_path, capsys):

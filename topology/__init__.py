@@ -9,7 +9,7 @@ Commands (see ``python -m topology -h``):
               profile (``moecomm.profile``), keyed by its fingerprint, to the default cache
               directory that ``moecomm.init`` reads (or ``--out``).
 ``show``      prints a profile's table and plots time against size per algorithm to a PNG
-              (drawn by :mod:`topology.png`, a small built-in PNG writer: no matplotlib).
+              (:mod:`topology.plot`, with matplotlib: the optional ``plot`` extra).
 ``simulate``  an alpha-beta model (:mod:`topology.model`) of flat vs 2DH, from link figures on
               the command line or in a profile: per-size times, the crossover size, the
               predicted ratio from 64 to 4096 GPUs, and the model's error against the

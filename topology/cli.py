@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .rank_parser import RankZeroParser
+
 __all__ = ["main"]
 
 DEFAULT_TUNE_SIZES = "4K,16K,64K,256K,1M,4M,16M"
@@ -172,48 +174,23 @@ def cmd_show(args) -> int:
         _print_links(prof.links)
     if args.no_plot:
         return 0
+    from .plot import plot_profile
+
     png = args.png or f"{fp.key()}.png"
-    _plot_profile(prof, png)
+    try:
+        plot_profile(prof, png)
+    except ImportError as exc:
+        if args.png:  # asked for by name: an error
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"no plot: {exc}")
+        return 0
     print(f"plot: {png}")
     return 0
 
 
 def _fmt(v, f) -> str:
     return "-" if v is None else f(v)
-
-
-def _plot_profile(prof, path: str) -> None:
-    from .png import line_plot
-
-    series = []
-    algs = [a for a in ("flat", "2dh") if any(a in e.timings for e in prof.entries)]
-    algs += sorted({a for e in prof.entries for a in e.timings} - set(algs))
-    for a in algs:
-        pts = [(e.bytes_per_rank, e.timings[a]["median_s"]) for e in prof.entries
-               if a in e.timings and e.timings[a].get("median_s")]
-        series.append((a, pts))
-    fp = prof.fingerprint
-    canvas = line_plot(
-        series,
-        title=f"ALL-TO-ALL MEDIAN TIME: {fp.num_nodes}X{fp.local_size} {fp.device} {fp.link}",
-        x_label="BYTES PER RANK", y_label="TIME", x_format=_short_bytes, y_format=_short_seconds,
-    )
-    canvas.save(path)
-
-
-def _short_bytes(n: float) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:g}{unit}"
-    return f"{n:g}"
-
-
-def _short_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:g}S"
-    if s >= 1e-3:
-        return f"{s * 1e3:g}MS"
-    return f"{s * 1e6:g}US"
 
 
 # -- simulate --------------------------------------------------------------------------------
@@ -322,7 +299,7 @@ def _error_text(prof, concurrent, override) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m topology", description=(
+    p = RankZeroParser(prog="python -m topology", description=(
         "Measure links, tune flat vs 2D-hierarchical all-to-all per cluster, show profiles, and model "
         "larger clusters. probe and tune are collective: run them under mpirun/mpiexec or torchrun."))
     sub = p.add_subparsers(dest="command", required=True)
@@ -353,9 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--out", default=None, help="profile path (default: <profile dir>/<fingerprint>.json)")
     tu.set_defaults(func=cmd_tune)
 
-    sh = sub.add_parser("show", help="print a profile's table and plot time against size to a PNG")
+    sh = sub.add_parser("show", help="print a profile's table and plot time against size (matplotlib)")
     sh.add_argument("profile")
-    sh.add_argument("--png", default=None, help="plot path (default: ./<fingerprint key>.png)")
+    sh.add_argument("--png", default=None,
+                    help="plot path, .png (or .svg, .pdf) (default: ./<fingerprint key>.png, drawn only if "
+                         "matplotlib is installed)")
     sh.add_argument("--no-plot", action="store_true")
     sh.set_defaults(func=cmd_show)
 
