@@ -1,0 +1,258 @@
+"""Framework integrations on real MPI ranks (run by tests/test_integrations.py).
+
+One launch per world size runs every check: the global ``torch.distributed`` swap, then
+Megatron-core's ``mappings.all_to_all`` and ``MoEAlltoAllTokenDispatcher`` pipeline, then
+DeepSpeed's ``MoE`` layer (plain and ``use_tutel=True``), each with and without moecomm.
+A framework that is not installed is reported as ``SKIP <name>: <reason>`` and not run.
+Data is made on a gloo group over the MPI ranks (tests.mpi_util.init_gloo_over_mpi).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+
+import numpy as np
+import torch
+
+import moecomm
+import moecomm.distributed
+from moecomm.integrations import _groups, clear_group_cache
+from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
+from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+init_gloo_over_mpi()
+import torch.distributed as dist  # noqa: E402
+
+W, R = dist.get_world_size(), dist.get_rank()
+MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (MPI rank == torch rank)
+
+
+def say(line: str) -> None:
+    if R == 0:
+        print(line, flush=True)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
+    collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))
+
+
+# ---------------------------------------------------------------------------------------
+# 1. torch.distributed.all_to_all_single = moecomm.distributed.all_to_all_single
+
+
+@contextlib.contextmanager
+def swapped():
+    saved = dist.all_to_all_single, dist.all_to_all
+    dist.all_to_all_single = moecomm.distributed.all_to_all_single
+    dist.all_to_all = moecomm.distributed.all_to_all
+    try:
+        yield
+    finally:
+        dist.all_to_all_single, dist.all_to_all = saved
+
+
+def check_global_swap() -> None:
+    gloo_comm = moecomm.init(process_group=dist.group.WORLD, set_default=False, timeout=60)
+    collective_assert(gloo_comm.backend == "torch", gloo_comm.backend)
+    rng = np.random.default_rng(5)
+    with swapped():
+        for case in range(8):
+            m = count_matrix(100 + case, W, 5, 0.3)
+            dtype = [torch.float32, torch.bfloat16, torch.int64, torch.uint8][case % 4]
+            x = input_for(100 + case, R, m, (3,), dtype)
+            out = torch.empty((int(m[:, R].sum()), 3), dtype=dtype)
+            group = [gloo_comm, dist.group.WORLD][case % 2]  # the WORLD group: a communicator made on it
+            work = dist.all_to_all_single(out, x, [int(v) for v in m[:, R]], [int(v) for v in m[R]],
+                                          group=group, async_op=bool(case & 2))
+            if work is not None:
+                work.wait()
+            collective_assert(np.array_equal(as_bytes(out), expected_bytes(100 + case, R, m, (3,), dtype)),
+                              f"all_to_all_single case {case}")
+            ins = [torch.from_numpy(rng.standard_normal((int(m[R, p]), 2))) for p in range(W)]
+            outs = [torch.empty((int(m[p, R]), 2), dtype=torch.float64) for p in range(W)]
+            dist.all_to_all(outs, ins, group=group)
+            sent = [None] * W
+            dist.all_gather_object(sent, [t.numpy() for t in ins])
+            for p in range(W):
+                collective_assert(np.array_equal(outs[p].numpy(), sent[p][R]), f"all_to_all case {case} from {p}")
+        # the backend keeps the originals: nothing it runs goes through the swapped names
+        from moecomm.backends import torch_dist
+
+        collective_assert(torch_dist._all_to_all_single is dist.distributed_c10d.all_to_all_single, "captured")
+    gloo_comm.close()
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Megatron-core
+
+
+def megatron_missing() -> str | None:
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return "megatron-core is not installed"
+    return None
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream / Event on CPU ranks (the test only)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Megatron's CUDA-only calls (current_device, Stream, stream, the side-stream host copy of
+    the splits) as CPU stand-ins."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    names = ("current_device", "Stream", "current_stream", "stream")
+    saved = {n: getattr(torch.cuda, n) for n in names}
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def host_copy(tensor, as_numpy=False, record_stream=False):
+        # what the CUDA path returns: the splits as numpy arrays (torch's gloo takes no tensors)
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_copy
+    stream = _CpuStream()
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.cuda, n, f)
+        token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+MODES = ("native", "moecomm-default", "moecomm-group")
+
+
+@contextlib.contextmanager
+def mode(name: str, integration):
+    """native: the framework's own exchange; moecomm-default: through moecomm, reusing the MPI
+    default communicator; moecomm-group: through a communicator made on the gloo group."""
+    clear_group_cache()
+    if name == "native":
+        yield
+        return
+    moecomm.set_default_communicator(MPI_COMM if name == "moecomm-default" else None)
+    integration.enable()
+    try:
+        yield
+    finally:
+        integration.disable()
+        moecomm.set_default_communicator(MPI_COMM)
+
+
+def megatron_all_to_all_run(seed: int):
+    from megatron.core.tensor_parallel import mappings
+
+    m = count_matrix(seed, W, 6, 0.3)
+    g = torch.Generator().manual_seed(seed * 10 + R)
+    x = torch.randn(int(m[R].sum()), 4, generator=g, dtype=torch.float64, requires_grad=True)
+    # the forms Megatron passes: host numpy arrays (its dispatcher) or lists
+    form = (lambda v: [int(a) for a in v]) if seed % 2 else np.asarray
+    y = mappings.all_to_all(dist.group.WORLD, x, form(m[:, R]), form(m[R]), use_nccl_stream=bool(seed & 1))
+    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    (y * w).sum().backward()
+    eq = mappings.all_to_all(dist.group.WORLD, torch.randn(2 * W, 3, generator=g))
+    return y.detach(), x.grad, eq
+
+
+def check_megatron_all_to_all() -> None:
+    from moecomm.integrations import megatron
+
+    with megatron_on_cpu():
+        for seed in range(6):
+            runs = {}
+            for name in MODES:
+                with mode(name, megatron):
+                    runs[name] = megatron_all_to_all_run(seed)
+            for name in MODES[1:]:
+                for a, b, what in zip(runs["native"], runs[name], ("output", "grad", "equal-split output")):
+                    same(a, b, f"mappings.all_to_all {what} ({name}, seed {seed})")
+    collective_assert(not megatron.is_enabled(), "disable")
+
+
+def megatron_dispatcher_run(seed: int, topk: int, capacity_factor):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    local, H, T = 2, 8, 7 + R
+    E = local * W
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E,
+                            moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+                            moe_expert_capacity_factor=capacity_factor, moe_permute_fusion=False,
+                            expert_model_parallel_size=W, add_bias_linear=False,
+                            moe_router_pre_softmax=topk == 1)
+    pgs = ProcessGroupCollection(ep=dist.group.WORLD, tp_ep=dist.group.WORLD)
+    d = MoEAlltoAllTokenDispatcher(local, list(range(R * local, (R + 1) * local)), cfg, pg_collection=pgs)
+    g = torch.Generator().manual_seed(1000 * seed + R)
+    hidden = torch.randn(T, 1, H, generator=g, requires_grad=True)
+    scores = torch.randn(T, E, generator=g)
+    if seed % 2:  # nothing routed to the last expert: zero counts
+        scores[:, -1] = -float("inf")
+    top = scores.topk(topk, dim=1).indices
+    routing = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+    probs = (torch.softmax(scores, 1) * routing).detach().requires_grad_(True)
+    weights = torch.randn(local, H, H, generator=g, requires_grad=True)
+
+    tokens, p = d.dispatch_preprocess(hidden, routing, probs)
+    tokens, p = d.token_dispatch(tokens, p)
+    tokens, per_expert, p = d.dispatch_postprocess(tokens, p)
+    chunks = torch.split(tokens, [int(c) for c in per_expert])
+    out = torch.cat([c @ weights[e] for e, c in enumerate(chunks)]) * p.unsqueeze(-1)
+    out = d.combine_preprocess(out)
+    out = d.token_combine(out)
+    out = d.combine_postprocess(out)
+    r = torch.randn(out.shape, generator=g)
+    (out * r).sum().backward()
+    return out.detach(), hidden.grad, probs.grad, weights.grad
+
+
+def check_megatron_dispatcher() -> None:
+    from moecomm.integrations import megatron
+
+    with megatron_on_cpu():
+        for seed, topk, cap in ((0, 2, None), (1, 1, None), (2, 3, None), (3, 2, 1.0)):
+            runs = {}
+            for name in MODES:
+                with mode(name, megatron):
+                    runs[name] = megatron_dispatcher_run(seed, topk, cap)
+                    used = _groups._by_group.get(dist.group.WORLD)  # what the exchanges were mapped to
+                    if name == "moecomm-default":
+                        collective_assert(used is MPI_COMM, f"default communicator not reused: {used}")
+                    if name == "moecomm-group":
+                        collective_assert(used is not None and used.backend == "torch", f"group communicator {used}")
+            for name in MODES[1:]:
+                for a, b, what in zip(runs["native"], runs[name], ("output", "hidden grad", "probs grad",
+                                                                    "expert weight grad")):
+                    same(a, b, f"MoEAlltoAllTokenDispatcher {what} ({name}, seed {seed}, top-{topk}, cap {cap})")
+
+
+def megatron_checks() -> list:
+    reason = megatron_missing()
+    if reason:
+        say(f"SKIP megatron: {reason}")
+        return []
+    return [check_megatron_all_to_all, check_megatron_dispatcher, lambda: say("PASS megatron")]
+
+
+if __name__ == "__main__":
+    checks = [check_global_swap, lambda: say("PASS global-swap")]
+    checks += megatron_checks()
+    rank_main(checks)
