@@ -252,7 +252,105 @@ def megatron_checks() -> list:
     return [check_megatron_all_to_all, check_megatron_dispatcher, lambda: say("PASS megatron")]
 
 
+# ---------------------------------------------------------------------------------------
+# 3. DeepSpeed
+
+
+def deepspeed_missing() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)"
+    return None
+
+
+@contextlib.contextmanager
+def tutel_names_only():
+    """use_tutel=True layers on moecomm's kernels with DeepSpeed's own exchange."""
+    from deepspeed.moe import sharded_moe
+
+    from moecomm.moe import tutel_functional
+
+    saved = sharded_moe.tutel_moe if hasattr(sharded_moe, "tutel_moe") else None, sharded_moe.TUTEL_INSTALLED
+    sharded_moe.tutel_moe, sharded_moe.TUTEL_INSTALLED = tutel_functional, True
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            del sharded_moe.tutel_moe
+        else:
+            sharded_moe.tutel_moe = saved[0]
+        sharded_moe.TUTEL_INSTALLED = saved[1]
+
+
+def deepspeed_run(seed: int, k: int, use_tutel: bool):
+    from deepspeed.moe.layer import MoE
+
+    H, T, local = 6, 16, 2
+    torch.manual_seed(seed)  # the same gate and expert weights on every rank
+    expert = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H))
+    layer = MoE(H, expert, num_experts=local * W, ep_size=W, k=k, capacity_factor=1.0, min_capacity=2,
+                use_tutel=use_tutel)
+    layer.set_deepspeed_parallelism()
+    assert layer.deepspeed_moe.use_tutel == use_tutel
+    g = torch.Generator().manual_seed(100 * seed + R)
+    x = torch.randn(2, T // 2, H, generator=g, requires_grad=True)
+    torch.manual_seed(7 + seed)  # the gates' random draws (gumbel, RTS) repeat in every mode
+    out, l_aux, counts = layer(x)
+    r = torch.randn(out.shape, generator=g)
+    ((out * r).sum() + l_aux).backward()
+    return [out.detach(), l_aux.detach(), counts, x.grad] + [p.grad for p in layer.parameters()]
+
+
+def check_deepspeed() -> None:
+    import deepspeed
+    from deepspeed.moe import sharded_moe
+
+    from moecomm.integrations import deepspeed as ds
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    for k in (1, 2, 3):
+        for seed in (0, 1):
+            runs = {}
+            for name in MODES:
+                with mode(name, ds):
+                    collective_assert((sharded_moe._AllToAll.forward is ds._forward) == (name != "native"), name)
+                    runs[name] = deepspeed_run(seed, k, False)
+                    if name != "native":
+                        ds.enable(tutel_kernels=True)
+                        runs[name + "+tutel"] = deepspeed_run(seed, k, True)
+                        used = _groups._by_group.get(next(iter(ds_group_dict().values())))
+                        collective_assert(used is not None and (used is MPI_COMM) == (name == "moecomm-default"),
+                                          f"{name}: mapped to {used}")
+            collective_assert(not sharded_moe.TUTEL_INSTALLED and not ds.is_enabled(), "disable restores")
+            with tutel_names_only():
+                runs["native+tutel"] = deepspeed_run(seed, k, True)
+            what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
+            for name in MODES[1:]:
+                for suffix in ("", "+tutel"):
+                    for a, b, w in zip(runs["native" + suffix], runs[name + suffix], what):
+                        same(a, b, f"DeepSpeed MoE k={k} seed {seed} {w} ({name}{suffix})")
+            for a, b, w in zip(runs["native"], runs["native+tutel"], what):
+                ok = torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6) if a.is_floating_point() \
+                    else torch.equal(a, b)
+                collective_assert(ok, f"DeepSpeed MoE k={k} seed {seed} {w}: use_tutel=True on moecomm's kernels "
+                                      f"differs from the native path beyond float tolerance")
+
+
+def ds_group_dict():
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_group_dict()
+
+
+def deepspeed_checks() -> list:
+    reason = deepspeed_missing()
+    if reason:
+        say(f"SKIP deepspeed: {reason}")
+        return []
+    return [check_deepspeed, lambda: say("PASS deepspeed")]
+
+
 if __name__ == "__main__":
     checks = [check_global_swap, lambda: say("PASS global-swap")]
     checks += megatron_checks()
+    checks += deepspeed_checks()
     rank_main(checks)
