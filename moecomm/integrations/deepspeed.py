@@ -51,22 +51,23 @@ def _sharded_moe() -> Any:
     return sharded_moe
 
 
-def enable(tutel_kernels: bool = False) -> None:
+def enable(tutel_kernels: bool = False, *, exchange: bool = True) -> None:
     """Route DeepSpeed's MoE all-to-all through moecomm (and its Tutel path onto moecomm's kernels).
 
     Args:
         tutel_kernels: also make ``use_tutel=True`` layers built from now on run on
             :mod:`moecomm.moe.tutel_functional`.
+        exchange: route ``_AllToAll`` through moecomm (False: only the kernels, with
+            DeepSpeed's own exchange, e.g. to compare the two separately).
 
-    Call it on every rank. Calling it again with ``tutel_kernels=True`` adds the kernels;
-    ``disable()`` removes both.
+    Call it on every rank. A later call adds what it asks for; ``disable()`` removes all.
 
     Raises:
         ImportError: DeepSpeed is not installed (the message says how to install it on CPU).
         RuntimeError: ``sharded_moe._AllToAll.forward`` is missing (an unsupported version).
     """
     sharded_moe = _sharded_moe()
-    if "all_to_all" not in _state:
+    if exchange and "all_to_all" not in _state:
         cls = getattr(sharded_moe, "_AllToAll", None)
         if cls is None or "forward" not in getattr(cls, "__dict__", {}):
             raise RuntimeError("deepspeed.moe.sharded_moe._AllToAll.forward not found: this DeepSpeed version "
@@ -98,7 +99,7 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
-    """True between :func:`enable` and :func:`disable`."""
+    """True while the exchange is routed through moecomm (``enable(exchange=True)``)."""
     patch = _state.get("all_to_all")
     return patch is not None and patch.enabled
 

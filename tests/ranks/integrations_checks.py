@@ -268,25 +268,6 @@ def deepspeed_missing() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def tutel_names_only():
-    """use_tutel=True layers on moecomm's kernels with DeepSpeed's own exchange."""
-    from deepspeed.moe import sharded_moe
-
-    from moecomm.moe import tutel_functional
-
-    saved = sharded_moe.tutel_moe if hasattr(sharded_moe, "tutel_moe") else None, sharded_moe.TUTEL_INSTALLED
-    sharded_moe.tutel_moe, sharded_moe.TUTEL_INSTALLED = tutel_functional, True
-    try:
-        yield
-    finally:
-        if saved[0] is None:
-            del sharded_moe.tutel_moe
-        else:
-            sharded_moe.tutel_moe = saved[0]
-        sharded_moe.TUTEL_INSTALLED = saved[1]
-
-
 def deepspeed_run(seed: int, k: int, use_tutel: bool):
     from deepspeed.moe.layer import MoE
 
@@ -332,8 +313,12 @@ def check_deepspeed() -> None:
                         collective_assert(used is not None and (used is MPI_COMM) == (name == "moecomm-default"),
                                           f"{name}: mapped to {used}")
             collective_assert(not sharded_moe.TUTEL_INSTALLED and not ds.is_enabled(), "disable restores")
-            with tutel_names_only():
+            ds.enable(tutel_kernels=True, exchange=False)  # moecomm's kernels, DeepSpeed's exchange
+            try:
+                collective_assert(not ds.is_enabled() and ds.tutel_kernels_enabled(), "exchange=False")
                 runs["native+tutel"] = deepspeed_run(seed, k, True)
+            finally:
+                ds.disable()
             what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
             for name in MODES[1:]:
                 for suffix in ("", "+tutel"):
