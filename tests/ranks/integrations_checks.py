@@ -18,7 +18,7 @@ import torch
 
 import moecomm
 import moecomm.distributed
-from moecomm.integrations import _groups, clear_group_cache
+from moecomm.integrations import _groups, clear_group_cache, communicator_for_group
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
 
@@ -84,6 +84,37 @@ def check_global_swap() -> None:
 
         collective_assert(torch_dist._all_to_all_single is dist.distributed_c10d.all_to_all_single, "captured")
     gloo_comm.close()
+
+
+def check_group_mapping() -> None:
+    """communicator_for_group: the default is reused only for its own ranks in order; any other
+    group gets a communicator of its own, made once."""
+    clear_group_cache()
+    members = [0, 1] if W == 2 else [0, W - 1]
+    sub = dist.new_group(members)  # every rank takes part in making it
+    ok, msg = True, ""
+    if R in members:
+        comm = communicator_for_group(sub)
+        mine = members.index(R)
+        if W == 2:
+            ok, msg = comm is MPI_COMM, f"the default's ranks: not reused ({comm})"
+        else:
+            ok = comm is not MPI_COMM and comm.backend == "torch" and comm.size == 2 and comm.rank == mine
+            msg = f"sub-group communicator {comm}"
+        ok = ok and communicator_for_group(sub) is comm
+        out = torch.empty(4)
+        comm.all_to_all_single(out, torch.arange(4, dtype=torch.float32) + 10 * R)
+        want = torch.cat([(torch.arange(4, dtype=torch.float32) + 10 * m)[2 * mine:2 * mine + 2] for m in members])
+        if ok and not torch.equal(out, want):
+            ok, msg = False, f"sub-group exchange gave {out.tolist()}, want {want.tolist()}"
+    collective_assert(ok, msg)
+    try:
+        communicator_for_group("not a group")
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a non-ProcessGroup was accepted")
+    clear_group_cache()
 
 
 # ---------------------------------------------------------------------------------------
@@ -346,7 +377,7 @@ def deepspeed_checks() -> list:
 
 
 if __name__ == "__main__":
-    checks = [check_global_swap, lambda: say("PASS global-swap")]
+    checks = [check_global_swap, check_group_mapping, lambda: say("PASS global-swap")]
     checks += megatron_checks()
     checks += deepspeed_checks()
     rank_main(checks)
