@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from moecomm.moe import tutel_functional as tf
 
-SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=25,
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=20,
                     suppress_health_check=list(HealthCheck))
 
 
