@@ -130,3 +130,34 @@ def test_cumsum_and_errors():
         d.decode(torch.zeros(5, 3))
     with pytest.raises(ValueError, match="dispatch_dtype"):
         tf.fast_dispatcher(2, 2, 3, torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("postscore", [True, False])
+def test_cuda_matches_reference(dtype, postscore):
+    """The CUDA kernels behind encode/decode against the plain-torch reference (on the CPU)."""
+    S, E, C, K, M = 300, 8, 48, 3, 64
+    idx, loc, gates = routes(11, S, E, C, K, 0.2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(S, M, generator=g).to(dtype)
+    y = torch.randn(E * C, M, generator=g).to(dtype)
+    d = tf.fast_dispatcher(E, C, M, dispatch_dtype=dtype)
+    cg = [t.detach().cuda().requires_grad_(True) for t in gates]
+    cx, cy = x.cuda().requires_grad_(True), y.cuda().requires_grad_(True)
+    d.update([t.cuda() for t in idx], [t.cuda() for t in loc], cg, capacity=C, is_postscore=postscore)
+    enc, dec = d.encode(cx), d.decode(cy)
+    (enc.float().sum() + dec.float().pow(2).sum()).backward()
+    rg = [t.detach().clone().requires_grad_(True) for t in gates]
+    rx, ry = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    renc = reference_encode(rx, idx, loc, rg, E, C, postscore).to(dtype)
+    rdec = reference_decode(ry, idx, loc, rg, C, postscore, S).to(dtype)
+    (renc.float().sum() + rdec.float().pow(2).sum()).backward()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(enc.cpu(), renc, **tol)
+    torch.testing.assert_close(dec.cpu(), rdec, **tol)
+    torch.testing.assert_close(cx.grad.cpu(), rx.grad, **tol)
+    torch.testing.assert_close(cy.grad.cpu(), ry.grad, **tol)
+    for a, b in zip(cg, rg):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=5e-2, atol=5e-2)
