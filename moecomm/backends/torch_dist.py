@@ -2,6 +2,14 @@
 
 It is what ``moecomm.init(process_group=pg)`` uses for a group that is not NCCL, so that
 ``torchrun`` on CPU works. Data moves as byte views, so every dtype is exchanged bit for bit.
+
+The collectives it runs are taken from ``torch.distributed.distributed_c10d`` when this module
+is imported, never looked up on ``torch.distributed`` at call time. That keeps the zero-edit
+migration ``torch.distributed.all_to_all_single = moecomm.distributed.all_to_all_single`` (and
+the same for ``all_to_all``) safe: the swapped names are not called from here, so an exchange
+on a gloo group cannot route back into moecomm and recurse. Should the functions found at
+import already be moecomm's (someone patched ``distributed_c10d`` itself), the import fails
+with a ``RuntimeError`` rather than recursing later.
 """
 
 from __future__ import annotations
@@ -16,7 +24,24 @@ from .base import Backend, Request
 __all__ = ["TorchBackend"]
 
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _original(name: str) -> Any:
+    """``torch.distributed``'s own ``name``, captured once (see the module docstring)."""
+    from torch.distributed import distributed_c10d
+
+    fn = getattr(distributed_c10d, name)
+    if str(getattr(fn, "__module__", "")).split(".")[0] == "moecomm":
+        raise RuntimeError(
+            f"torch.distributed.distributed_c10d.{name} is moecomm's {fn.__module__}.{fn.__name__}; patch "
+            f"torch.distributed.{name} instead (moecomm's torch backend calls the original from distributed_c10d)"
+        )
+    return fn
+
+
+_all_to_all_single = _original("all_to_all_single")
+_all_gather_single = _original("all_gather_into_tensor")
+_all_reduce = _original("all_reduce")
+_broadcast = _original("broadcast")
+_barrier = _original("barrier")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +82,7 @@ class TorchBackend(Backend):
     def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
         if send_displs is not None or recv_displs is not None:
             raise NotImplementedError("the torch backend sends consecutive blocks only")
-        work = dist.all_to_all_single(
+        work = _all_to_all_single(
             _bytes(recv), _bytes(send),
             [c * row_bytes for c in recv_counts], [c * row_bytes for c in send_counts],
             group=self.group, async_op=True,
@@ -65,7 +90,7 @@ class TorchBackend(Backend):
         return _WorkRequest(work, (send, recv))
 
     def alltoall(self, send, recv) -> Request:
-        work = dist.all_to_all_single(_bytes(recv), _bytes(send), group=self.group, async_op=True)
+        work = _all_to_all_single(_bytes(recv), _bytes(send), group=self.group, async_op=True)
         return _WorkRequest(work, (send, recv))
 
     def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
@@ -74,7 +99,7 @@ class TorchBackend(Backend):
         mine = counts[self.rank] * row_bytes
         src = _bytes(send)
         packed = src.repeat(self.size) if mine else src
-        work = dist.all_to_all_single(
+        work = _all_to_all_single(
             _bytes(recv), packed, [c * row_bytes for c in counts], [mine] * self.size,
             group=self.group, async_op=True,
         )
@@ -85,16 +110,16 @@ class TorchBackend(Backend):
         return _WorkRequest(work, (send, recv))
 
     def allreduce(self, tensor, op) -> Request:
-        work = dist.all_reduce(tensor, _OPS[op], group=self.group, async_op=True)
+        work = _all_reduce(tensor, _OPS[op], group=self.group, async_op=True)
         return _WorkRequest(work, (tensor,))
 
     def broadcast(self, tensor, root) -> Request:
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
-        work = dist.broadcast(_bytes(tensor), src, group=self.group, async_op=True)
+        work = _broadcast(_bytes(tensor), src, group=self.group, async_op=True)
         return _WorkRequest(work, (tensor,))
 
     def barrier(self) -> Request:
-        return _WorkRequest(dist.barrier(group=self.group, async_op=True), ())
+        return _WorkRequest(_barrier(group=self.group, async_op=True), ())
 
     def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["TorchBackend"]:
         if color is None:

@@ -1,0 +1,109 @@
+"""DeepSpeed's MoE exchange (and its ``use_tutel=True`` path) on moecomm: ``enable()`` / ``disable()``.
+
+``enable()`` replaces the ``forward`` of ``deepspeed.moe.sharded_moe._AllToAll``, the
+autograd Function ``MOELayer`` sends its capacity-padded ``[E, C, M]`` buffers with (both
+exchanges, forward and backward), so its equal-split ``all_to_all_single`` runs on the
+moecomm communicator of the expert-parallel group
+(:func:`moecomm.integrations.communicator_for_group`).
+
+``enable(tutel_kernels=True)`` also binds ``sharded_moe.tutel_moe`` to
+:mod:`moecomm.moe.tutel_functional` and sets ``sharded_moe.TUTEL_INSTALLED = True``, so that
+``deepspeed.moe.layer.MoE(..., use_tutel=True)`` runs its Tutel path (``fast_cumsum_sub_one``
+in the top-1 gate, ``fast_dispatcher`` ``update`` / ``encode`` / ``decode`` in ``MOELayer``)
+on moecomm's dispatch/combine kernels, with no package named ``tutel`` installed. DeepSpeed
+reads ``TUTEL_INSTALLED`` when a layer is built: enable first, then build the model.
+``disable()`` restores every name it changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._groups import communicator_for_group
+from ._patch import Patch
+
+__all__ = ["enable", "disable", "is_enabled", "tutel_kernels_enabled"]
+
+_state: dict[str, Any] = {}
+"""Explicit registry while enabled: "all_to_all" -> Patch, "tutel" -> the names it replaced."""
+
+_MISSING = object()
+
+
+def _forward(ctx: Any, group: Any, input: torch.Tensor) -> torch.Tensor:
+    ctx.group = group
+    input = input.contiguous()
+    output = torch.empty_like(input)
+    communicator_for_group(group).all_to_all_single(output, input)
+    return output
+
+
+def _sharded_moe() -> Any:
+    try:
+        from deepspeed.moe import sharded_moe
+    except ImportError as exc:
+        raise ImportError(
+            "moecomm.integrations.deepspeed needs DeepSpeed (on CPU: DS_BUILD_OPS=0 pip install deepspeed, "
+            f"and DS_ACCELERATOR=cpu); importing deepspeed.moe.sharded_moe failed: {exc}"
+        ) from exc
+    return sharded_moe
+
+
+def enable(tutel_kernels: bool = False, *, exchange: bool = True) -> None:
+    """Route DeepSpeed's MoE all-to-all through moecomm (and its Tutel path onto moecomm's kernels).
+
+    Args:
+        tutel_kernels: also make ``use_tutel=True`` layers built from now on run on
+            :mod:`moecomm.moe.tutel_functional`.
+        exchange: route ``_AllToAll`` through moecomm (False: only the kernels, with
+            DeepSpeed's own exchange, e.g. to compare the two separately).
+
+    Call it on every rank. A later call adds what it asks for; ``disable()`` removes all.
+
+    Raises:
+        ImportError: DeepSpeed is not installed (the message says how to install it on CPU).
+        RuntimeError: ``sharded_moe._AllToAll.forward`` is missing (an unsupported version).
+    """
+    sharded_moe = _sharded_moe()
+    if exchange and "all_to_all" not in _state:
+        cls = getattr(sharded_moe, "_AllToAll", None)
+        if cls is None or "forward" not in getattr(cls, "__dict__", {}):
+            raise RuntimeError("deepspeed.moe.sharded_moe._AllToAll.forward not found: this DeepSpeed version "
+                               "is not supported by moecomm.integrations.deepspeed")
+        patch = Patch(cls, _forward)
+        patch.enable()
+        _state["all_to_all"] = patch
+    if tutel_kernels and "tutel" not in _state:
+        from ..moe import tutel_functional
+
+        _state["tutel"] = {n: getattr(sharded_moe, n, _MISSING) for n in ("tutel_moe", "TUTEL_INSTALLED")}
+        sharded_moe.tutel_moe = tutel_functional
+        sharded_moe.TUTEL_INSTALLED = True
+
+
+def disable() -> None:
+    """Restore DeepSpeed's own exchange and Tutel names (no-op when not enabled)."""
+    patch = _state.pop("all_to_all", None)
+    if patch is not None:
+        patch.disable()
+    saved = _state.pop("tutel", None)
+    if saved is not None:
+        sharded_moe = _sharded_moe()
+        for name, value in saved.items():
+            if value is _MISSING:
+                delattr(sharded_moe, name)
+            else:
+                setattr(sharded_moe, name, value)
+
+
+def is_enabled() -> bool:
+    """True while the exchange is routed through moecomm (``enable(exchange=True)``)."""
+    patch = _state.get("all_to_all")
+    return patch is not None and patch.enabled
+
+
+def tutel_kernels_enabled() -> bool:
+    """True while ``enable(tutel_kernels=True)`` is in effect."""
+    return "tutel" in _state

@@ -1,0 +1,114 @@
+"""Megatron-core's MoE all-to-all on moecomm: ``enable()`` / ``disable()``.
+
+``enable()`` replaces the ``forward`` of ``megatron.core.tensor_parallel.mappings._AllToAll``,
+the autograd Function behind ``mappings.all_to_all`` (and ``all_to_all_sp2hp`` /
+``all_to_all_hp2sp``). ``MoEAlltoAllTokenDispatcher`` sends tokens and probabilities with it
+in ``token_dispatch`` and the expert outputs back in ``token_combine``; the backward passes
+re-apply the same Function with the splits swapped, so forward and backward all run on
+moecomm. Megatron's expert-parallel ``ProcessGroup`` is mapped to a communicator once per
+group (:func:`moecomm.integrations.communicator_for_group`: the default communicator of
+:func:`moecomm.init` when its ranks are the group's, else one made on the group). Nothing in
+Megatron is edited; ``disable()`` puts the original ``forward`` back. The replacement keeps
+Megatron's semantics: group size 1 returns the input, ``None`` splits mean equal blocks,
+``use_nccl_stream`` (an async call waited on at once there) is a plain blocking call here.
+The output is allocated on the input's device (Megatron's own forward uses
+``torch.cuda.current_device()``, the same device in a CUDA run).
+
+**Counts.** The dispatcher gathers every rank's per-expert token counts itself (an
+all-gather over the TP x EP group in ``preprocess``) and copies the splits to the host on a
+side stream, waiting on an event before the exchange (``_maybe_dtoh_and_synchronize``),
+because it needs them on the host anyway: to size the output buffer, to sort the received
+chunks by local expert (``sort_chunks_by_idxs``) and for the grouped GEMM's
+``tokens_per_expert``. So by the time ``_AllToAll`` runs, both sides' counts are host
+arrays and moecomm takes its known-counts path: one round that moves only the rows, with no
+count exchange of its own. moecomm's one-round GPU-count path (``all_to_all_v`` with counts
+still on the device) therefore **cannot be used without editing Megatron**: the host copy
+and the event wait happen in the dispatcher before the communication call, and the host
+values are needed after it; skipping them needs changes to ``preprocess``,
+``_maybe_dtoh_and_synchronize`` and ``dispatch_postprocess``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ._groups import communicator_for_group
+from ._patch import Patch
+
+__all__ = ["enable", "disable", "is_enabled"]
+
+_state: dict[str, Patch] = {}
+"""Explicit registry: the installed patch (key "all_to_all") while enabled."""
+
+
+def _rows(splits: Any) -> int:
+    if isinstance(splits, torch.Tensor):
+        return int(splits.sum())
+    return int(sum(int(s) for s in splits))
+
+
+def _forward(ctx: Any, group: Any, input: torch.Tensor, output_split_sizes: Any, input_split_sizes: Any,
+             use_nccl_stream: bool = False) -> torch.Tensor:
+    ctx.group = group
+    ctx.output_split_sizes = output_split_sizes
+    ctx.input_split_sizes = input_split_sizes
+    ctx.use_nccl_stream = use_nccl_stream
+    if group.size() == 1:
+        return input
+    input = input.contiguous()
+    if output_split_sizes is None:
+        output = torch.empty_like(input)
+    else:
+        output = input.new_empty((_rows(output_split_sizes),) + tuple(input.shape[1:]))
+    communicator_for_group(group).all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+    return output
+
+
+def _mappings() -> Any:
+    try:
+        from megatron.core.tensor_parallel import mappings
+    except ImportError as exc:
+        raise ImportError(
+            "moecomm.integrations.megatron needs megatron-core (pip install megatron-core); "
+            f"importing megatron.core.tensor_parallel.mappings failed: {exc}"
+        ) from exc
+    return mappings
+
+
+def enable() -> None:
+    """Route Megatron-core's ``_AllToAll`` (forward and backward) through moecomm.
+
+    Call it on every rank, before or after building the model (the patch is on the class, so
+    existing dispatchers are covered). Idempotent. A communicator is made for a group on its
+    first exchange; call :func:`moecomm.init` first to have the default one reused.
+
+    Raises:
+        ImportError: megatron-core is not installed (the message says so).
+        RuntimeError: Megatron's ``_AllToAll`` has no ``forward`` to replace (an unsupported
+            megatron-core version).
+    """
+    if "all_to_all" in _state:
+        return
+    mappings = _mappings()
+    cls = getattr(mappings, "_AllToAll", None)
+    if cls is None or "forward" not in getattr(cls, "__dict__", {}):
+        raise RuntimeError("megatron.core.tensor_parallel.mappings._AllToAll.forward not found: "
+                           "this megatron-core version is not supported by moecomm.integrations.megatron")
+    patch = Patch(cls, _forward)
+    patch.enable()
+    _state["all_to_all"] = patch
+
+
+def disable() -> None:
+    """Put Megatron's own ``_AllToAll.forward`` back (no-op when not enabled)."""
+    patch: Optional[Patch] = _state.pop("all_to_all", None)
+    if patch is not None:
+        patch.disable()
+
+
+def is_enabled() -> bool:
+    """True between :func:`enable` and :func:`disable`."""
+    patch = _state.get("all_to_all")
+    return patch is not None and patch.enabled

@@ -1,0 +1,383 @@
+"""Framework integrations on real MPI ranks (run by tests/test_integrations.py).
+
+One launch per world size runs every check: the global ``torch.distributed`` swap, then
+Megatron-core's ``mappings.all_to_all`` and ``MoEAlltoAllTokenDispatcher`` pipeline, then
+DeepSpeed's ``MoE`` layer (plain and ``use_tutel=True``), each with and without moecomm.
+A framework that is not installed is reported as ``SKIP <name>: <reason>`` and not run.
+Data is made on a gloo group over the MPI ranks (tests.mpi_util.init_gloo_over_mpi).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+
+import numpy as np
+import torch
+
+import moecomm
+import moecomm.distributed
+from moecomm.integrations import _groups, clear_group_cache, communicator_for_group
+from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
+from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+init_gloo_over_mpi()
+import torch.distributed as dist  # noqa: E402
+
+W, R = dist.get_world_size(), dist.get_rank()
+MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (MPI rank == torch rank)
+
+
+def say(line: str) -> None:
+    if R == 0:
+        print(line, flush=True)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
+    collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))
+
+
+# ---------------------------------------------------------------------------------------
+# 1. torch.distributed.all_to_all_single = moecomm.distributed.all_to_all_single
+
+
+@contextlib.contextmanager
+def swapped():
+    saved = dist.all_to_all_single, dist.all_to_all
+    dist.all_to_all_single = moecomm.distributed.all_to_all_single
+    dist.all_to_all = moecomm.distributed.all_to_all
+    try:
+        yield
+    finally:
+        dist.all_to_all_single, dist.all_to_all = saved
+
+
+def check_global_swap() -> None:
+    gloo_comm = moecomm.init(process_group=dist.group.WORLD, set_default=False, timeout=60)
+    collective_assert(gloo_comm.backend == "torch", gloo_comm.backend)
+    rng = np.random.default_rng(5)
+    with swapped():
+        for case in range(8):
+            m = count_matrix(100 + case, W, 5, 0.3)
+            dtype = [torch.float32, torch.bfloat16, torch.int64, torch.uint8][case % 4]
+            x = input_for(100 + case, R, m, (3,), dtype)
+            out = torch.empty((int(m[:, R].sum()), 3), dtype=dtype)
+            group = [gloo_comm, dist.group.WORLD][case % 2]  # the WORLD group: a communicator made on it
+            work = dist.all_to_all_single(out, x, [int(v) for v in m[:, R]], [int(v) for v in m[R]],
+                                          group=group, async_op=bool(case & 2))
+            if work is not None:
+                work.wait()
+            collective_assert(np.array_equal(as_bytes(out), expected_bytes(100 + case, R, m, (3,), dtype)),
+                              f"all_to_all_single case {case}")
+            ins = [torch.from_numpy(rng.standard_normal((int(m[R, p]), 2))) for p in range(W)]
+            outs = [torch.empty((int(m[p, R]), 2), dtype=torch.float64) for p in range(W)]
+            dist.all_to_all(outs, ins, group=group)
+            sent = [None] * W
+            dist.all_gather_object(sent, [t.numpy() for t in ins])
+            for p in range(W):
+                collective_assert(np.array_equal(outs[p].numpy(), sent[p][R]), f"all_to_all case {case} from {p}")
+        # the backend keeps the originals: nothing it runs goes through the swapped names
+        from moecomm.backends import torch_dist
+
+        collective_assert(torch_dist._all_to_all_single is dist.distributed_c10d.all_to_all_single, "captured")
+    gloo_comm.close()
+
+
+def check_group_mapping() -> None:
+    """communicator_for_group: the default is reused only for its own ranks in order; any other
+    group gets a communicator of its own, made once."""
+    clear_group_cache()
+    members = [0, 1] if W == 2 else [0, W - 1]
+    sub = dist.new_group(members)  # every rank takes part in making it
+    ok, msg = True, ""
+    if R in members:
+        comm = communicator_for_group(sub)
+        mine = members.index(R)
+        if W == 2:
+            ok, msg = comm is MPI_COMM, f"the default's ranks: not reused ({comm})"
+        else:
+            ok = comm is not MPI_COMM and comm.backend == "torch" and comm.size == 2 and comm.rank == mine
+            msg = f"sub-group communicator {comm}"
+        ok = ok and communicator_for_group(sub) is comm
+        out = torch.empty(4)
+        comm.all_to_all_single(out, torch.arange(4, dtype=torch.float32) + 10 * R)
+        want = torch.cat([(torch.arange(4, dtype=torch.float32) + 10 * m)[2 * mine:2 * mine + 2] for m in members])
+        if ok and not torch.equal(out, want):
+            ok, msg = False, f"sub-group exchange gave {out.tolist()}, want {want.tolist()}"
+    collective_assert(ok, msg)
+    try:
+        communicator_for_group("not a group")
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a non-ProcessGroup was accepted")
+    clear_group_cache()
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Megatron-core
+
+
+def megatron_missing() -> str | None:
+    try:
+        import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+    except ImportError as exc:  # not installed, or triton missing (megatron.core imports it)
+        return f"megatron-core cannot be imported ({exc})"
+    return None
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream / Event on CPU ranks (the test only)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Megatron's CUDA-only calls (current_device, Stream, stream, the side-stream host copy of
+    the splits) as CPU stand-ins."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    names = ("current_device", "Stream", "current_stream", "stream")
+    saved = {n: getattr(torch.cuda, n) for n in names}
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def host_copy(tensor, as_numpy=False, record_stream=False):
+        # what the CUDA path returns: the splits as numpy arrays (torch's gloo takes no tensors)
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_copy
+    stream = _CpuStream()
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.cuda, n, f)
+        token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+MODES = ("native", "moecomm-default", "moecomm-group")
+
+
+@contextlib.contextmanager
+def mode(name: str, integration):
+    """native: the framework's own exchange; moecomm-default: through moecomm, reusing the MPI
+    default communicator; moecomm-group: through a communicator made on the gloo group."""
+    clear_group_cache()
+    if name == "native":
+        yield
+        return
+    moecomm.set_default_communicator(MPI_COMM if name == "moecomm-default" else None)
+    integration.enable()
+    try:
+        yield
+    finally:
+        integration.disable()
+        moecomm.set_default_communicator(MPI_COMM)
+
+
+def megatron_all_to_all_run(seed: int):
+    from megatron.core.tensor_parallel import mappings
+
+    m = count_matrix(seed, W, 6, 0.3)
+    g = torch.Generator().manual_seed(seed * 10 + R)
+    x = torch.randn(int(m[R].sum()), 4, generator=g, dtype=torch.float64, requires_grad=True)
+    # the forms Megatron passes: host numpy arrays (its dispatcher) or lists
+    form = (lambda v: [int(a) for a in v]) if seed % 2 else np.asarray
+    y = mappings.all_to_all(dist.group.WORLD, x, form(m[:, R]), form(m[R]), use_nccl_stream=bool(seed & 1))
+    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    (y * w).sum().backward()
+    eq = mappings.all_to_all(dist.group.WORLD, torch.randn(2 * W, 3, generator=g))
+    return y.detach(), x.grad, eq
+
+
+def check_megatron_all_to_all() -> None:
+    from moecomm.integrations import megatron
+
+    with megatron_on_cpu():
+        for seed in range(4):
+            runs = {}
+            for name in MODES:
+                with mode(name, megatron):
+                    runs[name] = megatron_all_to_all_run(seed)
+            for name in MODES[1:]:
+                for a, b, what in zip(runs["native"], runs[name], ("output", "grad", "equal-split output")):
+                    same(a, b, f"mappings.all_to_all {what} ({name}, seed {seed})")
+    collective_assert(not megatron.is_enabled(), "disable")
+
+
+def megatron_dispatcher_run(seed: int, topk: int, capacity_factor):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    local, H, T = 2, 8, 7 + R
+    E = local * W
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E,
+                            moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+                            moe_expert_capacity_factor=capacity_factor, moe_permute_fusion=False,
+                            expert_model_parallel_size=W, add_bias_linear=False,
+                            moe_router_pre_softmax=topk == 1)
+    pgs = ProcessGroupCollection(ep=dist.group.WORLD, tp_ep=dist.group.WORLD)
+    d = MoEAlltoAllTokenDispatcher(local, list(range(R * local, (R + 1) * local)), cfg, pg_collection=pgs)
+    g = torch.Generator().manual_seed(1000 * seed + R)
+    hidden = torch.randn(T, 1, H, generator=g, requires_grad=True)
+    scores = torch.randn(T, E, generator=g)
+    if seed % 2:  # nothing routed to the last expert: zero counts
+        scores[:, -1] = -float("inf")
+    top = scores.topk(topk, dim=1).indices
+    routing = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+    probs = (torch.softmax(scores, 1) * routing).detach().requires_grad_(True)
+    weights = torch.randn(local, H, H, generator=g, requires_grad=True)
+
+    tokens, p = d.dispatch_preprocess(hidden, routing, probs)
+    tokens, p = d.token_dispatch(tokens, p)
+    tokens, per_expert, p = d.dispatch_postprocess(tokens, p)
+    chunks = torch.split(tokens, [int(c) for c in per_expert])
+    out = torch.cat([c @ weights[e] for e, c in enumerate(chunks)]) * p.unsqueeze(-1)
+    out = d.combine_preprocess(out)
+    out = d.token_combine(out)
+    out = d.combine_postprocess(out)
+    r = torch.randn(out.shape, generator=g)
+    (out * r).sum().backward()
+    return out.detach(), hidden.grad, probs.grad, weights.grad
+
+
+def check_megatron_dispatcher() -> None:
+    from moecomm.integrations import megatron
+
+    with megatron_on_cpu():
+        for seed, topk, cap in ((0, 2, None), (1, 1, None), (2, 3, None), (3, 2, 1.0)):
+            runs = {}
+            for name in MODES:
+                with mode(name, megatron):
+                    runs[name] = megatron_dispatcher_run(seed, topk, cap)
+                    used = _groups._by_group.get(dist.group.WORLD)  # what the exchanges were mapped to
+                    if name == "moecomm-default":
+                        collective_assert(used is MPI_COMM, f"default communicator not reused: {used}")
+                    if name == "moecomm-group":
+                        collective_assert(used is not None and used.backend == "torch", f"group communicator {used}")
+            for name in MODES[1:]:
+                for a, b, what in zip(runs["native"], runs[name], ("output", "hidden grad", "probs grad",
+                                                                    "expert weight grad")):
+                    same(a, b, f"MoEAlltoAllTokenDispatcher {what} ({name}, seed {seed}, top-{topk}, cap {cap})")
+
+
+def megatron_checks() -> list:
+    reason = megatron_missing()
+    if reason:
+        say(f"SKIP megatron: {reason}")
+        return []
+    return [check_megatron_all_to_all, check_megatron_dispatcher, lambda: say("PASS megatron")]
+
+
+# ---------------------------------------------------------------------------------------
+# 3. DeepSpeed
+
+
+def deepspeed_missing() -> str | None:
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)"
+    try:
+        import deepspeed.moe.layer  # noqa: F401
+    except ImportError as exc:
+        return f"deepspeed cannot be imported ({exc})"
+    return None
+
+
+def deepspeed_run(seed: int, k: int, use_tutel: bool):
+    from deepspeed.moe.layer import MoE
+
+    H, T, local = 6, 16, 2
+    torch.manual_seed(seed)  # the same gate and expert weights on every rank
+    expert = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H))
+    layer = MoE(H, expert, num_experts=local * W, ep_size=W, k=k, capacity_factor=1.0, min_capacity=2,
+                use_tutel=use_tutel)
+    layer.set_deepspeed_parallelism()
+    assert layer.deepspeed_moe.use_tutel == use_tutel
+    g = torch.Generator().manual_seed(100 * seed + R)
+    x = torch.randn(2, T // 2, H, generator=g, requires_grad=True)
+    torch.manual_seed(7 + seed)  # the gates' random draws (gumbel, RTS) repeat in every mode
+    out, l_aux, counts = layer(x)
+    r = torch.randn(out.shape, generator=g)
+    ((out * r).sum() + l_aux).backward()
+    return [out.detach(), l_aux.detach(), counts, x.grad] + [p.grad for p in layer.parameters()]
+
+
+def check_deepspeed() -> None:
+    import deepspeed
+    from deepspeed.moe import sharded_moe
+
+    from moecomm.integrations import deepspeed as ds
+
+    # DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce op (minutes of compiling,
+    # used only by its all_reduce) when its comm backend is made; the MoE path does not use it
+    import importlib
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    for k in (1, 2, 3):
+        for seed in (k,):
+            runs = {}
+            for name in MODES:
+                with mode(name, ds):
+                    collective_assert((sharded_moe._AllToAll.forward is ds._forward) == (name != "native"), name)
+                    runs[name] = deepspeed_run(seed, k, False)
+                    if name != "native":
+                        ds.enable(tutel_kernels=True)
+                        runs[name + "+tutel"] = deepspeed_run(seed, k, True)
+                        used = _groups._by_group.get(next(iter(ds_group_dict().values())))
+                        collective_assert(used is not None and (used is MPI_COMM) == (name == "moecomm-default"),
+                                          f"{name}: mapped to {used}")
+            collective_assert(not sharded_moe.TUTEL_INSTALLED and not ds.is_enabled(), "disable restores")
+            ds.enable(tutel_kernels=True, exchange=False)  # moecomm's kernels, DeepSpeed's exchange
+            try:
+                collective_assert(not ds.is_enabled() and ds.tutel_kernels_enabled(), "exchange=False")
+                runs["native+tutel"] = deepspeed_run(seed, k, True)
+            finally:
+                ds.disable()
+            what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
+            for name in MODES[1:]:
+                for suffix in ("", "+tutel"):
+                    for a, b, w in zip(runs["native" + suffix], runs[name + suffix], what):
+                        same(a, b, f"DeepSpeed MoE k={k} seed {seed} {w} ({name}{suffix})")
+            for a, b, w in zip(runs["native"], runs["native+tutel"], what):
+                ok = torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6) if a.is_floating_point() \
+                    else torch.equal(a, b)
+                collective_assert(ok, f"DeepSpeed MoE k={k} seed {seed} {w}: use_tutel=True on moecomm's kernels "
+                                      f"differs from the native path beyond float tolerance")
+
+
+def ds_group_dict():
+    from deepspeed.utils import groups
+
+    return groups._get_expert_parallel_group_dict()
+
+
+def deepspeed_checks() -> list:
+    reason = deepspeed_missing()
+    if reason:
+        say(f"SKIP deepspeed: {reason}")
+        return []
+    return [check_deepspeed, lambda: say("PASS deepspeed")]
+
+
+if __name__ == "__main__":
+    checks = [check_global_swap, check_group_mapping, lambda: say("PASS global-swap")]
+    checks += megatron_checks()
+    checks += deepspeed_checks()
+    rank_main(checks)
