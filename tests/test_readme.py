@@ -49,6 +49,12 @@ SHELL: dict[str, tuple[str | None, str]] = {
     "python3 -m topology show PROFILE.json --png plot.png":
         ("python3 -m topology show {root}/bench/results/cpu/profile_2x2.json --png plot.png",
          "PROFILE.json: a profile stored in bench/results"),
+    "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 && pip install --no-deps triton":
+        (None, "installs a framework (tests/test_integrations.py runs with it where installed)"),
+    "DS_BUILD_OPS=0 pip install deepspeed==0.19.8":
+        (None, "installs a framework (tests/test_integrations.py runs with it where installed)"),
+    "DS_ACCELERATOR=cpu python3 -m pytest -q tests/test_integrations.py tests/test_integrations_tutel.py":
+        (None, "tests that the suite itself runs"),
     "python3 -m topology simulate --nodes 16 --local-size 8":
         ("python3 -m topology simulate --nodes 16 --local-size 8", "as written"),
 }
