@@ -140,7 +140,14 @@ def gate_grads(layer: MoELayer, p: RefParams) -> dict:
             "sim": g.sim_matrix.grad, "temp": g.temperature.grad}
 
 
+def grad_of(t: torch.Tensor) -> torch.Tensor:
+    """The reference's gradient (None, where no token reached the tensor, is zero)."""
+    return torch.zeros_like(t) if t.grad is None else t.grad
+
+
 def close(name: str, got, want, tol: float, errs: list) -> None:
+    if got is None and want is not None and not bool(want.any()):
+        return  # no gradient reached it: None is torch's zero gradient
     if got is None or want is None:
         if not (got is None and want is None):
             errs.append(f"{name}: one of got/want is None ({got is None}, {want is None})")
@@ -156,6 +163,13 @@ def close(name: str, got, want, tol: float, errs: list) -> None:
     scale = max(1.0, want.abs().max().item())
     if not err <= tol * scale:
         errs.append(f"{name}: max abs err {err:.3g} > {tol:g} * {scale:.3g}")
+
+
+def _agrees_on_tokens(case: Case, kw: dict) -> bool:
+    """The layer's capacity for f > 0 uses the largest token count of any rank unless the
+    caller promises equal counts with inequivalent_tokens=False."""
+    flag = case.call_kw.get("inequivalent_tokens", kw.get("inequivalent_tokens"))
+    return flag is not False
 
 
 def run_case(case: Case, seed: int = 0) -> list:
@@ -186,7 +200,7 @@ def run_case(case: Case, seed: int = 0) -> list:
                   normalize=kw.get("normalize_gate", True), batch_prioritized=kw.get("batch_prioritized_routing", False),
                   postscore=kw.get("is_postscore", True), balance_loss=kw.get("balance_loss", "gshard"),
                   z_weight=kw.get("z_loss_weight", 0.0), gate_noise=case.noise,
-                  inequivalent=kw.get("inequivalent_tokens", False) or case.call_kw.get("inequivalent_tokens", False))
+                  inequivalent=_agrees_on_tokens(case, kw))
     ref_kw.update(case.ref_kw)
     for call in range(case.calls):
         if case.noise > 0:
@@ -232,17 +246,18 @@ def run_case(case: Case, seed: int = 0) -> list:
         Hl = H // S
         hs = slice(s * Hl, (s + 1) * Hl)
         es = slice(e0, e0 + El)
-        want = {"w1": p.w1.grad[es, :, hs], "w2": p.w2.grad[es, hs]}
+        want = {"w1": grad_of(p.w1)[es, :, hs], "w2": grad_of(p.w2)[es, hs]}
         if p.b1 is not None:
-            want["b1"] = p.b1.grad[es, hs] if case.experts == "ffn" else p.b1.grad[es]
+            want["b1"] = grad_of(p.b1)[es, hs] if case.experts == "ffn" else grad_of(p.b1)[es]
         if p.b2 is not None:
-            want["b2"] = p.b2.grad[es]
+            want["b2"] = grad_of(p.b2)[es]
         for name, g in expert_grads(layer, case).items():
             close(f"{case.name}: expert grad {name}", g, want[name], tol, errs)
         # gate gradients: summed over ranks (what data-parallel training all-reduces)
         for name, g in gate_grads(layer, p).items():
+            g = torch.zeros(p.gate[name].shape, dtype=DT) if g is None else g
             summed = torch.from_numpy(WORLD.allreduce(g.detach().cpu().double().numpy(), op=MPI.SUM))
-            close(f"{case.name}: gate grad {name} (sum over ranks)", summed, p.gate[name].grad, tol, errs)
+            close(f"{case.name}: gate grad {name} (sum over ranks)", summed, grad_of(p.gate[name]), tol, errs)
         if errs:
             break
     return errs
@@ -318,6 +333,34 @@ def cases_for(W: int, group: str) -> list:
                 out.append(Case(f"sharded E={Es} data parallel", Es, k=1, cf=0.0, tokens=ragged,
                                 layer_kw=dict(parallel_mode="data")))
                 out.append(Case(f"sharded E={Es} overlap 2", Es, k=Es, cf=1.0, layer_kw=dict(overlap_degree=2)))
+    return out
+
+
+def unequal_cases(W: int) -> list:
+    """Default options (capacity_factor=1.0, no inequivalent_tokens) with token counts that
+    differ between ranks, one rank with none: the ranks agree on the capacity of the largest
+    count; a rank without tokens still takes part in every exchange, forward and backward."""
+    E = {1: 4, 2: 4, 3: 6, 4: 8}[W]
+    zero = [0, 11, 9, 13][:W] if W != 3 else [9, 0, 13]
+    uneq = [5, 13, 4, 11][:W] if W != 3 else [4, 11, 7]
+    out = [
+        Case("default, one rank without tokens", E, tokens=zero),
+        Case("default, unequal counts", E, tokens=uneq),
+        Case("unequal k=1 cf=0.5 cosine", E, k=1, cf=0.5, gate="cosine", tokens=uneq),
+        Case("unequal k=3 prescore", E, k=3, tokens=zero, layer_kw=dict(is_postscore=False)),
+        Case("unequal per-call cf=2", E, tokens=zero, call_kw=dict(capacity_factor=2.0)),
+        Case("unequal overlap 2 own_first", E, tokens=zero, layer_kw=dict(overlap_degree=2, own_first=True)),
+        Case("unequal overlap 3", E, k=3, tokens=uneq, call_kw=dict(overlap_degree=3)),
+        Case("unequal data parallel", E, tokens=zero, layer_kw=dict(parallel_mode="data")),
+        Case("unequal auto mode", E, tokens=uneq, layer_kw=dict(parallel_mode="auto"), calls=7),
+        Case("unequal batched experts", E, tokens=zero, experts="batched"),
+        Case("unequal factory experts", E, tokens=uneq, experts="factory"),
+        Case("unequal inequivalent_tokens=True", E, tokens=zero, layer_kw=dict(inequivalent_tokens=True)),
+        Case("every rank without tokens", E, tokens=[0]),
+        Case("equal counts, inequivalent_tokens=False", E, tokens=[11], call_kw=dict(inequivalent_tokens=False)),
+    ]
+    if W > 1:
+        out.append(Case("unequal sharded E=1", 1, k=1, tokens=zero))
     return out
 
 
@@ -518,6 +561,8 @@ def main() -> None:
         DT, TOL = torch.float32, 2e-4
     W = WORLD.size
     checks = []
+    if group == "unequal":
+        checks.append(check(unequal_cases(W)))
     if group in ("routing", "all"):
         checks.append(check(cases_for(W, "routing")))
     if group in ("features", "all"):
