@@ -101,17 +101,28 @@ def _path(pattern: str, rank: int, size: int) -> str:
 
 
 def save(model: nn.Module, pattern: str) -> str:
-    """Write this rank's file ``pattern.format(rank=, size=)``; returns its path."""
+    """Write this rank's file ``pattern.format(rank=, size=)`` (through a temporary file in
+    its directory, renamed into place); returns its path.
+
+    Raises:
+        ValueError: ``pattern`` lacks ``{rank}`` on more than one rank, or a user expert
+            module declares no ``moe_checkpoint_spec()``.
+        OSError: the file cannot be written (the previous file at that path is left whole).
+    """
     rank, size = _world(model)
     path = _path(pattern, rank, size)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     _write(_pack(size, rank, describe(model), sd), path)
     return path
 
 
 def load(model: nn.Module, pattern: str, *, strict: bool = True) -> Any:
-    """Load this rank's file (written for the model's world size, e.g. by :func:`scatter`)."""
+    """Load this rank's file (written for the model's world size, e.g. by :func:`scatter`).
+
+    Raises:
+        CheckpointError: the file is missing, unreadable, corrupt or inconsistent (see :func:`read`).
+        ValueError: the file is for another rank, world size or expert layout than the model's.
+    """
     rank, size = _world(model)
     ck = _read(_path(pattern, rank, size))
     if ck["world_size"] != size or ck["rank"] != rank:
