@@ -491,8 +491,9 @@ def check_gpu_bf16():
 
 
 def check_cuda_graph():
-    """GPU, capacity mode: a training step (forward, backward of y and the aux loss) captured
-    into a CUDA graph and replayed with new tokens (so new routes) equals the same step run
+    """GPU, capacity mode: a training step (forward, backward of y and the aux loss), with token
+    counts that differ between ranks, captured into a CUDA graph and replayed with new tokens
+    (so new routes) equals the same step run
     eagerly by a twin layer with the same weights: overlap degrees 1 (own_first="auto": own
     rows first when captured, not eagerly) and 2 with own rows first, and degree 1 without."""
     import moecomm.communicator as core
@@ -521,7 +522,8 @@ def _check_cuda_graph(comm, errs: list) -> None:
                            device=DEV) for _ in range(2)]
         graphed, eager = layers
         eager.load_state_dict(graphed.state_dict())
-        x = make_inputs(60, [48] * comm.size)[rank].to(DEV, DT).requires_grad_(True)
+        counts = [48 + 8 * (r % 2) for r in range(comm.size)]  # unequal: the capacity agreed by the warm-up
+        x = make_inputs(60, counts)[rank].to(DEV, DT).requires_grad_(True)
         gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(61 + rank)).to(DEV)
 
         def step():
@@ -534,7 +536,7 @@ def _check_cuda_graph(comm, errs: list) -> None:
         graph, y = capture(step, DEV, warmup=2)
         for seed in (62, 63):
             with torch.no_grad():
-                x.copy_(make_inputs(seed, [48] * comm.size)[rank].to(DEV))
+                x.copy_(make_inputs(seed, counts)[rank].to(DEV))
                 gy.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 10 * rank)))
             graph.replay()
             comm.watch_stream("moe check_cuda_graph replay", timeout=60)
