@@ -202,7 +202,9 @@ def _refuse_overwrite(outputs: list, inputs: list, what: str) -> None:
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    first = text[0] if text else ""
+    first = first if len(first) <= 160 else first[:157] + "..."
+    return f"{type(exc).__name__}: {first}".rstrip(": ")
 
 
 def read(path: str) -> dict:
@@ -214,14 +216,19 @@ def read(path: str) -> dict:
             fails its checksum) or its header does not match its tensors.
     """
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file")
+        raise CheckpointError(f"{path}: " + ("not a file" if os.path.exists(path) else "no such file"))
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols of foreign files
             warnings.simplefilter("ignore")
             ck = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(f"{path}: refused, its pickle holds objects other than tensors and plain data "
-                              f"(torch.load(weights_only=True) ran none of it); not a {FORMAT} file") from None
+    except pickle.UnpicklingError as exc:
+        if "weights only" not in str(exc).lower():
+            raise CheckpointError(f"{path}: cannot be read as a {FORMAT} file ({_one_line(exc)})") from None
+        detail = [ln.strip() for ln in str(exc).splitlines()[1:]
+                  if ln.strip() and not ln.startswith(("Please file", "Check the documentation", "WeightsUnpickler"))]
+        why = f" ({detail[0][:120]})" if detail else ""
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True), which ran none of it: it holds "
+                              f"more than tensors and plain data{why}; not a {FORMAT} file") from None
     except Exception as exc:  # noqa: BLE001 - every failure to read is reported the same way
         raise CheckpointError(f"{path}: cannot be read as a {FORMAT} file ({_one_line(exc)})") from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
