@@ -42,6 +42,7 @@ class Case:
     experts: str = "ffn"  # ffn | batched | factory
     noise: float = 0.0
     calls: int = 1
+    schedule: Optional[list] = None  # per call, the token count of every rank (overrides tokens)
 
 
 def _comm():
@@ -203,6 +204,9 @@ def run_case(case: Case, seed: int = 0) -> list:
                   inequivalent=_agrees_on_tokens(case, kw))
     ref_kw.update(case.ref_kw)
     for call in range(case.calls):
+        if case.schedule is not None:
+            counts = case.schedule[call]
+            xs = make_inputs(seed + call, counts)
         if case.noise > 0:
             noise = []
             for r, T in enumerate(counts):
@@ -359,6 +363,14 @@ def unequal_cases(W: int) -> list:
         Case("every rank without tokens", E, tokens=[0]),
         Case("equal counts, inequivalent_tokens=False", E, tokens=[11], call_kw=dict(inequivalent_tokens=False)),
     ]
+    # one layer, counts changing from call to call (random, zeros included; the same draw on every rank)
+    g = torch.Generator().manual_seed(1400 + W)
+    schedule = [torch.randint(0, 16, (W,), generator=g).tolist() for _ in range(5)]
+    schedule[1] = [0] * W
+    schedule[2][W - 1] = 0
+    out.append(Case("counts changing per call", E, k=2, schedule=schedule, calls=len(schedule)))
+    out.append(Case("counts changing per call, overlap 2", E, k=3, cf=0.75, schedule=schedule, calls=len(schedule),
+                    layer_kw=dict(overlap_degree=2)))
     if W > 1:
         out.append(Case("unequal sharded E=1", 1, k=1, tokens=zero))
     return out
