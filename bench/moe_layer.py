@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_ints, default=None, help="comma list of k (GPU 2,3; CPU 2)")
     p.add_argument("--capacity-factor", type=float, default=1.0, help="(1.0); 0 = just enough; < 0 bounded")
     p.add_argument("--dropless", action="store_true", help="route exactly the tokens each expert gets")
+    p.add_argument("--equal-tokens", action="store_true",
+                   help="inequivalent_tokens=False: promise equal token counts, no per-call agreement on them")
     p.add_argument("--overlap-degree", type=_ints, default=[1], help="comma list of degrees or 'auto' (1)")
     p.add_argument("--own-first", type=_own_first, default=["auto"],
                    help="comma list of 0, 1, auto: the layer's own_first (experts start on the own rows; auto)")
@@ -118,7 +120,8 @@ class Bench:
         self.layer = MoELayer(args.model_dim, args.hidden, args.experts, k=max(k for k in args.top_k),
                               capacity_factor=args.capacity_factor, dropless=args.dropless, gate=args.gate,
                               activation=args.activation, parallel_mode=args.parallel_mode,
-                              algorithm=args.algorithm, seed=args.seed, comm=comm, dtype=pdtype, device=dev)
+                              algorithm=args.algorithm, seed=args.seed, comm=comm, dtype=pdtype, device=dev,
+                              inequivalent_tokens=not args.equal_tokens)
         g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + comm.rank)
         self.x = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt).requires_grad_(True)
         self.gy = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt)

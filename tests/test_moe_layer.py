@@ -16,3 +16,11 @@ pytestmark = pytest.mark.timeout(200)
 def test_layer_matches_dense_reference(nprocs):
     out = run_ranks(nprocs, "tests.ranks.moe_layer_checks", "all", timeout=180)
     assert f"checks passed on {nprocs} ranks" in out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_layer_unequal_token_counts(nprocs):
+    """Default options with different token counts per rank (one rank with none): outputs and
+    every gradient equal the dense reference; no rank hangs or returns early."""
+    out = run_ranks(nprocs, "tests.ranks.moe_layer_checks", "unequal", timeout=120, env={"MOECOMM_TIMEOUT": "20"})
+    assert f"checks passed on {nprocs} ranks" in out

@@ -52,6 +52,16 @@ class MoELayer(nn.Module):
     at most ``|f|`` times the fixed capacity. ``dropless=True`` sends exactly the routed rows
     through ``all_to_all_v``, with no capacity and no padding.
 
+    Token counts may differ between ranks (a rank may have none): with
+    ``inequivalent_tokens=True`` (default, per call too) ``T`` above is the largest count of
+    any rank, agreed with one ``allreduce`` of one integer per call, the reduction that
+    ``capacity_factor <= 0`` makes anyway. While a CUDA graph is captured the host cannot take
+    part, so the count agreed by the last eager call with the same local count (the warm-up)
+    is used. ``inequivalent_tokens=False`` (Tutel's default) promises equal counts on every
+    rank and skips the agreement: a capacity step then has no host synchronisation, and
+    ranks whose counts differ anyway compute with different capacities (their exchanges
+    disagree: a hang until the communicator's timeout, or wrong results).
+
     Every routing argument marked *per call* can be overridden in ``forward`` without
     rebuilding the layer: ``k`` (``top_k``), ``capacity_factor``, ``overlap_degree``
     (``a2a_ffn_overlap_degree``), ``own_first``, ``algorithm``, ``dropless``, ``parallel_mode``.
@@ -95,7 +105,7 @@ class MoELayer(nn.Module):
         overlap_degree: int = 1,
         own_first: Union[bool, str] = "auto",
         algorithm: Optional[str] = None,
-        inequivalent_tokens: bool = False,
+        inequivalent_tokens: bool = True,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -234,6 +244,7 @@ class MoELayer(nn.Module):
         self.last_parallel_mode: Optional[str] = None
         self._auto: dict = {}
         self.auto_trials = 3
+        self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -399,9 +410,8 @@ class MoELayer(nn.Module):
         # -- experts --
         auto_key = None
         if mode == "auto":
-            # identical on every rank (the choice must be): T only where ranks must agree on it
-            t_key = T if not (drop_less or ineq) else None
-            auto_key = (t_key, kk, cf, drop_less, deg, own, str(cdtype), algo)
+            # identical on every rank (the choice must be): the capacity is agreed, T is not
+            auto_key = (r.capacity, kk, cf, drop_less, deg, own, str(cdtype), algo)
             mode = self._auto_choice(auto_key)
         self.last_parallel_mode = mode
         x_c = x2 if x2.dtype == cdtype else x2.to(cdtype)
@@ -424,13 +434,32 @@ class MoELayer(nn.Module):
     def _capacity(self, r: Routing, T: int, k: int, cf: float, ineq: bool) -> int:
         E = self.num_experts
         if cf > 0:
-            t = _comm.allreduce_max(self.comm, [T])[0] if ineq else T
-            return fixed_capacity(t, E, k, cf)
+            return fixed_capacity(self._agreed_tokens(T, r.topk_idx.device) if ineq else T, E, k, cf)
         busiest = int(r.counts.max()) if T else 0
         need, t = _comm.allreduce_max(self.comm, [busiest, T])
         if cf < 0:  # the bound uses the largest token count of any rank, so that ranks agree
             need = min(need, fixed_capacity(t, E, k, cf))
         return need
+
+    def _agreed_tokens(self, T: int, device: torch.device) -> int:
+        """The largest token count of any rank (one ``allreduce``); while a CUDA graph is
+        captured, the count agreed for this local count by an earlier eager call."""
+        if self.comm.size == 1:
+            return T
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            agreed = self._agreed.get(T)
+            if agreed is None:
+                raise RuntimeError(
+                    f"MoELayer: capacity_factor > 0 with inequivalent_tokens=True (the default) under CUDA graph "
+                    f"capture needs the ranks' largest token count, which the host cannot agree on during a "
+                    f"capture: run the layer eagerly once with the same {T} tokens first (the warm-up), or pass "
+                    f"inequivalent_tokens=False if every rank captures the same number of tokens")
+            return agreed
+        agreed = _comm.allreduce_max(self.comm, [T])[0]
+        if T not in self._agreed and len(self._agreed) >= 64:
+            self._agreed.pop(next(iter(self._agreed)))
+        self._agreed[T] = agreed
+        return agreed
 
     # -- expert-parallel path ---------------------------------------------------------------
 

@@ -67,7 +67,7 @@ def main():
         checkpoint.load(m, f"{d}/scattered.{{rank}}-of-{{size}}.pt")
         solo_comm = comm.split(rank)
         ref = Model(E, solo_comm)
-        ref_ck = checkpoint._read(full)
+        ref_ck = checkpoint.read(full)
         ref.load_state_dict(ref_ck["state_dict"])
         x = tokens(rank)
         with torch.no_grad():

@@ -42,6 +42,7 @@ class Case:
     experts: str = "ffn"  # ffn | batched | factory
     noise: float = 0.0
     calls: int = 1
+    schedule: Optional[list] = None  # per call, the token count of every rank (overrides tokens)
 
 
 def _comm():
@@ -140,7 +141,14 @@ def gate_grads(layer: MoELayer, p: RefParams) -> dict:
             "sim": g.sim_matrix.grad, "temp": g.temperature.grad}
 
 
+def grad_of(t: torch.Tensor) -> torch.Tensor:
+    """The reference's gradient (None, where no token reached the tensor, is zero)."""
+    return torch.zeros_like(t) if t.grad is None else t.grad
+
+
 def close(name: str, got, want, tol: float, errs: list) -> None:
+    if got is None and want is not None and not bool(want.any()):
+        return  # no gradient reached it: None is torch's zero gradient
     if got is None or want is None:
         if not (got is None and want is None):
             errs.append(f"{name}: one of got/want is None ({got is None}, {want is None})")
@@ -156,6 +164,13 @@ def close(name: str, got, want, tol: float, errs: list) -> None:
     scale = max(1.0, want.abs().max().item())
     if not err <= tol * scale:
         errs.append(f"{name}: max abs err {err:.3g} > {tol:g} * {scale:.3g}")
+
+
+def _agrees_on_tokens(case: Case, kw: dict) -> bool:
+    """The layer's capacity for f > 0 uses the largest token count of any rank unless the
+    caller promises equal counts with inequivalent_tokens=False."""
+    flag = case.call_kw.get("inequivalent_tokens", kw.get("inequivalent_tokens"))
+    return flag is not False
 
 
 def run_case(case: Case, seed: int = 0) -> list:
@@ -186,9 +201,12 @@ def run_case(case: Case, seed: int = 0) -> list:
                   normalize=kw.get("normalize_gate", True), batch_prioritized=kw.get("batch_prioritized_routing", False),
                   postscore=kw.get("is_postscore", True), balance_loss=kw.get("balance_loss", "gshard"),
                   z_weight=kw.get("z_loss_weight", 0.0), gate_noise=case.noise,
-                  inequivalent=kw.get("inequivalent_tokens", False) or case.call_kw.get("inequivalent_tokens", False))
+                  inequivalent=_agrees_on_tokens(case, kw))
     ref_kw.update(case.ref_kw)
     for call in range(case.calls):
+        if case.schedule is not None:
+            counts = case.schedule[call]
+            xs = make_inputs(seed + call, counts)
         if case.noise > 0:
             noise = []
             for r, T in enumerate(counts):
@@ -232,17 +250,18 @@ def run_case(case: Case, seed: int = 0) -> list:
         Hl = H // S
         hs = slice(s * Hl, (s + 1) * Hl)
         es = slice(e0, e0 + El)
-        want = {"w1": p.w1.grad[es, :, hs], "w2": p.w2.grad[es, hs]}
+        want = {"w1": grad_of(p.w1)[es, :, hs], "w2": grad_of(p.w2)[es, hs]}
         if p.b1 is not None:
-            want["b1"] = p.b1.grad[es, hs] if case.experts == "ffn" else p.b1.grad[es]
+            want["b1"] = grad_of(p.b1)[es, hs] if case.experts == "ffn" else grad_of(p.b1)[es]
         if p.b2 is not None:
-            want["b2"] = p.b2.grad[es]
+            want["b2"] = grad_of(p.b2)[es]
         for name, g in expert_grads(layer, case).items():
             close(f"{case.name}: expert grad {name}", g, want[name], tol, errs)
         # gate gradients: summed over ranks (what data-parallel training all-reduces)
         for name, g in gate_grads(layer, p).items():
+            g = torch.zeros(p.gate[name].shape, dtype=DT) if g is None else g
             summed = torch.from_numpy(WORLD.allreduce(g.detach().cpu().double().numpy(), op=MPI.SUM))
-            close(f"{case.name}: gate grad {name} (sum over ranks)", summed, p.gate[name].grad, tol, errs)
+            close(f"{case.name}: gate grad {name} (sum over ranks)", summed, grad_of(p.gate[name]), tol, errs)
         if errs:
             break
     return errs
@@ -318,6 +337,42 @@ def cases_for(W: int, group: str) -> list:
                 out.append(Case(f"sharded E={Es} data parallel", Es, k=1, cf=0.0, tokens=ragged,
                                 layer_kw=dict(parallel_mode="data")))
                 out.append(Case(f"sharded E={Es} overlap 2", Es, k=Es, cf=1.0, layer_kw=dict(overlap_degree=2)))
+    return out
+
+
+def unequal_cases(W: int) -> list:
+    """Default options (capacity_factor=1.0, no inequivalent_tokens) with token counts that
+    differ between ranks, one rank with none: the ranks agree on the capacity of the largest
+    count; a rank without tokens still takes part in every exchange, forward and backward."""
+    E = {1: 4, 2: 4, 3: 6, 4: 8}[W]
+    zero = [0, 11, 9, 13][:W] if W != 3 else [9, 0, 13]
+    uneq = [5, 13, 4, 11][:W] if W != 3 else [4, 11, 7]
+    out = [
+        Case("default, one rank without tokens", E, tokens=zero),
+        Case("default, unequal counts", E, tokens=uneq),
+        Case("unequal k=1 cf=0.5 cosine", E, k=1, cf=0.5, gate="cosine", tokens=uneq),
+        Case("unequal k=3 prescore", E, k=3, tokens=zero, layer_kw=dict(is_postscore=False)),
+        Case("unequal per-call cf=2", E, tokens=zero, call_kw=dict(capacity_factor=2.0)),
+        Case("unequal overlap 2 own_first", E, tokens=zero, layer_kw=dict(overlap_degree=2, own_first=True)),
+        Case("unequal overlap 3", E, k=3, tokens=uneq, call_kw=dict(overlap_degree=3)),
+        Case("unequal data parallel", E, tokens=zero, layer_kw=dict(parallel_mode="data")),
+        Case("unequal auto mode", E, tokens=uneq, layer_kw=dict(parallel_mode="auto"), calls=7),
+        Case("unequal batched experts", E, tokens=zero, experts="batched"),
+        Case("unequal factory experts", E, tokens=uneq, experts="factory"),
+        Case("unequal inequivalent_tokens=True", E, tokens=zero, layer_kw=dict(inequivalent_tokens=True)),
+        Case("every rank without tokens", E, tokens=[0]),
+        Case("equal counts, inequivalent_tokens=False", E, tokens=[11], call_kw=dict(inequivalent_tokens=False)),
+    ]
+    # one layer, counts changing from call to call (random, zeros included; the same draw on every rank)
+    g = torch.Generator().manual_seed(1400 + W)
+    schedule = [torch.randint(0, 16, (W,), generator=g).tolist() for _ in range(5)]
+    schedule[1] = [0] * W
+    schedule[2][W - 1] = 0
+    out.append(Case("counts changing per call", E, k=2, schedule=schedule, calls=len(schedule)))
+    out.append(Case("counts changing per call, overlap 2", E, k=3, cf=0.75, schedule=schedule, calls=len(schedule),
+                    layer_kw=dict(overlap_degree=2)))
+    if W > 1:
+        out.append(Case("unequal sharded E=1", 1, k=1, tokens=zero))
     return out
 
 
@@ -448,8 +503,9 @@ def check_gpu_bf16():
 
 
 def check_cuda_graph():
-    """GPU, capacity mode: a training step (forward, backward of y and the aux loss) captured
-    into a CUDA graph and replayed with new tokens (so new routes) equals the same step run
+    """GPU, capacity mode: a training step (forward, backward of y and the aux loss), with token
+    counts that differ between ranks, captured into a CUDA graph and replayed with new tokens
+    (so new routes) equals the same step run
     eagerly by a twin layer with the same weights: overlap degrees 1 (own_first="auto": own
     rows first when captured, not eagerly) and 2 with own rows first, and degree 1 without."""
     import moecomm.communicator as core
@@ -478,7 +534,8 @@ def _check_cuda_graph(comm, errs: list) -> None:
                            device=DEV) for _ in range(2)]
         graphed, eager = layers
         eager.load_state_dict(graphed.state_dict())
-        x = make_inputs(60, [48] * comm.size)[rank].to(DEV, DT).requires_grad_(True)
+        counts = [48 + 8 * (r % 2) for r in range(comm.size)]  # unequal: the capacity agreed by the warm-up
+        x = make_inputs(60, counts)[rank].to(DEV, DT).requires_grad_(True)
         gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(61 + rank)).to(DEV)
 
         def step():
@@ -491,7 +548,7 @@ def _check_cuda_graph(comm, errs: list) -> None:
         graph, y = capture(step, DEV, warmup=2)
         for seed in (62, 63):
             with torch.no_grad():
-                x.copy_(make_inputs(seed, [48] * comm.size)[rank].to(DEV))
+                x.copy_(make_inputs(seed, counts)[rank].to(DEV))
                 gy.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 10 * rank)))
             graph.replay()
             comm.watch_stream("moe check_cuda_graph replay", timeout=60)
@@ -518,6 +575,8 @@ def main() -> None:
         DT, TOL = torch.float32, 2e-4
     W = WORLD.size
     checks = []
+    if group == "unequal":
+        checks.append(check(unequal_cases(W)))
     if group in ("routing", "all"):
         checks.append(check(cases_for(W, "routing")))
     if group in ("features", "all"):
