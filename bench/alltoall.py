@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import moecomm
-from topology.measure import parse_bytes
+from ._topology import parse_bytes
 
 __all__ = ["main", "parse_size", "count_matrix"]
 

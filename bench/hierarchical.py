@@ -28,7 +28,7 @@ import torch
 
 import moecomm
 from moecomm import _blocks
-from topology.measure import alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
+from ._topology import alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
 
 __all__ = ["main"]
 

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from bench.alltoall import Bench, build_parser, count_matrix, parse_size
+from .alltoall import Bench, build_parser, count_matrix, parse_size
 
 __all__ = ["main"]
 

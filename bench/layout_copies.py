@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from moecomm import _blocks
-from topology.measure import format_bytes, parse_bytes
+from ._topology import format_bytes, parse_bytes
 
 __all__ = ["main"]
 
