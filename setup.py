@@ -4,9 +4,9 @@ The extensions are compiled with torch's ``BuildExtension``, so torch must be im
 while building: install torch first, then this package with ``--no-build-isolation`` (an
 isolated build would have no torch, or fetch one). Built here:
 
-* ``moecomm_ext._rows_cpu`` (C++) always;
-* ``moecomm_ext._rows_cuda``, ``moecomm_ext._p2p_cuda``, ``moecomm_ext._nccl_issue`` where
-  torch has CUDA (``torch.version.cuda``) and a CUDA toolkit is found.
+* ``moecomm_ext._rows_cpu`` and ``moecomm_ext._nccl_issue`` (C++, host only) always;
+* ``moecomm_ext._rows_cuda`` and ``moecomm_ext._p2p_cuda`` where torch has CUDA
+  (``torch.version.cuda``) and a CUDA toolkit is found.
 
 A build that cannot happen (no torch, no compiler, a compile error) does not fail the
 install: the package then loads the kernels just in time on first use, or, where that fails
@@ -56,9 +56,9 @@ def _native_build() -> dict:
         return {}
     specs = _load_specs()
     openmp = torch.backends.openmp.is_available()
-    kinds = [specs.CPU]
+    kinds = [specs.CPU, specs.NCCL_ISSUE]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
-        kinds += [specs.CUDA, specs.P2P, specs.NCCL_ISSUE]
+        kinds += [specs.CUDA, specs.P2P]
     elif torch.version.cuda:
         _note("torch has CUDA but no CUDA toolkit was found (CUDA_HOME, nvcc): building the CPU kernels only")
     capability = torch.cuda.get_device_capability() if torch.version.cuda and torch.cuda.is_available() else None
@@ -68,7 +68,9 @@ def _native_build() -> dict:
         s = specs.spec(kind, openmp=openmp, device_capability=capability)
         define = f"-D{specs.HASH_MACRO}={specs.source_hash(s, torch_version)}"
         sources = [str(p.relative_to(ROOT)) for p in s.source_paths()]
-        args = {"cxx": [*s.cflags, define]}
+        # -g0: Python's own CFLAGS (which setuptools passes first) carry -g, and debug info
+        # for torch's templates triples the compile time and the library's size.
+        args = {"cxx": [*s.cflags, define, "-g0"]}
         if s.with_cuda:
             args["nvcc"] = [*s.cuda_cflags, define]
             cls = cpp_extension.CUDAExtension

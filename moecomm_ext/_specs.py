@@ -23,7 +23,7 @@ CUDA = "cuda"
 P2P = "cuda-p2p"  # the peer-memory transport's own extension (moecomm/backends/p2p.py)
 NCCL_ISSUE = "nccl-issue"  # the NCCL backend's grouped send/recv, issued natively (moecomm/backends/nccl.py)
 KINDS = (CPU, CUDA, P2P, NCCL_ISSUE)
-CUDA_KINDS = (CUDA, P2P, NCCL_ISSUE)  # built only where torch has CUDA
+CUDA_KINDS = (CUDA, P2P)  # need nvcc and a torch with CUDA
 
 HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
 
