@@ -37,23 +37,55 @@ def test_install_into_a_target_exposes_only_namespaced_packages(tmp_path):
             assert (target / "moecomm" / name / module.name).exists(), module
     assert sorted(p.name for p in (target / "bin").iterdir()) == ["moecomm-bench", "moecomm-topology"]
 
-    env = dict(os.environ, PYTHONPATH=str(target))
-    probe = ("import importlib.util, moecomm.topology, moecomm.bench.alltoall, moecomm.bench.latency, "
-             "moecomm.bench.hierarchical; print(moecomm.topology.__file__); print(moecomm.bench.alltoall.parse_bytes('1K'))")
-    out = _run([sys.executable, "-c", probe], cwd=tmp_path, env=env).split()
-    assert out == [str(target / "moecomm" / "topology" / "__init__.py"), "1024"], out
-    out = _run([sys.executable, str(target / "bin" / "moecomm-bench"), "-h"], cwd=tmp_path, env=env)
-    assert out.startswith("usage: moecomm-bench NAME") and "alltoall" in out and "graphs" not in out
-    bad = subprocess.run([sys.executable, str(target / "bin" / "moecomm-bench"), "nope"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "unknown benchmark 'nope'" in bad.stderr
-    out = _run([sys.executable, str(target / "bin" / "moecomm-topology"), "-h"], cwd=tmp_path, env=env)
-    assert "tune" in out and "simulate" in out
+    scripts = {p.name: p.read_text() for p in (target / "bin").iterdir()}
+    assert sorted(scripts) == ["moecomm-bench", "moecomm-topology"]
+    assert "from moecomm.bench.__main__ import main" in scripts["moecomm-bench"]
+    assert "from moecomm.topology.cli import main" in scripts["moecomm-topology"]
+
+    # One interpreter for every check (each one imports torch): the entry points called as
+    # the scripts call them.
+    out = _run([sys.executable, "-c", INSTALLED_PROBE], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)))
+    lines = out.splitlines()
+    assert lines[0] == str(target / "moecomm" / "topology" / "__init__.py"), lines
+    assert lines[1] == "1024", lines  # bench found its sibling moecomm.topology
+    assert "usage: moecomm-bench NAME" in out and "alltoall" in out and "graphs" not in out
+    assert "bench rc 2: unknown benchmark 'nope'" in out
+    assert "topology rc 0" in out and "simulate" in out
+
+
+INSTALLED_PROBE = r"""
+import contextlib, io, sys
+import moecomm.topology, moecomm.bench.alltoall, moecomm.bench.latency, moecomm.bench.hierarchical
+print(moecomm.topology.__file__)
+print(moecomm.bench.alltoall.parse_bytes("1K"))
+from moecomm.bench.__main__ import main as bench_main
+from moecomm.topology.cli import main as topology_main
+assert bench_main(["-h"]) == 0
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    rc = bench_main(["nope"])
+print(f"bench rc {rc}: {err.getvalue().split(': ', 1)[1]}")
+try:
+    topology_main(["-h"])
+except SystemExit as exc:
+    print(f"topology rc {exc.code}")
+"""
+
+CHECKOUT_PROBE = r"""
+import runpy, sys
+for argv in (["topology", "-h"], ["bench.alltoall", "-h"], ["bench", "latency", "-h"]):
+    sys.argv = ["x", *argv[1:]]
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        print(f"== {argv[0]} rc {exc.code}")
+"""
 
 
 def test_checkout_module_forms_keep_working():
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    assert "usage:" in _run([sys.executable, "-m", "topology", "-h"], cwd=REPO, env=env)
-    assert "--maxbytes" in _run([sys.executable, "-m", "bench.alltoall", "-h"], cwd=REPO, env=env)
-    out = _run([sys.executable, "-m", "bench", "latency", "-h"], cwd=REPO, env=env)
-    assert "--sizes" in out
+    """python -m topology, python -m bench.alltoall and python -m bench NAME from the root."""
+    out = _run([sys.executable, "-c", CHECKOUT_PROBE], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    parts = out.split("== ")
+    assert "simulate" in parts[0] and parts[1].startswith("topology rc 0")
+    assert "--maxbytes" in parts[1] and parts[2].startswith("bench.alltoall rc 0")
+    assert "--sizes" in parts[2] and parts[3].startswith("bench rc 0")
