@@ -37,8 +37,7 @@ import numpy as np
 import torch
 
 import moecomm
-from topology.measure import parse_bytes
-from topology.rank_parser import RankZeroParser
+from ._topology import RankZeroParser, parse_bytes
 
 __all__ = ["main", "parse_size", "count_matrix", "plan_sizes", "build_parser"]
 

@@ -24,7 +24,7 @@ import torch
 
 import moecomm
 from moecomm.backends import _cudart
-from topology.rank_parser import RankZeroParser
+from ._topology import RankZeroParser
 
 __all__ = ["main"]
 

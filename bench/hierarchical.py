@@ -28,8 +28,7 @@ import torch
 
 import moecomm
 from moecomm import _blocks
-from topology.measure import alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
-from topology.rank_parser import RankZeroParser
+from ._topology import RankZeroParser, alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
 
 __all__ = ["main"]
 

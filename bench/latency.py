@@ -33,8 +33,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from bench.alltoall import Bench, build_parser, count_matrix, parse_size
-from topology.rank_parser import RankZeroParser
+from .alltoall import Bench, build_parser, count_matrix, parse_size
+from ._topology import RankZeroParser
 
 __all__ = ["main"]
 

@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from moecomm import _blocks
-from topology.measure import format_bytes, parse_bytes
-from topology.rank_parser import RankZeroParser
+from ._topology import RankZeroParser, format_bytes, parse_bytes
 
 __all__ = ["main"]
 

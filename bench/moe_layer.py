@@ -35,7 +35,7 @@ import torch
 
 import moecomm
 from moecomm.moe import MoELayer
-from topology.rank_parser import RankZeroParser
+from ._topology import RankZeroParser
 
 from .alltoall import parse_size
 from .graphs import capture

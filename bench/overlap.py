@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import moecomm
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
-from topology.rank_parser import RankZeroParser
+from ._topology import RankZeroParser
 
 from .alltoall import parse_size
 from .graphs import capture

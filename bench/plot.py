@@ -13,8 +13,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from topology.plot import require_matplotlib, size_label
-from topology.rank_parser import RankZeroParser
+from ._topology import RankZeroParser, require_matplotlib, size_label
 
 __all__ = ["main", "plot_results", "load_results"]
 

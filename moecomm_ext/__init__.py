@@ -1,7 +1,10 @@
 """moecomm_ext: native row-gather kernels for MoE dispatch/combine, with torch references.
 
-Kernels (C++ for CPU tensors, CUDA for GPU tensors, built just in time with
-``torch.utils.cpp_extension.load`` and cached on disk):
+Kernels (C++ for CPU tensors, CUDA for GPU tensors), compiled by ``pip install``;
+importing never compiles.  Where no module built at install matches the sources (a
+checkout used through ``PYTHONPATH``), the first use builds them just in time with
+``torch.utils.cpp_extension.load``, says so on stderr and caches them on disk
+(:mod:`moecomm_ext._loader`):
 
 * :func:`gather_rows`        ``out[i] = x[index[i]] * scale[i]``            ``[M, D]``
 * :func:`gather_reduce_rows` ``out[t] = sum_j w[t, j] * y[index[t, j]]``    ``[T, D]``
@@ -16,16 +19,17 @@ Autograd wrappers built only from those kernels: :func:`dispatch` and
 2D hierarchical all-to-all.
 
 Every op has a pure-torch reference in :mod:`moecomm_ext.reference`.  When the
-native extension cannot be built (no compiler, failed build) one
+native extension is neither installed nor can be built (no compiler, failed build) one
 :class:`NativeBuildWarning` per device type and process names the extension and
 the reason, and the reference is used from then on.  :func:`implementation`
-reports which one is in use; :func:`load_native` builds explicitly.
+reports which one is in use; :func:`load_native` loads (or builds) explicitly.
 
 Environment variables (each only provides the default of an explicit argument):
 
 ``MOECOMM_EXT_CACHE``
-    default of ``load_native(cache_dir=...)``: the directory of the build
-    cache.  Unset: ``~/.cache/moecomm_ext/<torch version>-<cpu|cuXY>``.
+    default of ``load_native(cache_dir=...)``: the directory of the just-in-time
+    build cache.  Unset: ``~/.cache/moecomm_ext/<torch version>-<cpu|cuXY>-pyXY-<hash
+    of sys.prefix>`` (one per environment).
 ``MOECOMM_EXT_DISABLE``
     ``1`` (or ``true``/``yes``/``on``) makes ``use_native`` default to
     ``False`` in every op, so the pure-torch reference runs and nothing is built.

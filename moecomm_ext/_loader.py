@@ -1,36 +1,43 @@
-"""Just-in-time build and loading of the native row-gather extensions.
+"""Loading of the native row-gather extensions: the modules built at install, else a
+just-in-time build.
 
-Two extensions exist, one per device type:
+Four extensions exist (:mod:`moecomm_ext._specs` lists their sources and flags):
 
-* ``"cpu"``  -> ``csrc/rows_cpu.cpp`` (C++, ``at::parallel_for``), built with
-  the host C++ compiler (``$CXX`` or ``c++``).
-* ``"cuda"`` -> ``csrc/rows_cuda.cu`` + ``csrc/rows_cuda_bind.cpp``, built with
-  ``nvcc`` for sm_90 (plus compute_90 PTX, plus the current GPU's own
-  architecture when it is older than Hopper).
+* ``"cpu"``  -> ``csrc/rows_cpu.cpp`` (C++, ``at::parallel_for``);
+* ``"cuda"`` -> ``csrc/rows_cuda.cu`` + ``csrc/rows_cuda_bind.cpp`` (nvcc, sm_90 plus
+  compute_90 PTX, plus the current GPU's own architecture when it is older than Hopper);
+* ``"cuda-p2p"`` and ``"nccl-issue"``: the peer-memory transport's and the NCCL backend's
+  own extensions (no reference fallback: their callers report the failure).
 
-Both are built with :func:`torch.utils.cpp_extension.load` into a build
-directory below the cache directory.  The build directory name contains the
-extension name, the Python version and a hash of the sources and flags, so a
-changed source never overwrites a library that another process has loaded.
-``torch.utils.cpp_extension`` serialises concurrent builds of one directory
-through a file baton (``<build dir>/lock``); processes that lose the race wait
-for the winner and then import its result.  If a process is killed in the
-middle of a build the ``lock`` file stays behind and later loads of that
-directory wait forever; delete the file to recover.
+``pip install`` builds them (``setup.py``, torch's ``BuildExtension``) as
+``moecomm_ext._rows_cpu`` etc.; loading imports those and never compiles, as long as the
+module's ``source_hash`` matches the sources beside it (an edited checkout never runs a
+stale library).  Only where no such module is there (a checkout used through
+``PYTHONPATH``, an install made without torch or without a compiler) does the first use
+build just in time, with :func:`torch.utils.cpp_extension.load`, printing a line to stderr
+first.  That build goes to ``<cache dir>/<name>-<tag>-pyXY-<hash of sources, flags and
+torch version>``; the default cache directory is keyed by the interpreter's environment
+(torch version and flavour, Python version, a hash of ``sys.prefix``), so two virtual
+environments never rebuild each other's libraries.  Concurrent builders (MPI ranks) are
+serialised by a lock file holding the builder's pid and host (:func:`_build_lock`); a lock
+whose holder has died, or older than :data:`LOCK_STALE_S`, is broken.
 
-Module-level mutable state: ``_LOADED`` (a dict, device type -> outcome of the
-first load attempt in this process: the module, or ``None`` plus the failure
-reason) and ``_LOCK`` (the lock that guards it).  Nothing else in the package
-is mutable at module level.  A failed attempt is cached too, so the
-:class:`NativeBuildWarning` is emitted once per device type and process.
+Module-level mutable state: ``_LOADED`` (a dict, device type -> outcome of the first load
+attempt in this process: the module, or ``None`` plus the failure reason) and ``_LOCK``
+(the lock that guards it).  Nothing else in the package is mutable at module level.  A
+failed attempt is cached too, so the :class:`NativeBuildWarning` is emitted once per
+device type and process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -38,8 +45,12 @@ import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+from . import _specs
+from ._specs import NCCL_ISSUE, P2P
 
 __all__ = [
     "NativeBuildWarning",
@@ -59,10 +70,12 @@ ENV_CACHE = "MOECOMM_EXT_CACHE"
 ENV_DISABLE = "MOECOMM_EXT_DISABLE"
 
 DEVICE_TYPES = ("cpu", "cuda")
-P2P = "cuda-p2p"  # the peer-memory transport's own extension (moecomm/backends/p2p.py)
-NCCL_ISSUE = "nccl-issue"  # the NCCL backend's grouped send/recv, issued natively (moecomm/backends/nccl.py)
+LOCK_NAME = "moecomm-build.lock"
+LOCK_STALE_S = 1800.0  # a build lock this old is broken even if its holder still runs
+# Rough first-build times on one free core, for the progress line.
+_BUILD_SECONDS = {"cpu": 30, "cuda": 120, P2P: 90, NCCL_ISSUE: 15}
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
+_CSRC = _specs.CSRC
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
 
 
@@ -75,8 +88,9 @@ class NativeBuildWarning(UserWarning):
 class _LoadOutcome:
     module: types.ModuleType | None
     reason: str | None  # why module is None; None on success
-    build_dir: str | None
+    build_dir: str | None  # the just-in-time build's directory; None for an installed module
     seconds: float
+    origin: str | None = None  # "installed" or "jit" when module is not None
 
 
 # The explicit cache of loaded modules (see module docstring).
@@ -91,18 +105,25 @@ def _torch_flavour() -> str:
     return "cpu"
 
 
+def environment_key() -> str:
+    """``<torch version>-<cpu|cuXY>-pyXY-<8 hex digits of sys.prefix>``: the interpreter's
+    environment, the name of the default cache directory."""
+    version = torch.__version__.split("+")[0]
+    prefix = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:8]
+    return f"{version}-{_torch_flavour()}-py{sys.version_info.major}{sys.version_info.minor}-{prefix}"
+
+
 def default_cache_dir() -> Path:
     """Default for the ``cache_dir`` argument of :func:`load_native`.
 
     ``$MOECOMM_EXT_CACHE`` when that variable is set and non-empty, else
-    ``~/.cache/moecomm_ext/<torch version>-<cpu|cuXY>`` (for example
-    ``~/.cache/moecomm_ext/2.13.0-cpu`` or ``.../2.11.0-cu130``).
+    ``~/.cache/moecomm_ext/<environment_key()>`` (for example
+    ``~/.cache/moecomm_ext/2.13.0-cpu-py311-1a2b3c4d``).
     """
     env = os.environ.get(ENV_CACHE, "").strip()
     if env:
         return Path(env).expanduser()
-    version = torch.__version__.split("+")[0]
-    return Path.home() / ".cache" / "moecomm_ext" / f"{version}-{_torch_flavour()}"
+    return Path.home() / ".cache" / "moecomm_ext" / environment_key()
 
 
 def default_use_native() -> bool:
@@ -126,94 +147,106 @@ def _check_device_type(device_type: str) -> None:
         )
 
 
-def _cuda_arch_flags() -> tuple[list[str], str]:
-    """nvcc -gencode flags: sm_90 SASS + compute_90 PTX, plus the current GPU's
-    own architecture when it is older than Hopper (PTX only runs on the same
-    or newer GPUs; newer ones JIT-compile the compute_90 PTX)."""
-    archs = {(9, 0)}
-    if torch.cuda.is_available():
-        cap = torch.cuda.get_device_capability()
-        if cap < (9, 0):
-            archs.add(cap)
-    flags = []
-    for major, minor in sorted(archs):
-        flags.append(f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}")
-    flags.append("-gencode=arch=compute_90,code=compute_90")
-    tag = "sm" + "_".join(f"{a}{b}" for a, b in sorted(archs))
-    return flags, tag
+def _build_spec(kind: str) -> _specs.Spec:
+    """Sources and flags of the extension of ``kind`` for this torch and GPU."""
+    capability = None
+    if kind in _specs.CUDA_KINDS and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+    return _specs.spec(kind, openmp=torch.backends.openmp.is_available(), device_capability=capability)
 
 
-def _build_spec(device_type: str) -> dict:
-    """Name, sources and flags of the extension for ``device_type``."""
-    cflags = ["-O3", "-DNDEBUG"]
-    ldflags: list[str] = []
-    if torch.backends.openmp.is_available():
-        # at::parallel_for is header-inline: without -fopenmp it runs serially.
-        # libgomp.so.1 resolves to the copy torch has already loaded.
-        cflags.append("-fopenmp")
-        ldflags.append("-fopenmp")
-    if device_type == "cpu":
-        return dict(
-            base="moecomm_ext_rows_cpu",
-            sources=[_CSRC / "rows_cpu.cpp"],
-            extra_cflags=cflags,
-            extra_cuda_cflags=None,
-            extra_ldflags=ldflags,
-            with_cuda=False,
-            tag="cpu",
-            functions=("gather_rows", "gather_reduce_rows", "gather_rowdot"),
-        )
-    if device_type == NCCL_ISSUE:
-        return dict(
-            base="moecomm_ext_nccl_issue",
-            sources=[_CSRC / "nccl_issue.cpp"],
-            extra_cflags=["-O2", "-DNDEBUG"],
-            extra_cuda_cflags=None,
-            extra_ldflags=["-ldl"],
-            with_cuda=False,
-            tag="host",
-            functions=("NcclCalls",),
-        )
-    arch_flags, tag = _cuda_arch_flags()
-    if device_type == P2P:
-        return dict(
-            base="moecomm_ext_p2p_cuda",
-            sources=[_CSRC / "p2p_cuda.cu"],
-            extra_cflags=["-O3", "-DNDEBUG"],
-            extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
-            extra_ldflags=[],
-            with_cuda=True,
-            tag=tag,
-            functions=("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "gpu_counts_exchange",
-                       "launch_copy_out", "ce_exchange", "new_event", "destroy_event",
-                       "max_copy_engine_ranks", "can_access_peer"),
-        )
-    return dict(
-        base="moecomm_ext_rows_cuda",
-        sources=[_CSRC / "rows_cuda.cu", _CSRC / "rows_cuda_bind.cpp"],
-        extra_cflags=["-O3", "-DNDEBUG"],
-        # No --use_fast_math: the kernels accumulate in fp32 and must match
-        # the reference closely.
-        extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
-        extra_ldflags=[],
-        with_cuda=True,
-        tag=tag,
-        functions=("gather_rows", "gather_reduce_rows", "gather_rowdot"),
-    )
-
-
-def _spec_hash(spec: dict) -> str:
+def _spec_hash(spec: _specs.Spec) -> str:
     h = hashlib.sha256()
-    for src in spec["sources"]:
-        h.update(src.name.encode())
-        h.update(src.read_bytes())
-    for header in sorted(_CSRC.glob("*.h")):
-        h.update(header.name.encode())
-        h.update(header.read_bytes())
-    for key in ("extra_cflags", "extra_cuda_cflags", "extra_ldflags"):
-        h.update(repr(spec[key]).encode())
-    h.update(torch.__version__.encode())
+    h.update(_specs.source_hash(spec, torch.__version__).encode())
+    h.update(_specs.flags_hash(spec).encode())
     return h.hexdigest()[:12]
+
+
+def _import_installed(spec: _specs.Spec) -> tuple[types.ModuleType | None, str]:
+    """The module built at install, or ``None`` and why it cannot be used."""
+    try:
+        module = importlib.import_module(spec.installed)
+    except ModuleNotFoundError as exc:
+        if exc.name == spec.installed:
+            return None, "not built at install"
+        return None, f"the module built at install does not import: {exc}"
+    except (ImportError, OSError) as exc:
+        return None, f"the module built at install does not import: {exc}"
+    try:
+        want = _specs.source_hash(spec, torch.__version__)
+    except OSError:  # sources not shipped: nothing to compare with
+        want = getattr(module, "source_hash", None)
+    have = getattr(module, "source_hash", None)
+    if have != want:
+        return None, (f"the module built at install ({have}) is older than its sources or was "
+                      f"built for another torch ({want})")
+    missing = [fn for fn in spec.functions if not hasattr(module, fn)]
+    if missing:
+        return None, f"the module built at install lacks {missing}"
+    return module, ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_is_stale(path: Path, stale_after: float) -> tuple[bool, str]:
+    """Whether the lock at ``path`` may be broken, and its content."""
+    try:
+        content = path.read_text()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return False, ""
+    if age > stale_after:
+        return True, content
+    fields = content.split()
+    if len(fields) >= 2 and fields[0].isdigit():
+        pid, host = int(fields[0]), fields[1]
+        return host == socket.gethostname() and not _pid_alive(pid), content
+    return age > 30.0, content  # empty or garbled: its writer died between create and write
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, stale_after: float = LOCK_STALE_S, poll: float = 0.2) -> Iterator[None]:
+    """Hold the file lock ``path`` (content: ``<pid> <host> <unix time>``).
+
+    Waits while another live process holds it; breaks it when the holder (on this host) has
+    died or the lock is older than ``stale_after`` seconds, so no wait is endless.
+    """
+    mine = f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n"
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            stale, content = _lock_is_stale(path, stale_after)
+            if stale:
+                broken = path.with_name(f"{path.name}.broken-{os.getpid()}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(path, broken)
+                    if broken.read_text() != content:  # not the one judged stale: put it back
+                        with contextlib.suppress(FileExistsError):
+                            os.link(broken, path)
+                    else:
+                        logger.warning("moecomm_ext: broke the stale build lock %s (%s)", path, content.strip())
+                    broken.unlink()
+                continue
+            time.sleep(poll)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(mine)
+        break
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if path.read_text() == mine:
+                path.unlink()
 
 
 _ERROR_LINE = re.compile(r"error|not found|no such file|fatal|undefined|cannot|permission denied", re.I)
@@ -270,25 +303,15 @@ def _torch_load(**kwargs) -> types.ModuleType:
     return load(**kwargs)
 
 
-def _attempt(device_type: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
+def _jit(spec: _specs.Spec, kind: str, cache_dir: Path, verbose: bool, why: str) -> _LoadOutcome:
+    """Build (under the lock, unless already built) and load ``spec`` just in time."""
     start = time.perf_counter()
-    if device_type in ("cuda", P2P):
-        if torch.version.cuda is None or not torch.cuda.is_available():
-            # No CUDA tensor can exist, so nothing can silently go wrong:
-            # report unavailability without a warning.
-            why = (
-                "this torch build has no CUDA support"
-                if torch.version.cuda is None
-                else "no CUDA device is available"
-            )
-            return _LoadOutcome(None, why, None, 0.0)
     try:
-        spec = _build_spec(device_type)
         py = f"py{sys.version_info.major}{sys.version_info.minor}"
-        build_dir = cache_dir / f"{spec['base']}-{spec['tag']}-{py}-{_spec_hash(spec)}"
+        digest = _spec_hash(spec)
+        build_dir = cache_dir / f"{spec.base}-{spec.tag}-{py}-{digest}"
     except Exception as exc:  # pragma: no cover - defensive
-        reason = _summarise(exc, [])
-        return _LoadOutcome(None, reason, None, time.perf_counter() - start)
+        return _LoadOutcome(None, _summarise(exc, []), None, time.perf_counter() - start)
 
     records: list = []
     capture = _CaptureLogs()
@@ -299,34 +322,70 @@ def _attempt(device_type: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
         torch_logger.propagate = False
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings(record=True) as rec:
-            records = rec
-            warnings.simplefilter("always")
-            module = _torch_load(
-                name=spec["base"],
-                sources=[str(s) for s in spec["sources"]],
-                extra_cflags=spec["extra_cflags"],
-                extra_cuda_cflags=spec["extra_cuda_cflags"],
-                extra_ldflags=spec["extra_ldflags"],
-                build_directory=str(build_dir),
-                with_cuda=spec["with_cuda"],
-                verbose=verbose,
-            )
+        with _build_lock(build_dir / LOCK_NAME):
+            building = not (build_dir / f"{spec.base}.so").exists()
+            if building:
+                print(f"moecomm_ext: building {spec.base} (first use, about {_BUILD_SECONDS[kind]} s; "
+                      f"{why}) in {build_dir}", file=sys.stderr, flush=True)
+            # torch's own baton; one left by a builder killed mid-build would block forever,
+            # and while this process holds the lock above no other builder is running.
+            with contextlib.suppress(FileNotFoundError):
+                (build_dir / "lock").unlink()
+            with warnings.catch_warnings(record=True) as rec:
+                records = rec
+                warnings.simplefilter("always")
+                module = _torch_load(
+                    name=spec.base,
+                    sources=[str(p) for p in spec.source_paths()],
+                    extra_cflags=[*spec.cflags, f"-D{_specs.HASH_MACRO}={digest}"],
+                    extra_cuda_cflags=[*spec.cuda_cflags, f"-D{_specs.HASH_MACRO}={digest}"] if spec.with_cuda else None,
+                    extra_ldflags=list(spec.ldflags),
+                    build_directory=str(build_dir),
+                    with_cuda=spec.with_cuda,
+                    verbose=verbose,
+                )
+            if building:
+                print(f"moecomm_ext: built {spec.base} in {time.perf_counter() - start:.0f} s",
+                      file=sys.stderr, flush=True)
         for msg in _first_lines(records) + capture.messages:
-            logger.debug("torch.utils.cpp_extension warned while building %s: %s", spec["base"], msg)
-        for fn in spec["functions"]:
+            logger.debug("torch.utils.cpp_extension warned while building %s: %s", spec.base, msg)
+        for fn in spec.functions:
             if not hasattr(module, fn):
                 raise ImportError(f"loaded module {module!r} lacks function {fn!r}")
     except Exception as exc:
-        reason = _summarise(exc, _first_lines(records) + capture.messages)
+        reason = f"{why}, and building it just in time failed: " + _summarise(exc, _first_lines(records) + capture.messages)
         return _LoadOutcome(None, reason, str(build_dir), time.perf_counter() - start)
     finally:
         if not verbose:
             torch_logger.removeHandler(capture)
             torch_logger.propagate = old_propagate
     seconds = time.perf_counter() - start
-    logger.info("moecomm_ext: loaded %s from %s in %.1f s", spec["base"], build_dir, seconds)
-    return _LoadOutcome(module, None, str(build_dir), seconds)
+    logger.info("moecomm_ext: loaded %s from %s in %.1f s", spec.base, build_dir, seconds)
+    return _LoadOutcome(module, None, str(build_dir), seconds, "jit")
+
+
+def _attempt(kind: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
+    """The installed module of ``kind`` if usable, else a just-in-time build."""
+    if kind in _specs.CUDA_KINDS:
+        if torch.version.cuda is None or not torch.cuda.is_available():
+            # No CUDA tensor can exist, so nothing can silently go wrong:
+            # report unavailability without a warning.
+            why = (
+                "this torch build has no CUDA support"
+                if torch.version.cuda is None
+                else "no CUDA device is available"
+            )
+            return _LoadOutcome(None, why, None, 0.0)
+    try:
+        spec = _build_spec(kind)
+    except Exception as exc:  # pragma: no cover - defensive
+        return _LoadOutcome(None, _summarise(exc, []), None, 0.0)
+    start = time.perf_counter()
+    module, why = _import_installed(spec)
+    if module is not None:
+        logger.info("moecomm_ext: loaded %s (built at install)", spec.installed)
+        return _LoadOutcome(module, None, None, time.perf_counter() - start, "installed")
+    return _jit(spec, kind, cache_dir, verbose, why)
 
 
 def load_native(
@@ -336,13 +395,14 @@ def load_native(
     verbose: bool = False,
     strict: bool = False,
 ) -> types.ModuleType | None:
-    """Build (if needed) and load the native extension for ``device_type``.
+    """Load the native extension for ``device_type``: the module built at install, or,
+    where there is none usable, one built just in time (printing a line to stderr first).
 
     Args:
         device_type: ``"cpu"`` or ``"cuda"``.
-        cache_dir: directory holding the build directories; defaults to
+        cache_dir: directory holding the just-in-time build directories; defaults to
             :func:`default_cache_dir` (``$MOECOMM_EXT_CACHE`` or
-            ``~/.cache/moecomm_ext/<torch version>-<cpu|cuXY>``).
+            ``~/.cache/moecomm_ext/<environment_key()>``).
         verbose: show the compiler's command lines and output.
         strict: raise ``RuntimeError`` instead of returning ``None`` when the
             extension cannot be built or loaded.

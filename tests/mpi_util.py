@@ -11,14 +11,22 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Time limit of one launch of ranks. The slowest launch took 75 s on 2 cores at a load
+# average of up to 24 (README, "Set up"): the limit stays far above that on a busy machine
+# and still ends a hung launch within pytest's own limit (setup.cfg).
+RANKS_TIMEOUT_S = 600.0
+# The communicators' own timeout inside the ranks (MOECOMM_TIMEOUT), for a peer that is slow
+# to reach a collective (importing torch on a busy machine), unless a test sets its own.
+RANKS_COMM_TIMEOUT_S = "120"
 
-def run_ranks(nprocs: int, module: str, *args: str, timeout: float = 240, env: dict | None = None) -> str:
+
+def run_ranks(nprocs: int, module: str, *args: str, timeout: float = RANKS_TIMEOUT_S, env: dict | None = None) -> str:
     """Run ``python -m module args`` on ``nprocs`` MPI ranks; fail the test unless all exit 0.
 
     Returns the ranks' combined output.
     """
     full_env = dict(os.environ)
-    full_env.setdefault("MOECOMM_TIMEOUT", "60")
+    full_env.setdefault("MOECOMM_TIMEOUT", RANKS_COMM_TIMEOUT_S)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("OMP_NUM_THREADS", "1")
     if env:

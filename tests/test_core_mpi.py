@@ -9,13 +9,13 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 8])
 def test_collectives_mpi_backend(nprocs):
-    out = run_ranks(nprocs, "tests.ranks.core_collectives", "mpi", timeout=420)
+    out = run_ranks(nprocs, "tests.ranks.core_collectives", "mpi")
     assert f"checks passed on {nprocs} ranks" in out
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_collectives_torch_backend(nprocs):
-    out = run_ranks(nprocs, "tests.ranks.core_collectives", "torch", timeout=300)
+    out = run_ranks(nprocs, "tests.ranks.core_collectives", "torch")
     assert f"checks passed on {nprocs} ranks" in out
 
 
@@ -25,13 +25,13 @@ def test_collectives_under_torchrun():
     import subprocess
     import sys
 
-    from tests.mpi_util import ROOT
+    from tests.mpi_util import RANKS_COMM_TIMEOUT_S, RANKS_TIMEOUT_S, ROOT
 
-    env = dict(os.environ, MOECOMM_TIMEOUT="60", PYTHONPATH=ROOT)
+    env = dict(os.environ, MOECOMM_TIMEOUT=RANKS_COMM_TIMEOUT_S, PYTHONPATH=ROOT)
     for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "tests.ranks.core_collectives", "torch"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RANKS_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     assert "checks passed on 2 ranks" in proc.stdout

@@ -20,9 +20,8 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.timeout(200)
 @pytest.mark.parametrize("nprocs", sorted(LAYOUTS))
 def test_2dh_equals_flat(nprocs, tmp_path):
-    out = run_ranks(nprocs, "tests.ranks.hierarchical_equiv", *LAYOUTS[nprocs], timeout=180,
+    out = run_ranks(nprocs, "tests.ranks.hierarchical_equiv", *LAYOUTS[nprocs],
                     env={"MOECOMM_PROFILE_DIR": str(tmp_path)})
     assert f"checks passed on {nprocs} ranks" in out

@@ -11,13 +11,12 @@ import torch
 
 from tests.mpi_util import ROOT, run_ranks
 
-pytestmark = pytest.mark.timeout(180)
 
 
 def cli(*args, ok=True):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "moecomm.moe.checkpoint", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=300)
     assert (p.returncode == 0) == ok, p.stdout + p.stderr
     return p.stdout + p.stderr
 
@@ -32,7 +31,7 @@ def same(a, b):
 def test_round_trips_and_reload(tmp_path):
     d = str(tmp_path)
     # E=4 experts on 2 ranks (2 per rank), trained one step
-    run_ranks(2, "tests.ranks.moe_checkpoint", "save", d, "4", timeout=120)
+    run_ranks(2, "tests.ranks.moe_checkpoint", "save", d, "4")
     cli("gather", "--input", f"{d}/w{{size}}.{{rank}}.pt", "--output", f"{d}/full.pt")
     full = torch.load(f"{d}/full.pt", weights_only=False)
     assert full["world_size"] == 1
@@ -58,14 +57,14 @@ def test_round_trips_and_reload(tmp_path):
     same(full, torch.load(f"{d}/back4.pt", weights_only=False))
     # the W=4 model loaded from the scattered files computes what the full model computes
     cli("scatter", "--input", f"{d}/full.pt", "--size", "4", "--output", f"{d}/scattered.{{rank}}-of-{{size}}.pt")
-    run_ranks(4, "tests.ranks.moe_checkpoint", "load", d, f"{d}/full.pt", "4", timeout=120)
+    run_ranks(4, "tests.ranks.moe_checkpoint", "load", d, f"{d}/full.pt", "4")
 
 
 def test_divergent_replicas_are_reported(tmp_path):
     from moecomm.moe import checkpoint
 
     d = str(tmp_path)
-    run_ranks(1, "tests.ranks.moe_checkpoint", "save", d, "2", timeout=120)
+    run_ranks(1, "tests.ranks.moe_checkpoint", "save", d, "2")
     full = checkpoint.gather(f"{d}/w{{size}}.{{rank}}.pt", size=1)
     parts = checkpoint.scatter(full, f"{d}/p.{{rank}}.pt", 2)
     key = "moe.gates.0.wg.weight"

@@ -30,10 +30,10 @@ QUICK = "-n 2 -w 1 --no-progress"  # bench.alltoall: 2 timed exchanges after 1 u
 
 # README command -> (command run here, or None) and why it differs / is skipped
 SHELL: dict[str, tuple[str | None, str]] = {
-    "python3 -m pip install 'torch==2.13.0' -e '.[mpi]' && mpiexec -n 4 python3 -m bench.alltoall -b 64K -e 16M -f 4 --compare":
+    "python3 -m pip install 'torch==2.13.0' 'setuptools>=64' wheel ninja && python3 -m pip install --no-build-isolation -e '.[mpi]' && mpiexec -n 4 python3 -m bench.alltoall -b 64K -e 16M -f 4 --compare":
         (f"mpiexec -n 3 python3 -m bench.alltoall -b 64K -e 64K -f 4 -p uniform --compare {QUICK}",
          "installing is the environment's job; 3 ranks, one size (64K), one pattern, fewer iterations"),
-    "python3 -m pip install 'torch==2.13.0' -e '.[test]' && python3 -m pytest -q":
+    "python3 -m pip install 'torch==2.13.0' 'setuptools>=64' wheel ninja && python3 -m pip install --no-build-isolation -e '.[test]' && python3 -m pytest -q":
         (None, "the test suite itself (.ci/run)"),
     "mpiexec -n 4 python3 -m bench.alltoall -b 1K -e 64M -f 4 -p uniform,random,skewed --compare --json out.json":
         (f"mpiexec -n 3 python3 -m bench.alltoall -b 1K -e 16K -f 4 -p uniform,random,skewed --compare --json out.json "

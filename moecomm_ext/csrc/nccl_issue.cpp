@@ -111,7 +111,10 @@ class NcclCalls {
 
 }  // namespace
 
+#include "source_hash.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
   m.doc() = "moecomm: NCCL grouped send/recv issued from native code";
   py::class_<NcclCalls>(m, "NcclCalls")
       .def(py::init<const std::string&>(), py::arg("library"),

@@ -455,7 +455,10 @@ bool can_access_peer(int device, int peer) {
 
 }  // namespace
 
+#include "source_hash.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
   m.doc() = "moecomm peer-memory all-to-all kernels and CUDA IPC helpers (raw pointers as ints)";
   m.def("alloc", &alloc, "cudaMalloc nbytes, zeroed; returns the pointer");
   m.def("free", &release, "cudaFree");

@@ -225,7 +225,10 @@ Result gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 
 }  // namespace
 
+#include "source_hash.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
   m.doc() = "moecomm_ext CPU row-gather kernels";
   m.def("gather_rows", &gather_rows,
         "(out, bad): out[i] = x[index[i]] * scale[i]; -1 -> zero row; bad = first out-of-range position or -1",

@@ -14,7 +14,10 @@ at::Tensor gather_reduce_rows_cuda(const at::Tensor& y, const at::Tensor& index,
 at::Tensor gather_rowdot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index);
 }  // namespace moecomm_ext
 
+#include "source_hash.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
   m.doc() = "moecomm_ext CUDA row-gather kernels";
   m.def("gather_rows", &moecomm_ext::gather_rows_cuda,
         "out[i] = x[index[i]] * scale[i]; -1 -> zero row", py::arg("x"), py::arg("index"),

@@ -1,0 +1,108 @@
+"""What each native extension is made of: sources, flags, the installed module's name.
+
+Shared by ``setup.py`` (the build at install, which loads this file by path, so it must
+import nothing from the package) and by :mod:`moecomm_ext._loader` (which imports the
+installed modules and, for a checkout that was never installed, builds just in time).
+
+An installed module carries the hash of the sources and torch version it was built from
+(``MOECOMM_EXT_SOURCE_HASH``, exposed as its ``source_hash`` attribute); the loader uses
+it only when that matches the sources beside it, so an edited checkout never runs a stale
+library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+CPU = "cpu"
+CUDA = "cuda"
+P2P = "cuda-p2p"  # the peer-memory transport's own extension (moecomm/backends/p2p.py)
+NCCL_ISSUE = "nccl-issue"  # the NCCL backend's grouped send/recv, issued natively (moecomm/backends/nccl.py)
+KINDS = (CPU, CUDA, P2P, NCCL_ISSUE)
+CUDA_KINDS = (CUDA, P2P)  # need nvcc and a torch with CUDA
+
+HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str
+    base: str  # module name of a just-in-time build
+    installed: str  # module name of the build made at install
+    sources: tuple[str, ...]  # file names in csrc/
+    cflags: tuple[str, ...]
+    cuda_cflags: tuple[str, ...] | None  # None: no nvcc
+    ldflags: tuple[str, ...]
+    tag: str  # part of the just-in-time build directory's name
+    functions: tuple[str, ...] = field(default=())
+
+    @property
+    def with_cuda(self) -> bool:
+        return self.cuda_cflags is not None
+
+    def source_paths(self) -> list[Path]:
+        return [CSRC / s for s in self.sources]
+
+
+def cuda_arch_flags(device_capability: tuple[int, int] | None) -> tuple[list[str], str]:
+    """nvcc -gencode flags: sm_90 SASS + compute_90 PTX, plus ``device_capability``'s own
+    architecture when it is older than Hopper (PTX only runs on the same or newer GPUs;
+    newer ones JIT-compile the compute_90 PTX)."""
+    archs = {(9, 0)}
+    if device_capability is not None and tuple(device_capability) < (9, 0):
+        archs.add(tuple(device_capability))
+    flags = [f"-gencode=arch=compute_{a}{b},code=sm_{a}{b}" for a, b in sorted(archs)]
+    flags.append("-gencode=arch=compute_90,code=compute_90")
+    tag = "sm" + "_".join(f"{a}{b}" for a, b in sorted(archs))
+    return flags, tag
+
+
+def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None = None) -> Spec:
+    """The extension of ``kind`` (one of :data:`KINDS`).
+
+    ``openmp``: torch was built with OpenMP (``torch.backends.openmp.is_available()``);
+    ``at::parallel_for`` is header-inline, so without ``-fopenmp`` it would run serially.
+    ``device_capability``: the GPU the CUDA kinds should also run on natively.
+    """
+    omp = ("-fopenmp",) if openmp else ()
+    if kind == CPU:
+        # -O3 against -O2 or -O0 changes the compile time by under 10 %: parsing torch's
+        # headers is most of it.
+        return Spec(CPU, "moecomm_ext_rows_cpu", "moecomm_ext._rows_cpu", ("rows_cpu.cpp",),
+                    ("-O3", "-DNDEBUG", *omp), None, omp, "cpu",
+                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"))
+    if kind == NCCL_ISSUE:
+        return Spec(NCCL_ISSUE, "moecomm_ext_nccl_issue", "moecomm_ext._nccl_issue", ("nccl_issue.cpp",),
+                    ("-O2", "-DNDEBUG"), None, ("-ldl",), "host", ("NcclCalls",))
+    arch_flags, tag = cuda_arch_flags(device_capability)
+    if kind == P2P:
+        return Spec(P2P, "moecomm_ext_p2p_cuda", "moecomm_ext._p2p_cuda", ("p2p_cuda.cu",),
+                    ("-O3", "-DNDEBUG"), ("-O3", "-lineinfo", *arch_flags), (), tag,
+                    ("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "gpu_counts_exchange",
+                     "launch_copy_out", "ce_exchange", "new_event", "destroy_event",
+                     "max_copy_engine_ranks", "can_access_peer"))
+    if kind == CUDA:
+        # No --use_fast_math: the kernels accumulate in fp32 and must match the reference closely.
+        return Spec(CUDA, "moecomm_ext_rows_cuda", "moecomm_ext._rows_cuda", ("rows_cuda.cu", "rows_cuda_bind.cpp"),
+                    ("-O3", "-DNDEBUG"), ("-O3", "-lineinfo", *arch_flags), (), tag,
+                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"))
+    raise ValueError(f"unknown extension kind {kind!r}; expected one of {KINDS}")
+
+
+def source_hash(s: Spec, torch_version: str) -> str:
+    """12 hex digits over the sources, the headers in csrc/ and torch's version."""
+    h = hashlib.sha256()
+    for path in [*s.source_paths(), *sorted(CSRC.glob("*.h"))]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update(torch_version.encode())
+    return h.hexdigest()[:12]
+
+
+def flags_hash(s: Spec) -> str:
+    """12 hex digits over the compiler and linker flags."""
+    return hashlib.sha256(repr((s.cflags, s.cuda_cflags, s.ldflags)).encode()).hexdigest()[:12]
