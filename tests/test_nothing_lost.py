@@ -89,3 +89,26 @@ def test_pool_ten_thousand_calls_bounded():
 
 def _stream_of(p: StagingPool, b: torch.Tensor):
     return p._out[b.untyped_storage().data_ptr()][1][1]
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(validate="no"), TypeError, "validate must be True, False or None"),
+    (dict(validate=1), TypeError, "validate must be True, False or None"),
+    (dict(pool_bytes=-1), ValueError, "pool_bytes must be >= 0"),
+    (dict(pool_bytes="1M"), TypeError, "pool_bytes must be an int"),
+    (dict(pool_bytes=1.5), TypeError, "pool_bytes must be an int"),
+    (dict(pool_bytes=True), TypeError, "pool_bytes must be an int"),
+])
+def test_init_argument_types(kwargs, exc, words):
+    import moecomm
+
+    with pytest.raises(exc, match=words.replace("(", r"\(")):
+        moecomm.init(backend="mpi", set_default=False, **kwargs)
+
+
+def test_init_accepts_bools_and_pool_bytes():
+    import moecomm
+
+    c = moecomm.init(backend="mpi", set_default=False, validate=True, pool_bytes=0)
+    assert c.validate is True and c.pool_stats().capacity_bytes == 0
+    c.close()
