@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from ._peer_check import PeerCheck
 from .backends.base import REDUCE_OPS, Backend, DoneRequest, Request
 from .errors import CommunicatorClosedError, CountMismatchError
 from .layout import Layout
@@ -110,6 +111,9 @@ class Communicator:
         self._closed: Optional[str] = None
         self._abandoned: list[Request] = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Send each peer its counts beside rows whose counts were given (see _peer_check); only
+        # bench.alltoall turns it off, to time what it costs.
+        self._peer_check = True
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
         self._p2p: Any = None  # moecomm.backends.p2p.PeerTransport, set by init (p2p_bytes=)
         # see _peer_rows_stream; made here, as it may first be needed inside a CUDA graph capture
@@ -222,20 +226,56 @@ class Communicator:
         if device_counts and self._p2p is not None and row_bytes > 0 and row_bytes % _P2P_ROW_ALIGN == 0:
             return self._start_peer_exchange(x, send_splits, row_bytes)
         if device_counts:
-            send, recv = self._exchange_counts(send_splits, "send_splits")
+            self._check_count_tensor(send_splits, "send_splits")
+            check = PeerCheck(op, self.rank, [[0]] * self.size, None, x.dtype, row_shape)
+            send, recv, issues = self._exchange_records(check, send_splits)
             problem = self._check_exchanged_counts(send, recv, rows, "the counts")
         else:
             send = normalize_splits(send_splits, "send_splits", self.size)
             check_split_total(send, rows, "send_splits", "input")
             if recv_splits is None:
-                send, recv = self._exchange_counts(send, "send_splits")
+                check = PeerCheck(op, self.rank, [[c] for c in send], None, x.dtype, row_shape)
+                send, recv, issues = self._exchange_records(check)
             else:
-                recv = normalize_splits(recv_splits, "recv_splits", self.size)
+                recv = self._recv_splits(recv_splits, x)
+                check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
+                issues = None  # checked beside the rows
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, row_shape, problem)
         out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
-        request = self._alltoallv(x, send, out, recv)
+        request = self._alltoallv(x, send, out, recv, check=check, issues=issues)
         return out, send, recv, request
+
+    def _start_records(self, check: PeerCheck) -> Optional[tuple]:
+        """Send ``check``'s records without waiting (host backends; NCCL: None, see the README)."""
+        if self._backend.stream_ordered or self.size == 1 or not self._peer_check:
+            return None
+        mine = torch.tensor(check.record(), dtype=torch.int64)
+        theirs = torch.empty_like(mine)
+        return self._backend.alltoall(mine, theirs), mine, theirs
+
+    def _recv_splits(self, recv_splits: Splits, x: torch.Tensor) -> list[int]:
+        """``recv_splits`` as ints, refused where the output they describe could not exist."""
+        recv = normalize_splits(recv_splits, "recv_splits", self.size)
+        row_bytes = max(1, math.prod(x.shape[1:]) * x.element_size())
+        limit = (1 << 62) // row_bytes
+        if sum(recv) > limit:
+            raise ValueError(f"recv_splits sums to {sum(recv)} rows of {row_bytes} bytes, beyond the {limit} rows "
+                             f"(2**62 bytes) an output can hold: {recv}")
+        return recv
+
+    def _exchange_records(self, check: PeerCheck, counts: Optional[torch.Tensor] = None
+                          ) -> tuple[list[int], list[int], list[str]]:
+        """The count exchange of a call without ``recv_splits``: every rank's records
+        (:mod:`moecomm._peer_check`), blocking. Returns (send, recv, disagreements) with one
+        count per peer; ``counts`` (a count tensor, any device) replaces ``check.sent``."""
+        values: Any = check.record() if counts is None else check.record_tensor(counts)
+        mine, got = self._exchange_ints(values, check.per_peer, f"{check.op} (count exchange)")
+        n = check.per_peer
+        if counts is not None:
+            check.sent = [[mine[p * n]] for p in range(self.size)]
+        theirs, issues = check.compare(got)
+        return [s[0] for s in check.sent], [t[0] for t in theirs], issues
 
     def _check_exchanged_counts(self, send: list[int], recv: list[int], rows: int, sent: str) -> Optional[str]:
         """Counts from a GPU tensor, checked once they reach the host, after ``sent`` went out.
@@ -276,16 +316,41 @@ class Communicator:
         request.join()  # (the kernels ran on the caller's stream: nothing to order)
         return out, send, recv, self._p2p.finish(x, out, send, recv, row_bytes)
 
-    def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int]) -> Request:
-        check_own_block(send, recv, self.rank)  # before anything moves; peers' counts: validate=True
+    def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],
+                   check: Optional[PeerCheck] = None, issues: Optional[list[str]] = None,
+                   records: Optional[tuple] = None) -> Request:
+        """Issue the rows. ``check``: the records of this exchange; ``issues`` what the count
+        exchange that carried them found (None: they were not exchanged, so they travel now,
+        beside the rows, or were issued already by :meth:`_start_records`, ``records``, and
+        are compared when both complete)."""
+        check_own_block(send, recv, self.rank)  # before anything moves
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        # Only a row size of 0 (the same on every rank) may skip the exchange: a rank with
-        # no rows of its own must still join its peers' collective (MPI matches by order).
+        host = not self._backend.stream_ordered
+        if issues and not host:
+            # NCCL cannot complete send/recv pairs of different sizes: raise before the rows.
+            # Peers that passed recv_splits have queued theirs; they fail when the watchdog
+            # aborts (the timeout), this rank's communicator is aborted now.
+            self.abort()
+            raise check.error(issues, moved=False)
+        beside = records
+        if beside is None and check is not None and issues is None:
+            beside = self._start_records(check)
         if row_bytes == 0:
-            return self._backend.barrier() if self.size > 1 else DoneRequest()
-        if self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES:
-            return self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
-        return self._backend.alltoallv(x, send, out, recv, row_bytes)
+            # Host backends still run the row exchange (empty), so that every rank issues the
+            # same collectives whatever the others' rows; NCCL has no matching to keep.
+            if host and self.size > 1:
+                request = self._backend.alltoallv(x, [0] * self.size, out, [0] * self.size, 1)
+            else:
+                request = self._backend.barrier() if self.size > 1 else DoneRequest()
+        elif self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES:
+            request = self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
+        else:
+            request = self._backend.alltoallv(x, send, out, recv, row_bytes)
+        if beside is not None:
+            return _CheckedRequest(request, check, *beside)
+        if issues:
+            return _RaiseAfter(request, check.error(issues, moved=True))
+        return request
 
     # -- all-to-all overlapped with compute -------------------------------------------------
 
@@ -354,7 +419,8 @@ class Communicator:
         recv = self._split_sizes(output_split_sizes, y, "output_split_sizes", "output")
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
-        request = self._alltoallv(x, send, y, recv)
+        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
+        request = self._alltoallv(x, send, y, recv, check=check)
         return self._finish(request, op, True, async_op) if async_op else self._finish(request, op, None, False)
 
     def all_to_all(
@@ -386,7 +452,8 @@ class Communicator:
         packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
             torch.empty(0, dtype=torch.uint8, device=self.device)
         landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
-        request = self._alltoallv(packed, send, landing, recv)
+        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], dtype, (), unit="bytes")
+        request = self._alltoallv(packed, send, landing, recv, check=check)
 
         def unpack() -> None:
             offset = 0
@@ -721,6 +788,60 @@ class Communicator:
             f"moecomm: {op} did not complete within {limit:g} s on rank {self.rank} "
             f"(backend {self.backend}); the communicator was aborted"
         )
+
+
+class _CheckedRequest(Request):
+    """Rows whose counts were given, with the records sent beside them: done once both are,
+    then raises :class:`CountMismatchError` if a peer disagrees (see :mod:`moecomm._peer_check`)."""
+
+    __slots__ = ("_rows", "_check", "_records", "_mine", "_theirs", "_left", "plan")
+
+    def __init__(self, rows: Request, check: PeerCheck, records: Request, mine: torch.Tensor,
+                 theirs: torch.Tensor) -> None:
+        self._rows = rows
+        self._check = check
+        self._records = records
+        self._mine = mine
+        self._theirs = theirs
+        self._left = 2
+        self.plan = getattr(rows, "plan", None)  # a 2DH exchange's, for its backward
+
+    def test(self) -> bool:
+        if self._left == 0:
+            return True
+        if self._records is not None and self._records.test():
+            self._records = None
+            self._left -= 1
+        if self._rows is not None and self._rows.test():
+            self._rows = None
+            self._left -= 1
+        if self._left:
+            return False
+        _, issues = self._check.compare(self._theirs.tolist())
+        if issues:
+            raise self._check.error(issues, moved=True)
+        return True
+
+
+class _RaiseAfter(Request):
+    """Raises ``error`` once ``inner`` completes (a disagreement found before the rows moved,
+    on a backend where every rank still completes the exchange so that no peer waits)."""
+
+    __slots__ = ("_inner", "_error", "plan")
+
+    def __init__(self, inner: Request, error: BaseException) -> None:
+        self._inner = inner
+        self._error = error
+        self.plan = getattr(inner, "plan", None)
+
+    def test(self) -> bool:
+        if self._inner.test():
+            raise self._error
+        return False
+
+    def join(self) -> None:
+        self._inner.join()
+        raise self._error
 
 
 class _ThenRequest(Request):
