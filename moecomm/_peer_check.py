@@ -70,12 +70,15 @@ class PeerCheck:
         out[:, 3] = self.codes[1]
         return out.reshape(-1)
 
-    def compare(self, received: Sequence[int]) -> tuple[list[list[int]], list[str]]:
-        """What each peer sends this rank (k counts per peer), and what disagrees."""
+    def compare(self, received: Sequence[int]) -> tuple[list[list[int]], list[str], bool]:
+        """What each peer sends this rank (k counts per peer), what disagrees, and whether the
+        rows of this exchange may never complete: a side of a disagreeing pair that sends or
+        expects no rows at all posts no message, so MPI would wait for it forever."""
         n = self.per_peer
         k = self.k
         theirs: list[list[int]] = []
         issues: list[str] = []
+        stuck = False
         me = self.rank
         for p in range(len(self.sent)):
             r = list(received[p * n:(p + 1) * n])
@@ -90,15 +93,19 @@ class PeerCheck:
             if self.expected is not None and their_sent != self.expected[p]:
                 issues.append(f"rank {p} sends {_show(their_sent)} {self.unit} to rank {me}, "
                               f"which expects {_show(self.expected[p])}")
+                stuck = stuck or (sum(their_sent) == 0) != (sum(self.expected[p]) == 0)
             if their_expected != [UNKNOWN] * k and their_expected != self.sent[p]:
                 issues.append(f"rank {me} sends {_show(self.sent[p])} {self.unit} to rank {p}, "
                               f"which expects {_show(their_expected)}")
-        return theirs, issues
+                stuck = stuck or (sum(their_expected) == 0) != (sum(self.sent[p]) == 0)
+        return theirs, issues, stuck
 
-    def error(self, issues: list[str], moved: bool) -> CountMismatchError:
+    def error(self, issues: list[str], moved: bool, aborted: bool = False) -> CountMismatchError:
         shown = "; ".join(issues[:8]) + (f"; and {len(issues) - 8} more" if len(issues) > 8 else "")
         tail = ("the rows were exchanged as each rank planned and must not be used" if moved
                 else "no rows were exchanged")
+        if aborted:
+            tail += "; the communicator was aborted, as some rows could never arrive (its other ranks time out)"
         return CountMismatchError(f"moecomm: {self.op}: ranks disagree on what they exchange: {shown} ({tail})")
 
 

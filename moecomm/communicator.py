@@ -228,22 +228,22 @@ class Communicator:
         if device_counts:
             self._check_count_tensor(send_splits, "send_splits")
             check = PeerCheck(op, self.rank, [[0]] * self.size, None, x.dtype, row_shape)
-            send, recv, issues = self._exchange_records(check, send_splits)
+            send, recv, issues, stuck = self._exchange_records(check, send_splits)
             problem = self._check_exchanged_counts(send, recv, rows, "the counts")
         else:
             send = normalize_splits(send_splits, "send_splits", self.size)
             check_split_total(send, rows, "send_splits", "input")
             if recv_splits is None:
                 check = PeerCheck(op, self.rank, [[c] for c in send], None, x.dtype, row_shape)
-                send, recv, issues = self._exchange_records(check)
+                send, recv, issues, stuck = self._exchange_records(check)
             else:
                 recv = self._recv_splits(recv_splits, x)
                 check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
-                issues = None  # checked beside the rows
+                issues, stuck = None, False  # checked beside the rows
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, row_shape, problem)
         out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
-        request = self._alltoallv(x, send, out, recv, check=check, issues=issues)
+        request = self._alltoallv(x, send, out, recv, check=check, issues=issues, stuck=stuck)
         return out, send, recv, request
 
     def _start_records(self, check: PeerCheck) -> Optional[tuple]:
@@ -265,17 +265,18 @@ class Communicator:
         return recv
 
     def _exchange_records(self, check: PeerCheck, counts: Optional[torch.Tensor] = None
-                          ) -> tuple[list[int], list[int], list[str]]:
+                          ) -> tuple[list[int], list[int], list[str], bool]:
         """The count exchange of a call without ``recv_splits``: every rank's records
         (:mod:`moecomm._peer_check`), blocking. Returns (send, recv, disagreements) with one
-        count per peer; ``counts`` (a count tensor, any device) replaces ``check.sent``."""
+        count per peer, and whether some rows could never arrive; ``counts`` (a count tensor, any
+        device) replaces ``check.sent``."""
         values: Any = check.record() if counts is None else check.record_tensor(counts)
         mine, got = self._exchange_ints(values, check.per_peer, f"{check.op} (count exchange)")
         n = check.per_peer
         if counts is not None:
             check.sent = [[mine[p * n]] for p in range(self.size)]
-        theirs, issues = check.compare(got)
-        return [s[0] for s in check.sent], [t[0] for t in theirs], issues
+        theirs, issues, stuck = check.compare(got)
+        return [s[0] for s in check.sent], [t[0] for t in theirs], issues, stuck
 
     def _check_exchanged_counts(self, send: list[int], recv: list[int], rows: int, sent: str) -> Optional[str]:
         """Counts from a GPU tensor, checked once they reach the host, after ``sent`` went out.
@@ -318,7 +319,7 @@ class Communicator:
 
     def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],
                    check: Optional[PeerCheck] = None, issues: Optional[list[str]] = None,
-                   records: Optional[tuple] = None) -> Request:
+                   records: Optional[tuple] = None, stuck: bool = False) -> Request:
         """Issue the rows. ``check``: the records of this exchange; ``issues`` what the count
         exchange that carried them found (None: they were not exchanged, so they travel now,
         beside the rows, or were issued already by :meth:`_start_records`, ``records``, and
@@ -326,12 +327,12 @@ class Communicator:
         check_own_block(send, recv, self.rank)  # before anything moves
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         host = not self._backend.stream_ordered
-        if issues and not host:
-            # NCCL cannot complete send/recv pairs of different sizes: raise before the rows.
-            # Peers that passed recv_splits have queued theirs; they fail when the watchdog
-            # aborts (the timeout), this rank's communicator is aborted now.
+        if issues and (stuck or not host):
+            # Rows that could never arrive (a side that sends or expects none posts nothing),
+            # or NCCL, which cannot complete send/recv pairs of different sizes: raise before
+            # the rows and abort; peers waiting for this rank's rows time out.
             self.abort()
-            raise check.error(issues, moved=False)
+            raise check.error(issues, moved=False, aborted=True)
         beside = records
         if beside is None and check is not None and issues is None:
             beside = self._start_records(check)
@@ -347,7 +348,7 @@ class Communicator:
         else:
             request = self._backend.alltoallv(x, send, out, recv, row_bytes)
         if beside is not None:
-            return _CheckedRequest(request, check, *beside)
+            return _CheckedRequest(self, request, check, *beside)
         if issues:
             return _RaiseAfter(request, check.error(issues, moved=True))
         return request
@@ -792,34 +793,43 @@ class Communicator:
 
 class _CheckedRequest(Request):
     """Rows whose counts were given, with the records sent beside them: done once both are,
-    then raises :class:`CountMismatchError` if a peer disagrees (see :mod:`moecomm._peer_check`)."""
+    then raises :class:`CountMismatchError` if a peer disagrees (see :mod:`moecomm._peer_check`).
+    Where the disagreement means some rows can never arrive, it raises as soon as the records
+    are in, abandoning the rows and aborting the communicator."""
 
-    __slots__ = ("_rows", "_check", "_records", "_mine", "_theirs", "_left", "plan")
+    __slots__ = ("_comm", "_rows", "_check", "_records", "_mine", "_theirs", "_issues", "_stuck", "_done", "plan")
 
-    def __init__(self, rows: Request, check: PeerCheck, records: Request, mine: torch.Tensor,
-                 theirs: torch.Tensor) -> None:
+    def __init__(self, comm: "Communicator", rows: Request, check: PeerCheck, records: Request,
+                 mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        self._comm = comm
         self._rows = rows
         self._check = check
         self._records = records
         self._mine = mine
         self._theirs = theirs
-        self._left = 2
+        self._issues: Optional[list[str]] = None
+        self._stuck = False
+        self._done = False
         self.plan = getattr(rows, "plan", None)  # a 2DH exchange's, for its backward
 
     def test(self) -> bool:
-        if self._left == 0:
+        if self._done:
             return True
-        if self._records is not None and self._records.test():
-            self._records = None
-            self._left -= 1
-        if self._rows is not None and self._rows.test():
-            self._rows = None
-            self._left -= 1
-        if self._left:
+        if self._issues is None:
+            if not self._records.test():
+                self._rows.test()  # (MPI progresses what it is polled for)
+                return False
+            _, self._issues, self._stuck = self._check.compare(self._theirs.tolist())
+            if self._issues and self._stuck:
+                self._done = True
+                self._comm._abandoned.append(self._rows)
+                self._comm.abort()
+                raise self._check.error(self._issues, moved=False, aborted=True)
+        if not self._rows.test():
             return False
-        _, issues = self._check.compare(self._theirs.tolist())
-        if issues:
-            raise self._check.error(issues, moved=True)
+        self._done = True
+        if self._issues:
+            raise self._check.error(self._issues, moved=True)
         return True
 
 

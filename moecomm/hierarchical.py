@@ -105,6 +105,7 @@ import torch
 
 from . import _blocks
 from ._peer_check import PeerCheck
+from .errors import CountMismatchError
 from .backends.base import DoneRequest, Request
 from .layout import Layout
 from .profile import Fingerprint, Profile, ProfileError, default_profile_path, load_profile
@@ -371,11 +372,11 @@ class Plan:
     rgrid: tuple[tuple[int, ...], ...]
 
 
-def _records(sub: "Communicator", check: PeerCheck) -> tuple[list[list[int]], list[str]]:
+def _records(sub: "Communicator", check: PeerCheck) -> tuple[list[list[int]], list[str], bool]:
     """A count exchange with ``check``'s records among ``sub`` (blocks the host): what each
     member sends this rank, and what disagrees (see :mod:`moecomm._peer_check`)."""
     if sub.size == 1:
-        return check.sent, []
+        return check.sent, [], False
     got = sub._exchange_ints(check.record(), check.per_peer, f"{check.op} (count exchange)")[1]
     return check.compare(got)
 
@@ -386,6 +387,7 @@ class _Counts:
     travelling beside the rail rows (when ``recv_splits`` was given)."""
 
     issues: list
+    stuck: bool = False
     error_check: Optional[PeerCheck] = None
     rail_check: Optional[PeerCheck] = None
     rail_records: Optional[tuple] = None
@@ -398,16 +400,17 @@ def _make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]], dtype: 
     # Intra step: to node mate k, the N counts [C[me -> (m, k)] for m]; from mate l: r1[l].
     intra = PeerCheck(f"{op}, intra-node", h.intra.rank, [[sgrid[m][k] for m in range(N)] for k in range(L)],
                       None, dtype, row_shape)
-    r1, issues = _records(h.intra, intra)
-    found = _Counts(list(issues), intra if issues else None)
+    r1, issues, stuck = _records(h.intra, intra)
+    found = _Counts(list(issues), stuck, intra if issues else None)
     # Rail step: to node m, the L counts [r1[l][m] for l]; from node n: rgrid[n].
     rail_sent = [[r1[l][m] for l in range(L)] for m in range(N)]
     if recv is None:
         rail = PeerCheck(f"{op}, rail", h.rail.rank, rail_sent, None, dtype, row_shape,
                          unit="rows (one count per source rank of its node)")
-        rgrid, issues = _records(h.rail, rail)
+        rgrid, issues, stuck = _records(h.rail, rail)
         if issues:
             found.issues += issues
+            found.stuck = found.stuck or stuck
             found.error_check = found.error_check or rail
         recv = [0] * (N * L)
         for n in range(N):
@@ -612,6 +615,14 @@ class _Chain(Request):
                         self._unpend()
                 else:
                     self._run_local(step)
+        except CountMismatchError:
+            # The rows of the checked phase completed as every rank planned (see
+            # moecomm._peer_check), and the sub-communicators still match message for
+            # message, unless the check aborted one (rows that could never arrive).
+            self._finish()
+            if self._h.intra.closed or self._h.rail.closed:
+                self._comm.abort()
+            raise
         except BaseException:
             self._unpend()
             self._done = True
@@ -707,9 +718,9 @@ def start_all_to_all_v(
         sub = h.intra if h.num_nodes == 1 else h.rail
         return sub._start_all_to_all_v(x, send, recv)
     plan, counts = _make_plan(h, send, recv, x.dtype, row_shape, op + " (2dh)")
-    if counts.issues and comm._backend.stream_ordered:
-        comm.abort()  # NCCL cannot complete send/recv pairs of different sizes: no rows move
-        raise counts.error_check.error(counts.issues, moved=False)
+    if counts.issues and (counts.stuck or comm._backend.stream_ordered):
+        comm.abort()  # rows that could never arrive, or NCCL (pairs of different sizes): none move
+        raise counts.error_check.error(counts.issues, moved=False, aborted=True)
     if comm.validate:
         comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)
     out = torch.empty((sum(plan.recv),) + row_shape, dtype=x.dtype, device=x.device)
@@ -719,7 +730,7 @@ def start_all_to_all_v(
     if math.prod(row_shape) == 0:  # the same on every rank: no bytes move anywhere
         request = _Done(plan)
         if counts.rail_records is not None:
-            request = _CheckedRequest(request, counts.rail_check, *counts.rail_records)
+            request = _CheckedRequest(comm, request, counts.rail_check, *counts.rail_records)
     else:
         request = _Chain(comm, h, _forward_steps(h, plan, counts), x, out, plan)
     if counts.issues:  # every rank completes its rows as planned (no peer waits), then raises

@@ -112,3 +112,10 @@ def test_init_accepts_bools_and_pool_bytes():
     c = moecomm.init(backend="mpi", set_default=False, validate=True, pool_bytes=0)
     assert c.validate is True and c.pool_stats().capacity_bytes == 0
     c.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_ranks_nothing_lost(nprocs):
+    out = run_ranks(nprocs, "tests.ranks.nothing_lost", timeout=120, env={"MOECOMM_TIMEOUT": "30"})
+    assert f"checks passed on {nprocs} ranks" in out
