@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -198,7 +199,18 @@ class Communicator:
         Returns:
             ``(output, recv_splits)``: ``output`` is ``[sum(recv_splits), *row_shape]`` with
             the rows from rank ``p`` in block ``p``; ``recv_splits`` a list of ints.
+
+        Raises:
+            TypeError, ValueError: bad tensors or splits (named), before anything is sent.
+                A conjugate or negative view is resolved first (a copy); sparse tensors are
+                refused. An input that requires grad warns: use :mod:`moecomm.functional`.
+            CountMismatchError: a peer sends another count than ``recv_splits`` says, expects
+                another than ``send_splits`` says, or moves another dtype or row shape; raised
+                on both ranks of each such pair, at completion (``wait()`` when ``async_op``),
+                before it where rows could never arrive (then the communicator is aborted).
+            TimeoutError: a wait outlived the communicator's timeout (it is aborted).
         """
+        _warn_if_graph_lost(input, "all_to_all_v")
         out, _, recv, request = self._start_all_to_all_v(input, send_splits, recv_splits, algorithm=algorithm)
         return self._finish(request, "all_to_all_v", (out, recv), async_op)
 
@@ -404,11 +416,17 @@ class Communicator:
 
         ``output`` is filled in place; split sizes of ``None`` mean equal blocks along dim 0.
         Returns a :class:`Work` (whose ``wait()`` returns True) when ``async_op``, else None.
+
+        Raises:
+            TypeError, ValueError: bad tensors or split sizes, named (``output`` when its size
+                cannot hold what ``input`` sends this rank itself), before anything is sent.
+            CountMismatchError: as :meth:`all_to_all_v` (a peer disagrees on a block's size).
         """
         op = "all_to_all_single"
         self._check_open(op)
+        _warn_if_graph_lost(input, op)
         x = self._check_tensor(input, "input", min_dim=1)
-        y = self._check_tensor(output, "output", min_dim=1)
+        y = self._check_tensor(output, "output", min_dim=1, written=True)
         if y.dtype != x.dtype:
             raise TypeError(f"output must have input's dtype {x.dtype}, got {y.dtype}")
         if math.prod(y.shape[1:]) != math.prod(x.shape[1:]):
@@ -418,6 +436,13 @@ class Communicator:
             )
         send = self._split_sizes(input_split_sizes, x, "input_split_sizes", "input")
         recv = self._split_sizes(output_split_sizes, y, "output_split_sizes", "output")
+        r = self.rank
+        if send[r] != recv[r]:
+            raise ValueError(
+                f"output (shape {tuple(y.shape)}) must hold, in block {r}, the {send[r]} rows input sends rank {r} "
+                f"itself (input_split_sizes{'=None: equal blocks' if input_split_sizes is None else ''}), but "
+                f"output_split_sizes{'=None: equal blocks' if output_split_sizes is None else ''} gives block {r} "
+                f"{recv[r]} rows")
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
         check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
@@ -431,15 +456,24 @@ class Communicator:
         async_op: bool = False,
     ) -> Optional[Work]:
         """``torch.distributed.all_to_all``: ``input_tensor_list[p]`` goes to rank ``p``,
-        ``output_tensor_list[p]`` is filled from rank ``p``; any shapes, one dtype."""
+        ``output_tensor_list[p]`` is filled from rank ``p``; any shapes, one dtype.
+
+        Raises:
+            TypeError, ValueError: bad lists or tensors, named, before anything is sent.
+            CountMismatchError: a slot's size (in bytes) differs from what its peer sends,
+                or a peer sends another dtype; on both ranks of the pair.
+        """
         op = "all_to_all"
         self._check_open(op)
+        for t in input_tensor_list if isinstance(input_tensor_list, (list, tuple)) else ():
+            _warn_if_graph_lost(t, op)
         for name, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
             if not isinstance(lst, (list, tuple)) or len(lst) != self.size:
                 raise ValueError(f"{name} must be a list of {self.size} tensors (one per rank), got {type(lst).__name__}"
                                  + (f" of length {len(lst)}" if isinstance(lst, (list, tuple)) else ""))
         ins = [self._check_tensor(t, f"input_tensor_list[{i}]", min_dim=0) for i, t in enumerate(input_tensor_list)]
-        outs = [self._check_tensor(t, f"output_tensor_list[{i}]", min_dim=0) for i, t in enumerate(output_tensor_list)]
+        outs = [self._check_tensor(t, f"output_tensor_list[{i}]", min_dim=0, written=True)
+                for i, t in enumerate(output_tensor_list)]
         dtype = ins[0].dtype
         for i, t in enumerate(ins + outs):
             if t.dtype != dtype:
@@ -497,7 +531,7 @@ class Communicator:
         ``torch.distributed.ReduceOp``). float16/bfloat16 are reduced in float32 on MPI."""
         name = "allreduce"
         self._check_open(name)
-        t = self._check_tensor(tensor, "tensor", min_dim=0)
+        t = self._check_tensor(tensor, "tensor", min_dim=0, written=True)
         op_name = _reduce_op_name(op)
         if t.dtype.is_complex or t.dtype in _float8_dtypes():
             raise TypeError(f"tensor: allreduce does not support dtype {t.dtype}")
@@ -512,7 +546,7 @@ class Communicator:
         """In-place broadcast of ``tensor`` from rank ``src``."""
         name = "broadcast"
         self._check_open(name)
-        t = self._check_tensor(tensor, "tensor", min_dim=0)
+        t = self._check_tensor(tensor, "tensor", min_dim=0, written=True)
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.size:
             raise ValueError(f"src must be a rank in [0, {self.size}), got {src!r}")
         request = self._backend.broadcast(t, src)
@@ -604,9 +638,20 @@ class Communicator:
             self._closed = "aborted"
             raise
 
-    def _check_tensor(self, t: Any, name: str, *, min_dim: int) -> torch.Tensor:
+    def _check_tensor(self, t: Any, name: str, *, min_dim: int, written: bool = False) -> torch.Tensor:
+        """``t`` checked (ValueError/TypeError naming ``name``); an input that is a conjugate or
+        negative view is returned resolved (a copy), an output (``written``) is refused."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} is a sparse tensor (layout {t.layout}); collectives move dense rows: "
+                            f"call .to_dense() first")
+        if t.is_conj() or t.is_neg():
+            what = "a conjugate view (torch.conj)" if t.is_conj() else "a negative view (torch.conj of a real view)"
+            if written:
+                raise ValueError(f"{name} is {what}, which cannot be written as raw bytes: pass a tensor "
+                                 f"that owns its values (.resolve_conj() / .resolve_neg() make one)")
+            t = t.resolve_conj().resolve_neg()
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has unsupported dtype {t.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
         if t.dim() < min_dim:
@@ -878,6 +923,14 @@ class _ThenRequest(Request):
     def join(self) -> None:
         self._inner.join()
         self._run_then()
+
+
+def _warn_if_graph_lost(t: Any, op: str) -> None:
+    """Warn (once per call site, Python's default filter) when ``t``'s autograd graph would end here."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        warnings.warn(f"moecomm: {op} is not differentiable: the result of an input that requires grad has no "
+                      f"autograd graph; use moecomm.functional.all_to_all_v (or .detach() the input to silence "
+                      f"this)", UserWarning, stacklevel=3)
 
 
 def _reduce_op_name(op: Any) -> str:

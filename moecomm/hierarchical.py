@@ -701,7 +701,7 @@ def start_all_to_all_v(
     rows, row_shape = x.shape[0], tuple(x.shape[1:])
     send = normalize_splits(send_splits, "send_splits", comm.size)
     check_split_total(send, rows, "send_splits", "input")
-    recv = None if recv_splits is None else normalize_splits(recv_splits, "recv_splits", comm.size)
+    recv = None if recv_splits is None else comm._recv_splits(recv_splits, x)
     single_phase = h.contiguous and (h.num_nodes == 1 or h.local_size == 1)
     if not single_phase and comm._capturing():
         raise RuntimeError(

@@ -119,3 +119,67 @@ def test_init_accepts_bools_and_pool_bytes():
 def test_ranks_nothing_lost(nprocs):
     out = run_ranks(nprocs, "tests.ranks.nothing_lost", timeout=120, env={"MOECOMM_TIMEOUT": "30"})
     assert f"checks passed on {nprocs} ranks" in out
+
+
+# -- finding 7: clear errors, on one rank (no peers needed) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def comm1():
+    import moecomm
+
+    c = moecomm.init(backend="mpi", timeout=30, set_default=False)
+    yield c
+
+
+def test_conjugate_and_negative_views_are_resolved(comm1):
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    out, recv = comm1.all_to_all_v(z.conj(), [4])
+    assert recv == [4] and torch.equal(out, z.conj().resolve_conj())
+    neg = z.conj().imag  # a negative view
+    assert neg.is_neg()
+    out, _ = comm1.all_to_all_v(neg, [4])
+    assert torch.equal(out, -z.imag)
+    y = torch.empty(4, 3, dtype=torch.complex64)
+    with pytest.raises(ValueError, match="output is a conjugate view"):
+        comm1.all_to_all_single(y.conj(), z)
+    comm1.all_to_all_single(y, z.conj())
+    assert torch.equal(y, z.conj().resolve_conj())
+
+
+def test_huge_recv_splits_named(comm1):
+    with pytest.raises(ValueError, match=r"recv_splits sums to .* beyond the .* rows \(2\*\*62 bytes\)"):
+        comm1.all_to_all_v(torch.zeros(2, 3), [2], [2**62 + 2])
+
+
+def test_all_to_all_single_wrong_output_named(comm1):
+    with pytest.raises(ValueError, match=r"^output \(shape \(6, 3\)\) must hold"):
+        comm1.all_to_all_single(torch.empty(6, 3), torch.zeros(4, 3))
+
+
+def test_functional_comm_type(comm1):
+    import moecomm.functional as F
+
+    with pytest.raises(TypeError, match="comm must be a moecomm.Communicator"):
+        F.all_to_all_v(torch.zeros(2, 3), [2], comm="world")
+
+
+def test_sparse_input_named(comm1):
+    sp = torch.zeros(4, 3).to_sparse()
+    with pytest.raises(TypeError, match="input is a sparse tensor"):
+        comm1.all_to_all_v(sp, [4])
+
+
+def test_requires_grad_warns_once(comm1):
+    import warnings
+
+    x = torch.zeros(2, 3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            comm1.all_to_all_v(x, [2])
+        with torch.no_grad():
+            comm1.all_to_all_v(x, [2])
+        comm1.all_to_all_v(x.detach(), [2])
+    msgs = [str(w.message) for w in caught if "not differentiable" in str(w.message)]
+    assert len(msgs) == 1 and "moecomm.functional" in msgs[0]
