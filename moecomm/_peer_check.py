@@ -105,7 +105,7 @@ class PeerCheck:
         tail = ("the rows were exchanged as each rank planned and must not be used" if moved
                 else "no rows were exchanged")
         if aborted:
-            tail += "; the communicator was aborted, as some rows could never arrive (its other ranks time out)"
+            tail += "; the communicator was aborted: the rows could not be exchanged safely (ranks waiting for them time out)"
         return CountMismatchError(f"moecomm: {self.op}: ranks disagree on what they exchange: {shown} ({tail})")
 
 

@@ -339,15 +339,21 @@ class Communicator:
         check_own_block(send, recv, self.rank)  # before anything moves
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         host = not self._backend.stream_ordered
-        if issues and (stuck or not host):
-            # Rows that could never arrive (a side that sends or expects none posts nothing),
-            # or NCCL, which cannot complete send/recv pairs of different sizes: raise before
-            # the rows and abort; peers waiting for this rank's rows time out.
-            self.abort()
-            raise check.error(issues, moved=False, aborted=True)
+        complete = self._backend.mismatched_rows_complete
         beside = records
         if beside is None and check is not None and issues is None:
             beside = self._start_records(check)
+        if beside is not None and not complete:
+            # gloo aborts the process on rows of another size than expected: compare first.
+            self._wait_host(beside[0], f"{check.op} (count records)", None)
+            _, issues, stuck = check.compare(beside[2].tolist())
+            beside = None
+        if issues and (stuck or not complete):
+            # Rows that could never arrive (a side that sends or expects none posts nothing),
+            # or a backend that cannot complete rows of disagreeing sizes (gloo, NCCL): raise
+            # before the rows and abort; peers waiting for this rank's rows time out.
+            self.abort()
+            raise check.error(issues, moved=False, aborted=True)
         if row_bytes == 0:
             # Host backends still run the row exchange (empty), so that every rank issues the
             # same collectives whatever the others' rows; NCCL has no matching to keep.

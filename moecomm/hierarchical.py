@@ -718,7 +718,7 @@ def start_all_to_all_v(
         sub = h.intra if h.num_nodes == 1 else h.rail
         return sub._start_all_to_all_v(x, send, recv)
     plan, counts = _make_plan(h, send, recv, x.dtype, row_shape, op + " (2dh)")
-    if counts.issues and (counts.stuck or comm._backend.stream_ordered):
+    if counts.issues and (counts.stuck or not comm._backend.mismatched_rows_complete):
         comm.abort()  # rows that could never arrive, or NCCL (pairs of different sizes): none move
         raise counts.error_check.error(counts.issues, moved=False, aborted=True)
     if comm.validate:

@@ -40,11 +40,11 @@ def _still_usable(seed: int = 99) -> None:
 
 def check_pool_across_shapes_dtypes_algorithms() -> None:
     """The sequence from the issue: alternating flat and 2DH over row shapes and dtypes, known
-    and unknown counts, 4 rounds; each result against the reference, nothing left in use."""
+    and unknown counts, 2 rounds; each result against the reference, nothing left in use."""
     shapes = [(300,), (128,), (7, 40), (5,)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     call = 0
-    for _ in range(4):
+    for _ in range(2):
         for shape in shapes:
             for dtype in dtypes:
                 for algorithm in ("flat", "2dh"):
@@ -196,7 +196,31 @@ def check_2dh_recv_splits_wrong() -> None:
     _still_usable()
 
 
+def check_gloo_compares_before_rows() -> None:
+    """gloo aborts the process on rows of another size than expected: the records are compared
+    first, both ranks raise, and a mix of known and unknown counts gets the right rows."""
+    if W != 2:
+        return
+    import torch.distributed as dist
+
+    from tests.mpi_util import init_gloo_over_mpi
+
+    init_gloo_over_mpi()
+    g = moecomm.init(process_group=dist.group.WORLD, timeout=30, set_default=False)
+    m = count_matrix(13, W, 4, 0.0) + 1
+    x = input_for(13, R, m, (3,), torch.float32)
+    send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+    out, _ = g.all_to_all_v(x, send, recv if R == 0 else None)
+    collective_assert(np.array_equal(as_bytes(out), expected_bytes(13, R, m, (3,), torch.float32)), "gloo mixed")
+    wrong = list(recv)
+    if R == 1:
+        wrong[0] += 1
+    kind, value = _outcome(lambda: g.all_to_all_v(x, send, wrong if R == 1 else None))
+    collective_assert(kind == "mismatch" and "which expects" in value and "no rows were exchanged" in value,
+                      f"{kind} {value!r}")
+
+
 if __name__ == "__main__":
     rank_main([check_pool_across_shapes_dtypes_algorithms, check_mixed_known_and_unknown_agree,
                check_flat_recv_splits_wrong, check_single_and_list_wrong_sizes, check_dtype_and_row_shape_disagree,
-               check_stuck_rows_abort, check_2dh_recv_splits_wrong])
+               check_stuck_rows_abort, check_2dh_recv_splits_wrong, check_gloo_compares_before_rows])
