@@ -203,6 +203,8 @@ class Bench:
             algbw = size_bytes / med / 1e9 if med > 0 else 0.0
             results.append(dict(pattern=pattern, size=rows * row_bytes, rows=rows, method=name, time_us=med * 1e6,
                                 p99_us=p99 * 1e6, algbw=algbw, busbw=algbw * (W - 1) / W, check=check(out)))
+            if self.args.check_cost:  # every round's time, for ratios paired round by round
+                results[-1]["times_us"] = [t * 1e6 for t in times]
         return results
 
     def _p2p_with_blocks(self, x: torch.Tensor, counts_dev: torch.Tensor, block_bytes: int,
@@ -317,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
     p.add_argument("--compare", action="store_true", help="also time torch's MoE pattern and the raw backend")
     p.add_argument("--check-cost", action="store_true",
-                   help="also time moecomm-known without its per-peer count records (their cost)")
+                   help="also time moecomm-known without its per-peer count records (their cost); "
+                        "the JSON then holds every round's time (times_us)")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
     p.add_argument("--p2p-blocks", metavar="BYTES:MAX,...", default=None,
