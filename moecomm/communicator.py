@@ -112,9 +112,10 @@ class Communicator:
         self._closed: Optional[str] = None
         self._abandoned: list[Request] = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Send each peer its counts beside rows whose counts were given (see _peer_check); only
-        # bench.alltoall turns it off, to time what it costs.
-        self._peer_check = True
+        # Records beside rows whose counts were given (moecomm._peer_check) also without
+        # validate: off, as they cost more than 2% at 1 MiB on 4 CPU ranks (README); a private
+        # switch for bench.alltoall --check-cost, which times them.
+        self._records_beside = False
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
         self._p2p: Any = None  # moecomm.backends.p2p.PeerTransport, set by init (p2p_bytes=)
         # see _peer_rows_stream; made here, as it may first be needed inside a CUDA graph capture
@@ -227,6 +228,7 @@ class Communicator:
         x = self._check_tensor(input, "input", min_dim=1)
         rows, row_shape = x.shape[0], tuple(x.shape[1:])
         problem: Optional[str] = None
+        records: Optional[tuple] = None
         if (recv_splits is None or _on_gpu(send_splits) or _on_gpu(recv_splits)) and self._capturing():
             raise RuntimeError(f"{op}: recv_splits must be given, and both splits on the host (ints, numpy or "
                                f"CPU tensors), while a CUDA graph is captured: reading counts from the GPU or "
@@ -251,17 +253,24 @@ class Communicator:
             else:
                 recv = self._recv_splits(recv_splits, x)
                 check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
-                issues, stuck = None, False  # checked beside the rows
+                issues, stuck = None, False
+                records = self._start_records(check)  # (validate=True) compared beside the rows
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, row_shape, problem)
         out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
-        request = self._alltoallv(x, send, out, recv, check=check, issues=issues, stuck=stuck)
+        request = self._alltoallv(x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
         return out, send, recv, request
 
     def _start_records(self, check: PeerCheck) -> Optional[tuple]:
-        """Send ``check``'s records without waiting (host backends; NCCL: None, see the README)."""
-        if self._backend.stream_ordered or self.size == 1 or not self._peer_check:
+        """With ``validate``: send ``check``'s records (counts were given, so no count exchange
+        carried them), before anything else of the call, as a call without ``recv_splits``
+        exchanges its counts first. Host backends: non-blocking, ``(request, mine, theirs)``;
+        NCCL: exchanged at once (validate=True blocks the host anyway). None: not sent."""
+        if self.size == 1 or not (self.validate or self._records_beside):
             return None
+        if self._backend.stream_ordered:
+            _, got = self._exchange_ints(check.record(), check.per_peer, f"{check.op} (count records)")
+            return DoneRequest(), None, torch.tensor(got, dtype=torch.int64)
         mine = torch.tensor(check.record(), dtype=torch.int64)
         theirs = torch.empty_like(mine)
         return self._backend.alltoall(mine, theirs), mine, theirs
@@ -332,17 +341,15 @@ class Communicator:
     def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],
                    check: Optional[PeerCheck] = None, issues: Optional[list[str]] = None,
                    records: Optional[tuple] = None, stuck: bool = False) -> Request:
-        """Issue the rows. ``check``: the records of this exchange; ``issues`` what the count
-        exchange that carried them found (None: they were not exchanged, so they travel now,
-        beside the rows, or were issued already by :meth:`_start_records`, ``records``, and
-        are compared when both complete)."""
+        """Issue the rows. ``check``: the records of this exchange; ``issues``: what the count
+        exchange that carried them found, or ``records``: the records in flight from
+        :meth:`_start_records`, compared once they and the rows complete (before the rows where
+        the backend cannot complete disagreeing rows). Neither: the counts are not checked."""
         check_own_block(send, recv, self.rank)  # before anything moves
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
         host = not self._backend.stream_ordered
         complete = self._backend.mismatched_rows_complete
         beside = records
-        if beside is None and check is not None and issues is None:
-            beside = self._start_records(check)
         if beside is not None and not complete:
             # gloo aborts the process on rows of another size than expected: compare first.
             self._wait_host(beside[0], f"{check.op} (count records)", None)
@@ -449,10 +456,11 @@ class Communicator:
                 f"itself (input_split_sizes{'=None: equal blocks' if input_split_sizes is None else ''}), but "
                 f"output_split_sizes{'=None: equal blocks' if output_split_sizes is None else ''} gives block {r} "
                 f"{recv[r]} rows")
+        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
+        records = self._start_records(check)
         if self.validate:
             self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
-        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
-        request = self._alltoallv(x, send, y, recv, check=check)
+        request = self._alltoallv(x, send, y, recv, check=check, records=records)
         return self._finish(request, op, True, async_op) if async_op else self._finish(request, op, None, False)
 
     def all_to_all(
@@ -488,13 +496,14 @@ class Communicator:
         esize = ins[0].element_size()
         send = [t.numel() * esize for t in ins]
         recv = [t.numel() * esize for t in outs]
+        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], dtype, (), unit="bytes")
+        records = self._start_records(check)
         if self.validate:
             self._cross_check(op, send, recv, torch.uint8, (1,), None)
         packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
             torch.empty(0, dtype=torch.uint8, device=self.device)
         landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
-        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], dtype, (), unit="bytes")
-        request = self._alltoallv(packed, send, landing, recv, check=check)
+        request = self._alltoallv(packed, send, landing, recv, check=check, records=records)
 
         def unpack() -> None:
             offset = 0
@@ -882,6 +891,9 @@ class _CheckedRequest(Request):
         if self._issues:
             raise self._check.error(self._issues, moved=True)
         return True
+
+    def join(self) -> None:  # stream-ordered backends: the records were compared before the rows
+        self._rows.join()
 
 
 class _RaiseAfter(Request):

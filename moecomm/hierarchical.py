@@ -419,7 +419,8 @@ def _make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]], dtype: 
     else:
         rgrid = [[recv[h.members[n][l]] for l in range(L)] for n in range(N)]
         if N > 1:
-            # Sent now, before any rows, in the order a rank without recv_splits exchanges them.
+            # validate=True: sent now, before any rows, where a rank without recv_splits
+            # exchanges them (None otherwise: see Communicator._start_records).
             found.rail_check = PeerCheck(f"{op}, rail", h.rail.rank, rail_sent, rgrid, dtype, row_shape,
                                          unit="rows (one count per source rank of its node)")
             found.rail_records = h.rail._start_records(found.rail_check)
