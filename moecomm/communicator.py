@@ -255,10 +255,14 @@ class Communicator:
                 check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
                 issues, stuck = None, False
                 records = self._start_records(check)  # (validate=True) compared beside the rows
-        if self.validate:
-            self._cross_check(op, send, recv, x.dtype, row_shape, problem)
-        out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
-        request = self._alltoallv(x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
+        try:
+            if self.validate:
+                self._cross_check(op, send, recv, x.dtype, row_shape, problem)
+            out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+            request = self._alltoallv(x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
+        except BaseException:
+            self._settle(records)
+            raise
         return out, send, recv, request
 
     def _start_records(self, check: PeerCheck) -> Optional[tuple]:
@@ -274,6 +278,17 @@ class Communicator:
         mine = torch.tensor(check.record(), dtype=torch.int64)
         theirs = torch.empty_like(mine)
         return self._backend.alltoall(mine, theirs), mine, theirs
+
+    def _settle(self, records: Optional[tuple]) -> None:
+        """Records from :meth:`_start_records` that no request took over (the call failed
+        after sending them): wait for them, as every rank sends its records first, so that
+        MPI never writes into freed memory; past the timeout they are kept referenced."""
+        if records is None:
+            return
+        try:
+            self._wait_host(records[0], "count records (of a call that failed)", None)
+        except BaseException:  # noqa: BLE001 - the caller's error is the one to report
+            self._abandoned.append(records)
 
     def _recv_splits(self, recv_splits: Splits, x: torch.Tensor) -> list[int]:
         """``recv_splits`` as ints, refused where the output they describe could not exist."""
@@ -458,9 +473,13 @@ class Communicator:
                 f"{recv[r]} rows")
         check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
         records = self._start_records(check)
-        if self.validate:
-            self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
-        request = self._alltoallv(x, send, y, recv, check=check, records=records)
+        try:
+            if self.validate:
+                self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
+            request = self._alltoallv(x, send, y, recv, check=check, records=records)
+        except BaseException:
+            self._settle(records)
+            raise
         return self._finish(request, op, True, async_op) if async_op else self._finish(request, op, None, False)
 
     def all_to_all(
@@ -498,12 +517,16 @@ class Communicator:
         recv = [t.numel() * esize for t in outs]
         check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], dtype, (), unit="bytes")
         records = self._start_records(check)
-        if self.validate:
-            self._cross_check(op, send, recv, torch.uint8, (1,), None)
-        packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
-            torch.empty(0, dtype=torch.uint8, device=self.device)
-        landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
-        request = self._alltoallv(packed, send, landing, recv, check=check, records=records)
+        try:
+            if self.validate:
+                self._cross_check(op, send, recv, torch.uint8, (1,), None)
+            packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
+                torch.empty(0, dtype=torch.uint8, device=self.device)
+            landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
+            request = self._alltoallv(packed, send, landing, recv, check=check, records=records)
+        except BaseException:
+            self._settle(records)
+            raise
 
         def unpack() -> None:
             offset = 0

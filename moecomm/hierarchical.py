@@ -723,7 +723,11 @@ def start_all_to_all_v(
         comm.abort()  # rows that could never arrive, or NCCL (pairs of different sizes): none move
         raise counts.error_check.error(counts.issues, moved=False, aborted=True)
     if comm.validate:
-        comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)
+        try:
+            comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)
+        except BaseException:
+            h.rail._settle(counts.rail_records)
+            raise
     out = torch.empty((sum(plan.recv),) + row_shape, dtype=x.dtype, device=x.device)
     request: Request
     from .communicator import _CheckedRequest, _RaiseAfter
