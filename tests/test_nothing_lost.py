@@ -121,6 +121,13 @@ def test_ranks_nothing_lost(nprocs):
     assert f"checks passed on {nprocs} ranks" in out
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_ranks_nothing_lost_nccl():
+    out = run_ranks(2, "tests.ranks.nothing_lost_gpu", timeout=300, env={"NCCL_NVLS_ENABLE": "0"})
+    assert "checks passed on 2 ranks" in out
+
+
 # -- finding 7: clear errors, on one rank (no peers needed) -----------------------------------
 
 
