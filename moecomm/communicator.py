@@ -92,7 +92,8 @@ class Communicator:
         local_rank, local_size, node_rank, num_nodes: the node layout (from host names, or
             from the ``local_size=`` override).
         timeout: seconds any wait may last before the communicator is aborted.
-        validate: cross-check counts, dtypes and row shapes between ranks on every exchange.
+        validate: check that ranks agree on counts, dtype and row shape on every exchange,
+            before anything moves (without it, only exchanges that exchange counts are checked).
     """
 
     def __init__(
@@ -113,7 +114,7 @@ class Communicator:
         self._abandoned: list[Request] = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Records beside rows whose counts were given (moecomm._peer_check) also without
-        # validate: off, as they cost more than 2% at 1 MiB on 4 CPU ranks (README); a private
+        # validate: off by default for their cost (README, "Bad input and faults"); a private
         # switch for bench.alltoall --check-cost, which times them.
         self._records_beside = False
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)

@@ -79,9 +79,11 @@ def init(
         device: the CUDA device for NCCL (default: ``cuda:local_rank``).
         timeout: seconds (or a timedelta) any wait may last before the communicator is
             aborted and ``TimeoutError`` raised. Default: ``$MOECOMM_TIMEOUT`` or 600.
-        validate: True or False: gather every rank's counts, dtype and row shape before each
-            exchange (counts are checked between peers anyway; see the README). Default
-            (None): ``$MOECOMM_VALIDATE`` or False.
+        validate: True or False. True: every exchange checks, before anything moves, that
+            the ranks agree on counts, dtype and row shape (one all-gather that blocks the
+            host), also where all counts are given; False checks only what the count exchange
+            of a call without ``recv_splits`` carries (see the README, "Bad input and
+            faults"). Default (None): ``$MOECOMM_VALIDATE`` or False.
         local_size: ranks per node, overriding host-name discovery (tests, simulations).
         pool_bytes: staging-pool capacity, an int of bytes >= 0. Default (None):
             ``$MOECOMM_POOL_BYTES`` or 256 MiB.
