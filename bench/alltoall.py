@@ -17,6 +17,9 @@ Methods (``--compare`` adds the last two):
   moecomm-p2p    as ``moecomm``, on a communicator made with ``p2p_bytes`` (GPUs of one node:
                  the rows move through peer memory with the counts still on the GPU)
   moecomm-p2p-known  as ``moecomm-known`` on that communicator: the rows move by copy engines
+  moecomm-known-checked  ``--check-cost``: as ``moecomm-known`` with the per-peer count records
+                 beside the rows (what validate=True does besides its all-gather), to time
+                 what they would cost by default
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
                  all_to_all_single with splits (gloo on CPU, NCCL on GPU)
   raw            the backend itself: mpi4py ``Alltoallv`` (CPU), nccl4py ``ncclAlltoAll``
@@ -211,6 +214,8 @@ class Bench:
             "moecomm": lambda: self.comm.all_to_all_v(x, counts_dev)[0],
             "moecomm-known": lambda: self.comm.all_to_all_v(x, send, recv)[0],
         }
+        if self.args.check_cost:
+            methods["moecomm-known-checked"] = lambda: self._checked(x, send, recv)
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
             methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]
@@ -228,6 +233,8 @@ class Bench:
             algbw = size_bytes / med / 1e9 if med > 0 else 0.0
             results.append(dict(pattern=pattern, size=size_bytes, rows=rows, method=name, time_us=med * 1e6,
                                 p99_us=p99 * 1e6, algbw=algbw, busbw=algbw * (W - 1) / W, check=check(out)))
+            if self.args.check_cost:  # every round's time, for ratios paired round by round
+                results[-1]["times_us"] = [t * 1e6 for t in times]
         return results
 
     def _p2p_with_blocks(self, x: torch.Tensor, counts_dev: torch.Tensor, block_bytes: int,
@@ -238,6 +245,13 @@ class Bench:
             return self.p2p.all_to_all_v(x, counts_dev)[0]
         finally:
             del t.block_bytes, t.max_blocks
+
+    def _checked(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        self.comm._records_beside = True  # private switch, for this measurement only
+        try:
+            return self.comm.all_to_all_v(x, send, recv)[0]
+        finally:
+            self.comm._records_beside = False
 
     def _torch_pattern(self, x: torch.Tensor, counts_dev: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -336,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="moecomm backend (default: auto)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
     p.add_argument("--compare", action="store_true", help="also time torch's MoE pattern and the raw backend")
+    p.add_argument("--check-cost", action="store_true",
+                   help="also time moecomm-known with per-peer count records beside the rows (their cost); "
+                        "the JSON then holds every round's time (times_us)")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
     p.add_argument("--p2p-blocks", metavar="BYTES:MAX,...", default=None,

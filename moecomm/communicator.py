@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from ._peer_check import PeerCheck
 from .backends.base import REDUCE_OPS, Backend, DoneRequest, Request
 from .errors import CommunicatorClosedError, CountMismatchError
 from .layout import Layout
@@ -90,7 +92,8 @@ class Communicator:
         local_rank, local_size, node_rank, num_nodes: the node layout (from host names, or
             from the ``local_size=`` override).
         timeout: seconds any wait may last before the communicator is aborted.
-        validate: cross-check counts, dtypes and row shapes between ranks on every exchange.
+        validate: check that ranks agree on counts, dtype and row shape on every exchange,
+            before anything moves (without it, only exchanges that exchange counts are checked).
     """
 
     def __init__(
@@ -110,6 +113,10 @@ class Communicator:
         self._closed: Optional[str] = None
         self._abandoned: list[Request] = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Records beside rows whose counts were given (moecomm._peer_check) also without
+        # validate: off by default for their cost (README, "Bad input and faults"); a private
+        # switch for bench.alltoall --check-cost, which times them.
+        self._records_beside = False
         self._hier: Any = None  # moecomm.hierarchical.TopologyState, set by init (hierarchy=, profile=)
         self._p2p: Any = None  # moecomm.backends.p2p.PeerTransport, set by init (p2p_bytes=)
         # see _peer_rows_stream; made here, as it may first be needed inside a CUDA graph capture
@@ -194,7 +201,18 @@ class Communicator:
         Returns:
             ``(output, recv_splits)``: ``output`` is ``[sum(recv_splits), *row_shape]`` with
             the rows from rank ``p`` in block ``p``; ``recv_splits`` a list of ints.
+
+        Raises:
+            TypeError, ValueError: bad tensors or splits (named), before anything is sent.
+                A conjugate or negative view is resolved first (a copy); sparse tensors are
+                refused. An input that requires grad warns: use :mod:`moecomm.functional`.
+            CountMismatchError: a peer sends another count than ``recv_splits`` says, expects
+                another than ``send_splits`` says, or moves another dtype or row shape; raised
+                on both ranks of each such pair, at completion (``wait()`` when ``async_op``),
+                before it where rows could never arrive (then the communicator is aborted).
+            TimeoutError: a wait outlived the communicator's timeout (it is aborted).
         """
+        _warn_if_graph_lost(input, "all_to_all_v")
         out, _, recv, request = self._start_all_to_all_v(input, send_splits, recv_splits, algorithm=algorithm)
         return self._finish(request, "all_to_all_v", (out, recv), async_op)
 
@@ -211,6 +229,7 @@ class Communicator:
         x = self._check_tensor(input, "input", min_dim=1)
         rows, row_shape = x.shape[0], tuple(x.shape[1:])
         problem: Optional[str] = None
+        records: Optional[tuple] = None
         if (recv_splits is None or _on_gpu(send_splits) or _on_gpu(recv_splits)) and self._capturing():
             raise RuntimeError(f"{op}: recv_splits must be given, and both splits on the host (ints, numpy or "
                                f"CPU tensors), while a CUDA graph is captured: reading counts from the GPU or "
@@ -222,20 +241,79 @@ class Communicator:
         if device_counts and self._p2p is not None and row_bytes > 0 and row_bytes % _P2P_ROW_ALIGN == 0:
             return self._start_peer_exchange(x, send_splits, row_bytes)
         if device_counts:
-            send, recv = self._exchange_counts(send_splits, "send_splits")
+            self._check_count_tensor(send_splits, "send_splits")
+            check = PeerCheck(op, self.rank, [[0]] * self.size, None, x.dtype, row_shape)
+            send, recv, issues, stuck = self._exchange_records(check, send_splits)
             problem = self._check_exchanged_counts(send, recv, rows, "the counts")
         else:
             send = normalize_splits(send_splits, "send_splits", self.size)
             check_split_total(send, rows, "send_splits", "input")
             if recv_splits is None:
-                send, recv = self._exchange_counts(send, "send_splits")
+                check = PeerCheck(op, self.rank, [[c] for c in send], None, x.dtype, row_shape)
+                send, recv, issues, stuck = self._exchange_records(check)
             else:
-                recv = normalize_splits(recv_splits, "recv_splits", self.size)
-        if self.validate:
-            self._cross_check(op, send, recv, x.dtype, row_shape, problem)
-        out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
-        request = self._alltoallv(x, send, out, recv)
+                recv = self._recv_splits(recv_splits, x)
+                check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
+                issues, stuck = None, False
+                records = self._start_records(check)  # (validate=True) compared beside the rows
+        try:
+            if self.validate:
+                self._cross_check(op, send, recv, x.dtype, row_shape, problem)
+            out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+            request = self._alltoallv(x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
+        except BaseException:
+            self._settle(records)
+            raise
         return out, send, recv, request
+
+    def _start_records(self, check: PeerCheck) -> Optional[tuple]:
+        """With ``validate``: send ``check``'s records (counts were given, so no count exchange
+        carried them), before anything else of the call, as a call without ``recv_splits``
+        exchanges its counts first. Host backends: non-blocking, ``(request, mine, theirs)``;
+        NCCL: exchanged at once (validate=True blocks the host anyway). None: not sent."""
+        if self.size == 1 or not (self.validate or self._records_beside):
+            return None
+        if self._backend.stream_ordered:
+            _, got = self._exchange_ints(check.record(), check.per_peer, f"{check.op} (count records)")
+            return DoneRequest(), None, torch.tensor(got, dtype=torch.int64)
+        mine = torch.tensor(check.record(), dtype=torch.int64)
+        theirs = torch.empty_like(mine)
+        return self._backend.alltoall(mine, theirs), mine, theirs
+
+    def _settle(self, records: Optional[tuple]) -> None:
+        """Records from :meth:`_start_records` that no request took over (the call failed
+        after sending them): wait for them, as every rank sends its records first, so that
+        MPI never writes into freed memory; past the timeout they are kept referenced."""
+        if records is None:
+            return
+        try:
+            self._wait_host(records[0], "count records (of a call that failed)", None)
+        except BaseException:  # noqa: BLE001 - the caller's error is the one to report
+            self._abandoned.append(records)
+
+    def _recv_splits(self, recv_splits: Splits, x: torch.Tensor) -> list[int]:
+        """``recv_splits`` as ints, refused where the output they describe could not exist."""
+        recv = normalize_splits(recv_splits, "recv_splits", self.size)
+        row_bytes = max(1, math.prod(x.shape[1:]) * x.element_size())
+        limit = (1 << 62) // row_bytes
+        if sum(recv) > limit:
+            raise ValueError(f"recv_splits sums to {sum(recv)} rows of {row_bytes} bytes, beyond the {limit} rows "
+                             f"(2**62 bytes) an output can hold: {recv}")
+        return recv
+
+    def _exchange_records(self, check: PeerCheck, counts: Optional[torch.Tensor] = None
+                          ) -> tuple[list[int], list[int], list[str], bool]:
+        """The count exchange of a call without ``recv_splits``: every rank's records
+        (:mod:`moecomm._peer_check`), blocking. Returns (send, recv, disagreements) with one
+        count per peer, and whether some rows could never arrive; ``counts`` (a count tensor, any
+        device) replaces ``check.sent``."""
+        values: Any = check.record() if counts is None else check.record_tensor(counts)
+        mine, got = self._exchange_ints(values, check.per_peer, f"{check.op} (count exchange)")
+        n = check.per_peer
+        if counts is not None:
+            check.sent = [[mine[p * n]] for p in range(self.size)]
+        theirs, issues, stuck = check.compare(got)
+        return [s[0] for s in check.sent], [t[0] for t in theirs], issues, stuck
 
     def _check_exchanged_counts(self, send: list[int], recv: list[int], rows: int, sent: str) -> Optional[str]:
         """Counts from a GPU tensor, checked once they reach the host, after ``sent`` went out.
@@ -276,16 +354,45 @@ class Communicator:
         request.join()  # (the kernels ran on the caller's stream: nothing to order)
         return out, send, recv, self._p2p.finish(x, out, send, recv, row_bytes)
 
-    def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int]) -> Request:
-        check_own_block(send, recv, self.rank)  # before anything moves; peers' counts: validate=True
+    def _alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],
+                   check: Optional[PeerCheck] = None, issues: Optional[list[str]] = None,
+                   records: Optional[tuple] = None, stuck: bool = False) -> Request:
+        """Issue the rows. ``check``: the records of this exchange; ``issues``: what the count
+        exchange that carried them found, or ``records``: the records in flight from
+        :meth:`_start_records`, compared once they and the rows complete (before the rows where
+        the backend cannot complete disagreeing rows). Neither: the counts are not checked."""
+        check_own_block(send, recv, self.rank)  # before anything moves
         row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        # Only a row size of 0 (the same on every rank) may skip the exchange: a rank with
-        # no rows of its own must still join its peers' collective (MPI matches by order).
+        host = not self._backend.stream_ordered
+        complete = self._backend.mismatched_rows_complete
+        beside = records
+        if beside is not None and not complete:
+            # gloo aborts the process on rows of another size than expected: compare first.
+            self._wait_host(beside[0], f"{check.op} (count records)", None)
+            _, issues, stuck = check.compare(beside[2].tolist())
+            beside = None
+        if issues and (stuck or not complete):
+            # Rows that could never arrive (a side that sends or expects none posts nothing),
+            # or a backend that cannot complete rows of disagreeing sizes (gloo, NCCL): raise
+            # before the rows and abort; peers waiting for this rank's rows time out.
+            self.abort()
+            raise check.error(issues, moved=False, aborted=True)
         if row_bytes == 0:
-            return self._backend.barrier() if self.size > 1 else DoneRequest()
-        if self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES:
-            return self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
-        return self._backend.alltoallv(x, send, out, recv, row_bytes)
+            # Host backends still run the row exchange (empty), so that every rank issues the
+            # same collectives whatever the others' rows; NCCL has no matching to keep.
+            if host and self.size > 1:
+                request = self._backend.alltoallv(x, [0] * self.size, out, [0] * self.size, 1)
+            else:
+                request = self._backend.barrier() if self.size > 1 else DoneRequest()
+        elif self._p2p is not None and max(sum(send), sum(recv)) * row_bytes >= _P2P_COPY_ENGINE_MIN_BYTES:
+            request = self._p2p.exchange(x, send, None, out, recv, None, row_bytes)
+        else:
+            request = self._backend.alltoallv(x, send, out, recv, row_bytes)
+        if beside is not None:
+            return _CheckedRequest(self, request, check, *beside)
+        if issues:
+            return _RaiseAfter(request, check.error(issues, moved=True))
+        return request
 
     # -- all-to-all overlapped with compute -------------------------------------------------
 
@@ -338,11 +445,17 @@ class Communicator:
 
         ``output`` is filled in place; split sizes of ``None`` mean equal blocks along dim 0.
         Returns a :class:`Work` (whose ``wait()`` returns True) when ``async_op``, else None.
+
+        Raises:
+            TypeError, ValueError: bad tensors or split sizes, named (``output`` when its size
+                cannot hold what ``input`` sends this rank itself), before anything is sent.
+            CountMismatchError: as :meth:`all_to_all_v` (a peer disagrees on a block's size).
         """
         op = "all_to_all_single"
         self._check_open(op)
+        _warn_if_graph_lost(input, op)
         x = self._check_tensor(input, "input", min_dim=1)
-        y = self._check_tensor(output, "output", min_dim=1)
+        y = self._check_tensor(output, "output", min_dim=1, written=True)
         if y.dtype != x.dtype:
             raise TypeError(f"output must have input's dtype {x.dtype}, got {y.dtype}")
         if math.prod(y.shape[1:]) != math.prod(x.shape[1:]):
@@ -352,9 +465,22 @@ class Communicator:
             )
         send = self._split_sizes(input_split_sizes, x, "input_split_sizes", "input")
         recv = self._split_sizes(output_split_sizes, y, "output_split_sizes", "output")
-        if self.validate:
-            self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
-        request = self._alltoallv(x, send, y, recv)
+        r = self.rank
+        if send[r] != recv[r]:
+            raise ValueError(
+                f"output (shape {tuple(y.shape)}) must hold, in block {r}, the {send[r]} rows input sends rank {r} "
+                f"itself (input_split_sizes{'=None: equal blocks' if input_split_sizes is None else ''}), but "
+                f"output_split_sizes{'=None: equal blocks' if output_split_sizes is None else ''} gives block {r} "
+                f"{recv[r]} rows")
+        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
+        records = self._start_records(check)
+        try:
+            if self.validate:
+                self._cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
+            request = self._alltoallv(x, send, y, recv, check=check, records=records)
+        except BaseException:
+            self._settle(records)
+            raise
         return self._finish(request, op, True, async_op) if async_op else self._finish(request, op, None, False)
 
     def all_to_all(
@@ -364,15 +490,24 @@ class Communicator:
         async_op: bool = False,
     ) -> Optional[Work]:
         """``torch.distributed.all_to_all``: ``input_tensor_list[p]`` goes to rank ``p``,
-        ``output_tensor_list[p]`` is filled from rank ``p``; any shapes, one dtype."""
+        ``output_tensor_list[p]`` is filled from rank ``p``; any shapes, one dtype.
+
+        Raises:
+            TypeError, ValueError: bad lists or tensors, named, before anything is sent.
+            CountMismatchError: a slot's size (in bytes) differs from what its peer sends,
+                or a peer sends another dtype; on both ranks of the pair.
+        """
         op = "all_to_all"
         self._check_open(op)
+        for t in input_tensor_list if isinstance(input_tensor_list, (list, tuple)) else ():
+            _warn_if_graph_lost(t, op)
         for name, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
             if not isinstance(lst, (list, tuple)) or len(lst) != self.size:
                 raise ValueError(f"{name} must be a list of {self.size} tensors (one per rank), got {type(lst).__name__}"
                                  + (f" of length {len(lst)}" if isinstance(lst, (list, tuple)) else ""))
         ins = [self._check_tensor(t, f"input_tensor_list[{i}]", min_dim=0) for i, t in enumerate(input_tensor_list)]
-        outs = [self._check_tensor(t, f"output_tensor_list[{i}]", min_dim=0) for i, t in enumerate(output_tensor_list)]
+        outs = [self._check_tensor(t, f"output_tensor_list[{i}]", min_dim=0, written=True)
+                for i, t in enumerate(output_tensor_list)]
         dtype = ins[0].dtype
         for i, t in enumerate(ins + outs):
             if t.dtype != dtype:
@@ -381,12 +516,18 @@ class Communicator:
         esize = ins[0].element_size()
         send = [t.numel() * esize for t in ins]
         recv = [t.numel() * esize for t in outs]
-        if self.validate:
-            self._cross_check(op, send, recv, torch.uint8, (1,), None)
-        packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
-            torch.empty(0, dtype=torch.uint8, device=self.device)
-        landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
-        request = self._alltoallv(packed, send, landing, recv)
+        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], dtype, (), unit="bytes")
+        records = self._start_records(check)
+        try:
+            if self.validate:
+                self._cross_check(op, send, recv, torch.uint8, (1,), None)
+            packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
+                torch.empty(0, dtype=torch.uint8, device=self.device)
+            landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
+            request = self._alltoallv(packed, send, landing, recv, check=check, records=records)
+        except BaseException:
+            self._settle(records)
+            raise
 
         def unpack() -> None:
             offset = 0
@@ -429,7 +570,7 @@ class Communicator:
         ``torch.distributed.ReduceOp``). float16/bfloat16 are reduced in float32 on MPI."""
         name = "allreduce"
         self._check_open(name)
-        t = self._check_tensor(tensor, "tensor", min_dim=0)
+        t = self._check_tensor(tensor, "tensor", min_dim=0, written=True)
         op_name = _reduce_op_name(op)
         if t.dtype.is_complex or t.dtype in _float8_dtypes():
             raise TypeError(f"tensor: allreduce does not support dtype {t.dtype}")
@@ -444,7 +585,7 @@ class Communicator:
         """In-place broadcast of ``tensor`` from rank ``src``."""
         name = "broadcast"
         self._check_open(name)
-        t = self._check_tensor(tensor, "tensor", min_dim=0)
+        t = self._check_tensor(tensor, "tensor", min_dim=0, written=True)
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.size:
             raise ValueError(f"src must be a rank in [0, {self.size}), got {src!r}")
         request = self._backend.broadcast(t, src)
@@ -536,9 +677,20 @@ class Communicator:
             self._closed = "aborted"
             raise
 
-    def _check_tensor(self, t: Any, name: str, *, min_dim: int) -> torch.Tensor:
+    def _check_tensor(self, t: Any, name: str, *, min_dim: int, written: bool = False) -> torch.Tensor:
+        """``t`` checked (ValueError/TypeError naming ``name``); an input that is a conjugate or
+        negative view is returned resolved (a copy), an output (``written``) is refused."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} is a sparse tensor (layout {t.layout}); collectives move dense rows: "
+                            f"call .to_dense() first")
+        if t.is_conj() or t.is_neg():
+            what = "a conjugate view (torch.conj)" if t.is_conj() else "a negative view (torch.conj of a real view)"
+            if written:
+                raise ValueError(f"{name} is {what}, which cannot be written as raw bytes: pass a tensor "
+                                 f"that owns its values (.resolve_conj() / .resolve_neg() make one)")
+            t = t.resolve_conj().resolve_neg()
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has unsupported dtype {t.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
         if t.dim() < min_dim:
@@ -723,6 +875,72 @@ class Communicator:
         )
 
 
+class _CheckedRequest(Request):
+    """Rows whose counts were given, with the records sent beside them: done once both are,
+    then raises :class:`CountMismatchError` if a peer disagrees (see :mod:`moecomm._peer_check`).
+    Where the disagreement means some rows can never arrive, it raises as soon as the records
+    are in, abandoning the rows and aborting the communicator."""
+
+    __slots__ = ("_comm", "_rows", "_check", "_records", "_mine", "_theirs", "_issues", "_stuck", "_done", "plan")
+
+    def __init__(self, comm: "Communicator", rows: Request, check: PeerCheck, records: Request,
+                 mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        self._comm = comm
+        self._rows = rows
+        self._check = check
+        self._records = records
+        self._mine = mine
+        self._theirs = theirs
+        self._issues: Optional[list[str]] = None
+        self._stuck = False
+        self._done = False
+        self.plan = getattr(rows, "plan", None)  # a 2DH exchange's, for its backward
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._issues is None:
+            if not self._records.test():
+                self._rows.test()  # (MPI progresses what it is polled for)
+                return False
+            _, self._issues, self._stuck = self._check.compare(self._theirs.tolist())
+            if self._issues and self._stuck:
+                self._done = True
+                self._comm._abandoned.append(self._rows)
+                self._comm.abort()
+                raise self._check.error(self._issues, moved=False, aborted=True)
+        if not self._rows.test():
+            return False
+        self._done = True
+        if self._issues:
+            raise self._check.error(self._issues, moved=True)
+        return True
+
+    def join(self) -> None:  # stream-ordered backends: the records were compared before the rows
+        self._rows.join()
+
+
+class _RaiseAfter(Request):
+    """Raises ``error`` once ``inner`` completes (a disagreement found before the rows moved,
+    on a backend where every rank still completes the exchange so that no peer waits)."""
+
+    __slots__ = ("_inner", "_error", "plan")
+
+    def __init__(self, inner: Request, error: BaseException) -> None:
+        self._inner = inner
+        self._error = error
+        self.plan = getattr(inner, "plan", None)
+
+    def test(self) -> bool:
+        if self._inner.test():
+            raise self._error
+        return False
+
+    def join(self) -> None:
+        self._inner.join()
+        raise self._error
+
+
 class _ThenRequest(Request):
     """Runs ``then`` once the inner request is usable (for unpacking into user tensors)."""
 
@@ -747,6 +965,14 @@ class _ThenRequest(Request):
     def join(self) -> None:
         self._inner.join()
         self._run_then()
+
+
+def _warn_if_graph_lost(t: Any, op: str) -> None:
+    """Warn (once per call site, Python's default filter) when ``t``'s autograd graph would end here."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        warnings.warn(f"moecomm: {op} is not differentiable: the result of an input that requires grad has no "
+                      f"autograd graph; use moecomm.functional.all_to_all_v (or .detach() the input to silence "
+                      f"this)", UserWarning, stacklevel=3)
 
 
 def _reduce_op_name(op: Any) -> str:

@@ -48,7 +48,15 @@ def all_to_all_v(
     reversed splits (no count exchange), so each input row's gradient is that of the row it became.
     ``algorithm`` as in :meth:`Communicator.all_to_all_v`; the backward of a 2DH exchange is
     itself hierarchical (the forward's phases reversed).
+
+    Raises:
+        TypeError: ``comm`` is not a Communicator (or None); bad tensors or splits as in
+            :meth:`Communicator.all_to_all_v`.
+        CountMismatchError: ranks disagree on counts, dtype or row shape.
     """
+    if comm is not None and not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a moecomm.Communicator or None (the default communicator), "
+                        f"got {comm!r} ({type(comm).__name__})")
     comm = default_communicator() if comm is None else comm
     counts: list[list[int]] = []
     output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm)

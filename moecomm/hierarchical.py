@@ -104,6 +104,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 import torch
 
 from . import _blocks
+from ._peer_check import PeerCheck
+from .errors import CountMismatchError
 from .backends.base import DoneRequest, Request
 from .layout import Layout
 from .profile import Fingerprint, Profile, ProfileError, default_profile_path, load_profile
@@ -370,32 +372,60 @@ class Plan:
     rgrid: tuple[tuple[int, ...], ...]
 
 
-def _alltoall_ints(sub: "Communicator", values: list[int], what: str) -> list[int]:
-    """Equal blocks of ints to every member of ``sub`` (blocks the host)."""
+def _records(sub: "Communicator", check: PeerCheck) -> tuple[list[list[int]], list[str], bool]:
+    """A count exchange with ``check``'s records among ``sub`` (blocks the host): what each
+    member sends this rank, and what disagrees (see :mod:`moecomm._peer_check`)."""
     if sub.size == 1:
-        return list(values)
-    return sub._exchange_ints(values, len(values) // sub.size, what)[1]
+        return check.sent, [], False
+    got = sub._exchange_ints(check.record(), check.per_peer, f"{check.op} (count exchange)")[1]
+    return check.compare(got)
 
 
-def _make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]]) -> Plan:
+@dataclass
+class _Counts:
+    """What the count exchanges of a 2DH call found: disagreements, and the rail records
+    travelling beside the rail rows (when ``recv_splits`` was given)."""
+
+    issues: list
+    stuck: bool = False
+    error_check: Optional[PeerCheck] = None
+    rail_check: Optional[PeerCheck] = None
+    rail_records: Optional[tuple] = None
+
+
+def _make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]], dtype: torch.dtype = torch.uint8,
+               row_shape: tuple = (), op: str = "all_to_all_v (2dh)") -> tuple[Plan, _Counts]:
     N, L = h.num_nodes, h.local_size
     sgrid = [[send[h.members[m][k]] for k in range(L)] for m in range(N)]
     # Intra step: to node mate k, the N counts [C[me -> (m, k)] for m]; from mate l: r1[l].
-    flat_r1 = _alltoall_ints(h.intra, [sgrid[m][k] for k in range(L) for m in range(N)],
-                             "all_to_all_v (2dh count exchange, intra-node)")
-    r1 = [flat_r1[l * N:(l + 1) * N] for l in range(L)]
+    intra = PeerCheck(f"{op}, intra-node", h.intra.rank, [[sgrid[m][k] for m in range(N)] for k in range(L)],
+                      None, dtype, row_shape)
+    r1, issues, stuck = _records(h.intra, intra)
+    found = _Counts(list(issues), stuck, intra if issues else None)
+    # Rail step: to node m, the L counts [r1[l][m] for l]; from node n: rgrid[n].
+    rail_sent = [[r1[l][m] for l in range(L)] for m in range(N)]
     if recv is None:
-        # Rail step: to node m, the L counts [r1[l][m] for l]; from node n: rgrid[n].
-        flat = _alltoall_ints(h.rail, [r1[l][m] for m in range(N) for l in range(L)],
-                              "all_to_all_v (2dh count exchange, rail)")
-        rgrid = [flat[n * L:(n + 1) * L] for n in range(N)]
+        rail = PeerCheck(f"{op}, rail", h.rail.rank, rail_sent, None, dtype, row_shape,
+                         unit="rows (one count per source rank of its node)")
+        rgrid, issues, stuck = _records(h.rail, rail)
+        if issues:
+            found.issues += issues
+            found.stuck = found.stuck or stuck
+            found.error_check = found.error_check or rail
         recv = [0] * (N * L)
         for n in range(N):
             for l in range(L):
                 recv[h.members[n][l]] = rgrid[n][l]
     else:
         rgrid = [[recv[h.members[n][l]] for l in range(L)] for n in range(N)]
-    return Plan(tuple(send), tuple(recv), tuple(map(tuple, sgrid)), tuple(map(tuple, r1)), tuple(map(tuple, rgrid)))
+        if N > 1:
+            # validate=True: sent now, before any rows, where a rank without recv_splits
+            # exchanges them (None otherwise: see Communicator._start_records).
+            found.rail_check = PeerCheck(f"{op}, rail", h.rail.rank, rail_sent, rgrid, dtype, row_shape,
+                                         unit="rows (one count per source rank of its node)")
+            found.rail_records = h.rail._start_records(found.rail_check)
+    plan = Plan(tuple(send), tuple(recv), tuple(map(tuple, sgrid)), tuple(map(tuple, r1)), tuple(map(tuple, rgrid)))
+    return plan, found
 
 
 # -- the steps --------------------------------------------------------------------------------
@@ -407,6 +437,8 @@ class _Exchange:
     send: list[int]
     recv: list[int]
     name: str
+    check: Optional[PeerCheck] = None  # records beside the rows (recv_splits given)
+    records: Optional[tuple] = None  # ... already sent (Communicator._start_records)
 
 
 @dataclass(frozen=True)
@@ -422,7 +454,7 @@ def _inverse_order(order: Sequence[int]) -> list[int]:
     return inv
 
 
-def _forward_steps(h: Hierarchy, p: Plan) -> list:
+def _forward_steps(h: Hierarchy, p: Plan, counts: Optional[_Counts] = None) -> list:
     N, L = h.num_nodes, h.local_size
     steps: list = []
     if h.contiguous:
@@ -438,7 +470,9 @@ def _forward_steps(h: Hierarchy, p: Plan) -> list:
         steps.append(_Local(lambda x: _blocks.permute_blocks(x, p.r1), "regroup"))
     if N > 1:
         steps.append(_Exchange(h.rail, [sum(p.r1[l][m] for l in range(L)) for m in range(N)],
-                               [sum(row) for row in p.rgrid], "rail"))
+                               [sum(row) for row in p.rgrid], "rail",
+                               counts.rail_check if counts is not None else None,
+                               counts.rail_records if counts is not None else None))
     if not h.contiguous:
         unpack = _inverse_order([h.members[n][l] for n in range(N) for l in range(L)])
         arrived = [c for row in p.rgrid for c in row]
@@ -531,7 +565,11 @@ class _Chain(Request):
     def _issue(self, step: _Exchange) -> Request:
         last = self._i == len(self._steps) - 1
         recv = self._recv_buffer(sum(step.recv), last)
-        request = step.sub._alltoallv(self._buf, step.send, recv, step.recv)
+        if step.check is not None and step.records is not None:
+            request = step.sub._alltoallv(self._buf, step.send, recv, step.recv, check=step.check,
+                                          records=step.records)
+        else:
+            request = step.sub._alltoallv(self._buf, step.send, recv, step.recv)
         self._buf = recv
         self._i += 1
         return request
@@ -578,6 +616,14 @@ class _Chain(Request):
                         self._unpend()
                 else:
                     self._run_local(step)
+        except CountMismatchError:
+            # The rows of the checked phase completed as every rank planned (see
+            # moecomm._peer_check), and the sub-communicators still match message for
+            # message, unless the check aborted one (rows that could never arrive).
+            self._finish()
+            if self._h.intra.closed or self._h.rail.closed:
+                self._comm.abort()
+            raise
         except BaseException:
             self._unpend()
             self._done = True
@@ -656,7 +702,7 @@ def start_all_to_all_v(
     rows, row_shape = x.shape[0], tuple(x.shape[1:])
     send = normalize_splits(send_splits, "send_splits", comm.size)
     check_split_total(send, rows, "send_splits", "input")
-    recv = None if recv_splits is None else normalize_splits(recv_splits, "recv_splits", comm.size)
+    recv = None if recv_splits is None else comm._recv_splits(recv_splits, x)
     single_phase = h.contiguous and (h.num_nodes == 1 or h.local_size == 1)
     if not single_phase and comm._capturing():
         raise RuntimeError(
@@ -672,14 +718,29 @@ def start_all_to_all_v(
         # exchange (no plan: the backward is the flat reverse, the same exchange).
         sub = h.intra if h.num_nodes == 1 else h.rail
         return sub._start_all_to_all_v(x, send, recv)
-    plan = _make_plan(h, send, recv)
+    plan, counts = _make_plan(h, send, recv, x.dtype, row_shape, op + " (2dh)")
+    if counts.issues and (counts.stuck or not comm._backend.mismatched_rows_complete):
+        comm.abort()  # rows that could never arrive, or NCCL (pairs of different sizes): none move
+        raise counts.error_check.error(counts.issues, moved=False, aborted=True)
     if comm.validate:
-        comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)
+        try:
+            comm._cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)
+        except BaseException:
+            h.rail._settle(counts.rail_records)
+            raise
     out = torch.empty((sum(plan.recv),) + row_shape, dtype=x.dtype, device=x.device)
+    request: Request
+    from .communicator import _CheckedRequest, _RaiseAfter
+
     if math.prod(row_shape) == 0:  # the same on every rank: no bytes move anywhere
-        return out, list(plan.send), list(plan.recv), _Done(plan)
-    chain = _Chain(comm, h, _forward_steps(h, plan), x, out, plan)
-    return out, list(plan.send), list(plan.recv), chain
+        request = _Done(plan)
+        if counts.rail_records is not None:
+            request = _CheckedRequest(comm, request, counts.rail_check, *counts.rail_records)
+    else:
+        request = _Chain(comm, h, _forward_steps(h, plan, counts), x, out, plan)
+    if counts.issues:  # every rank completes its rows as planned (no peer waits), then raises
+        request = _RaiseAfter(request, counts.error_check.error(counts.issues, moved=True))
+    return out, list(plan.send), list(plan.recv), request
 
 
 class _Done(DoneRequest):

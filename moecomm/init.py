@@ -97,10 +97,14 @@ def init(
         device: the CUDA device for NCCL (default: ``cuda:local_rank``).
         timeout: seconds (or a timedelta) any wait may last before the communicator is
             aborted and ``TimeoutError`` raised. Default: ``$MOECOMM_TIMEOUT`` or 600.
-        validate: cross-check counts between ranks on every exchange. Default:
-            ``$MOECOMM_VALIDATE`` or False.
+        validate: True or False. True: every exchange checks, before anything moves, that
+            the ranks agree on counts, dtype and row shape (one all-gather that blocks the
+            host), also where all counts are given; False checks only what the count exchange
+            of a call without ``recv_splits`` carries (see the README, "Bad input and
+            faults"). Default (None): ``$MOECOMM_VALIDATE`` or False.
         local_size: ranks per node, overriding host-name discovery (tests, simulations).
-        pool_bytes: staging-pool capacity in bytes. Default: ``$MOECOMM_POOL_BYTES`` or 256 MiB.
+        pool_bytes: staging-pool capacity, an int of bytes >= 0. Default (None):
+            ``$MOECOMM_POOL_BYTES`` or 256 MiB.
         set_default: make it the communicator that ``group=None`` means.
         hierarchy: build the intra-node and rail sub-communicators that
             ``all_to_all_v(algorithm="2dh")`` needs (collective, once, here). Default: when
@@ -128,7 +132,9 @@ def init(
     (a process that failed does not wait in MPI finalization for a stuck peer).
 
     Raises:
-        ValueError, TypeError: this rank's arguments, before anything is sent.
+        TypeError: ``validate`` not a bool or None; ``pool_bytes`` not an int or None;
+            another argument of the wrong type (the message names it), before anything is sent.
+        ValueError: an argument out of range (the message names it), before anything is sent.
         RuntimeError: ``moecomm.init failed on rank R: ...``: another rank's arguments were
             refused (every rank raises; none waits for the failed one).
         TimeoutError: some rank did not join a step of the creation within ``timeout``
@@ -142,8 +148,16 @@ def init(
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         timeout_s = _seconds(timeout)
-        validate = env.default_validate() if validate is None else bool(validate)
-        pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else int(pool_bytes))
+        if validate is not None and not isinstance(validate, bool):
+            raise TypeError(f"validate must be True, False or None (None: $MOECOMM_VALIDATE or False), "
+                            f"got {validate!r} ({type(validate).__name__})")
+        validate = env.default_validate() if validate is None else validate
+        if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int)):
+            raise TypeError(f"pool_bytes must be an int (bytes) or None, got {pool_bytes!r} "
+                            f"({type(pool_bytes).__name__})")
+        if pool_bytes is not None and pool_bytes < 0:
+            raise ValueError(f"pool_bytes must be >= 0 (bytes), got {pool_bytes}")
+        pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else pool_bytes)
         if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
                                      or not 1 <= max_ctas <= 32):
             raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")

@@ -47,6 +47,12 @@ class Backend(abc.ABC):
     progress_on_test: bool = False
     """True where operations advance only while the host polls them (MPI's progress engine)."""
 
+    mismatched_rows_complete: bool = False
+    """True where an exchange whose ranks disagree on counts still completes on every rank
+    (MPI: a short message is truncated, a long receive left partly unwritten), so that a
+    disagreement can be reported after the rows moved; elsewhere (gloo aborts the process,
+    NCCL may hang) the per-peer count records are compared before any row moves."""
+
     supports_displacements: bool = False
     """True where :meth:`alltoallv` takes ``send_displs``/``recv_displs``."""
 

@@ -75,6 +75,7 @@ class MpiBackend(Backend):
     name = "mpi"
     progress_on_test = True
     supports_displacements = True
+    mismatched_rows_complete = True
 
     def __init__(self, comm: Any, timeout_s: float, *, adopt: bool = False) -> None:
         """A backend over a duplicate of ``comm`` (made without blocking: ``MPI_Comm_idup``,
