@@ -61,6 +61,7 @@ ENV_DISABLE = "MOECOMM_EXT_DISABLE"
 DEVICE_TYPES = ("cpu", "cuda")
 P2P = "cuda-p2p"  # the peer-memory transport's own extension (moecomm/backends/p2p.py)
 NCCL_ISSUE = "nccl-issue"  # the NCCL backend's grouped send/recv, issued natively (moecomm/backends/nccl.py)
+QUANT_CPU, QUANT_CUDA = "quant-cpu", "quant-cuda"  # moecomm.quant's FP8 kernels (moecomm_ext/_quant.py)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
@@ -163,6 +164,10 @@ def _build_spec(device_type: str) -> dict:
             tag="cpu",
             functions=("gather_rows", "gather_reduce_rows", "gather_rowdot"),
         )
+    if device_type == QUANT_CPU:
+        return dict(base="moecomm_ext_quant_cpu", sources=[_CSRC / "quant_cpu.cpp"], extra_cflags=cflags,
+                    extra_cuda_cflags=None, extra_ldflags=ldflags, with_cuda=False, tag="cpu",
+                    functions=("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize"))
     if device_type == NCCL_ISSUE:
         return dict(
             base="moecomm_ext_nccl_issue",
@@ -175,6 +180,11 @@ def _build_spec(device_type: str) -> dict:
             functions=("NcclCalls",),
         )
     arch_flags, tag = _cuda_arch_flags()
+    if device_type == QUANT_CUDA:
+        return dict(base="moecomm_ext_quant_cuda", sources=[_CSRC / "quant_cuda.cu", _CSRC / "quant_cuda_bind.cpp"],
+                    extra_cflags=["-O3", "-DNDEBUG"], extra_cuda_cflags=["-O3", "-lineinfo", *arch_flags],
+                    extra_ldflags=[], with_cuda=True, tag=tag,
+                    functions=("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize"))
     if device_type == P2P:
         return dict(
             base="moecomm_ext_p2p_cuda",
@@ -272,7 +282,7 @@ def _torch_load(**kwargs) -> types.ModuleType:
 
 def _attempt(device_type: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
     start = time.perf_counter()
-    if device_type in ("cuda", P2P):
+    if device_type in ("cuda", P2P, QUANT_CUDA):
         if torch.version.cuda is None or not torch.cuda.is_available():
             # No CUDA tensor can exist, so nothing can silently go wrong:
             # report unavailability without a warning.
