@@ -174,6 +174,7 @@ class Communicator:
         *,
         async_op: bool = False,
         algorithm: str = "flat",
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> Union[tuple[torch.Tensor, list[int]], Work]:
         """Send rows of ``input`` to every rank, ``send_splits[p]`` rows to rank ``p``.
 
@@ -190,11 +191,28 @@ class Communicator:
                 node, then along the rail; needs ``init(hierarchy=True)`` or a multi-node
                 layout) or ``"auto"`` (the topology profile's choice for this size); the
                 same result either way. See :mod:`moecomm.hierarchical`.
+            wire_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: rows of a
+                float32/bfloat16/float16 ``input`` travel quantized to it, in blocks of 128
+                elements with a float32 scale each, and ``output`` is dequantized back to
+                ``input.dtype``: exactly :func:`moecomm.quant.quantize_rows` then
+                :func:`moecomm.quant.dequantize_rows`, on every path (see :mod:`moecomm.wire`).
+                Non-finite values give undefined results (``validate=True`` refuses them).
 
         Returns:
             ``(output, recv_splits)``: ``output`` is ``[sum(recv_splits), *row_shape]`` with
             the rows from rank ``p`` in block ``p``; ``recv_splits`` a list of ints.
+
+        Raises:
+            TypeError, ValueError: bad splits, tensor, ``algorithm`` or ``wire_dtype`` (not an
+                FP8 dtype, or ``input`` not floating), before anything is sent; with
+                ``validate=True`` also non-finite rows under ``wire_dtype`` (on every rank).
+            CountMismatchError: ``validate=True`` and the ranks disagree.
         """
+        if wire_dtype is not None:
+            from .wire import start_all_to_all_v as start_wire
+
+            out, _, recv, request, _ = start_wire(self, input, send_splits, recv_splits, algorithm, wire_dtype)
+            return self._finish(request, "all_to_all_v", (out, recv), async_op)
         out, _, recv, request = self._start_all_to_all_v(input, send_splits, recv_splits, algorithm=algorithm)
         return self._finish(request, "all_to_all_v", (out, recv), async_op)
 

@@ -244,16 +244,23 @@ def pack_rows(x: torch.Tensor, wire_dtype: torch.dtype, block: int = 128, *,
 
 
 def unpack_rows(packed: torch.Tensor, row_shape: tuple, dtype: torch.dtype, wire_dtype: torch.dtype,
-                block: int = 128, *, use_native: Optional[bool] = None) -> torch.Tensor:
-    """Undo :func:`pack_rows`: ``[N, *row_shape]`` in ``dtype`` from ``[N, row_bytes]`` uint8."""
+                block: int = 128, *, out: Optional[torch.Tensor] = None,
+                use_native: Optional[bool] = None) -> torch.Tensor:
+    """Undo :func:`pack_rows`: ``[N, *row_shape]`` in ``dtype`` from ``[N, row_bytes]`` uint8
+    (into ``out``, contiguous, when given)."""
     n, d = packed.shape[0], math.prod(row_shape)
+    shape = (n,) + tuple(row_shape)
     mod = _native(packed.device.type, use_native)
     if mod is not None:
-        return mod.unpack_dequantize(packed, d, _WIRE_CODE[wire_dtype], block, dtype).reshape((n,) + tuple(row_shape))
+        res = mod.unpack_dequantize(packed.contiguous(), d, _WIRE_CODE[wire_dtype], block, dtype,
+                                    None if out is None else out.view(n, d))
+        return res.view(shape) if out is None else out
     if n == 0 or d == 0:
-        return torch.empty((n,) + tuple(row_shape), dtype=dtype, device=packed.device)
-    nb = num_blocks(d, block)
-    off = -(-d // 4) * 4
-    q = packed[:, :d].contiguous().view(wire_dtype)
-    scales = packed[:, off:off + 4 * nb].contiguous().view(torch.float32)
-    return dequantize_rows_reference(q, scales, dtype, block).reshape((n,) + tuple(row_shape))
+        res = torch.empty(shape, dtype=dtype, device=packed.device)
+    else:
+        nb = num_blocks(d, block)
+        off = -(-d // 4) * 4
+        q = packed[:, :d].contiguous().view(wire_dtype)
+        scales = packed[:, off:off + 4 * nb].contiguous().view(torch.float32)
+        res = dequantize_rows_reference(q, scales, dtype, block).reshape(shape)
+    return res if out is None else out.copy_(res)

@@ -11,7 +11,7 @@
 //   quantize_rows(x[N,D], wire, block)                 -> (q[N,D] uint8, scales[N,nb] float32)
 //   dequantize_rows(q[N,D] uint8, scales, wire, block, dtype) -> [N,D] dtype
 //   quantize_pack(x[N,D], wire, block, row_bytes)      -> [N,row_bytes] uint8
-//   unpack_dequantize(p[N,row_bytes], D, wire, block, dtype) -> [N,D] dtype
+//   unpack_dequantize(p[N,row_bytes], D, wire, block, dtype, out?) -> [N,D] dtype (into out if given)
 // wire: 0 = float8_e4m3fn, 1 = float8_e5m2.  Packed row: D fp8 bytes, zeros to a multiple
 // of 4, nb float32 scales, zeros to row_bytes.
 
@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <tuple>
 
 namespace {
@@ -179,14 +180,23 @@ at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, int64_t wir
   return out;
 }
 
-at::Tensor unpack_dequantize(const at::Tensor& p, int64_t d, int64_t wire, int64_t block, at::ScalarType dtype) {
+at::Tensor unpack_dequantize(const at::Tensor& p, int64_t d, int64_t wire, int64_t block, at::ScalarType dtype,
+                             const std::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(p.device().is_cpu() && p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kByte,
               "unpack_dequantize: 'packed' must be a contiguous 2-D uint8 CPU tensor");
   check_wire_block(wire, block, "unpack_dequantize");
   const int64_t n = p.size(0), row_bytes = p.size(1);
   TORCH_CHECK(d >= 0 && (d == 0 || row_bytes >= scale_offset(d) + 4 * num_blocks(d, block)),
               "unpack_dequantize: rows of ", row_bytes, " bytes cannot hold ", d, " elements");
-  at::Tensor out = at::empty({n, d}, p.options().dtype(dtype));
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == dtype && out.dim() == 2 &&
+                    out.size(0) == n && out.size(1) == d,
+                "unpack_dequantize: 'out' must be a contiguous [N, D] CPU tensor of dtype ", dtype);
+  } else {
+    out = at::empty({n, d}, p.options().dtype(dtype));
+  }
   if (n == 0 || d == 0) return out;
   const auto* pp = p.data_ptr<uint8_t>();
   if (wire == 0) {
@@ -208,6 +218,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_pack", &quantize_pack, "[N,row_bytes] uint8 packed rows", py::arg("x"), py::arg("wire"),
         py::arg("block"), py::arg("row_bytes"));
   m.def("unpack_dequantize", &unpack_dequantize, "[N,D] dtype from packed rows", py::arg("packed"),
-        py::arg("d"), py::arg("wire"), py::arg("block"), py::arg("dtype"));
+        py::arg("d"), py::arg("wire"), py::arg("block"), py::arg("dtype"), py::arg("out") = py::none());
   m.attr("device_type") = "cpu";
 }

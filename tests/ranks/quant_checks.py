@@ -1,0 +1,176 @@
+"""``wire_dtype`` exchanges against the quantization reference, bit for bit, on real MPI ranks
+(run by tests/test_quant_mpi.py): flat and 2DH (``local_size=2`` when the rank count is even
+and at least 4), known and unknown counts, sync and async, empty splits, the functional
+gradient (straight-through, with and without ``grad_wire_dtype``) and ``validate=True``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moecomm
+import moecomm.functional as F
+from moecomm import quant
+from moecomm.errors import CountMismatchError
+from tests.mpi_util import collective_assert, rank_main
+from tests.ranks.data import count_matrix
+
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=10,
+                    suppress_health_check=list(HealthCheck))
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+WIRES = [torch.float8_e4m3fn, torch.float8_e5m2]
+ROW_SHAPES = [(5,), (128,), (300,), (2, 70), (0,)]
+
+COMM = moecomm.init(backend="mpi", timeout=60, set_default=False, hierarchy=False)
+W, R = COMM.size, COMM.rank
+HIER = moecomm.init(backend="mpi", timeout=60, set_default=False, local_size=2) if W >= 4 and W % 2 == 0 else None
+
+
+def rows(seed: int, src: int, dst: int, n: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Random rows of varied magnitude, some with zero blocks, that ``src`` sends ``dst``."""
+    rng = np.random.default_rng([seed, src, dst])
+    d = math.prod(row_shape)
+    x = rng.standard_normal((n, d)).astype(np.float32) * (10.0 ** rng.uniform(-3, 3, (n, 1))).astype(np.float32)
+    x[rng.random(n) < 0.3, :128] = 0.0
+    return torch.from_numpy(x).to(dtype).reshape((n,) + tuple(row_shape))
+
+
+def input_for(seed, rank, m, row_shape, dtype) -> torch.Tensor:
+    return torch.cat([rows(seed, rank, p, int(m[rank, p]), row_shape, dtype) for p in range(W)])
+
+
+def roundtrip(x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """The reference: what a row becomes on the wire and back."""
+    q, s = quant.quantize_rows_reference(x, wire)
+    return quant.dequantize_rows_reference(q, s, x.dtype)
+
+
+def expected(seed, m, row_shape, dtype, wire) -> torch.Tensor:
+    return torch.cat([roundtrip(rows(seed, p, R, int(m[p, R]), row_shape, dtype), wire) for p in range(W)])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dim() else a,
+                                                                      b.view(torch.uint8) if b.dim() else b)
+
+
+def _exchange_check(comm, algorithm: str):
+    @SETTINGS
+    @given(seed=st.integers(0, 2**31), max_rows=st.integers(0, 5), zero_fraction=st.sampled_from([0.0, 0.4, 1.0]),
+           dtype=st.sampled_from(DTYPES), wire=st.sampled_from(WIRES), row_shape=st.sampled_from(ROW_SHAPES),
+           known=st.booleans(), async_op=st.booleans())
+    def check(seed, max_rows, zero_fraction, dtype, wire, row_shape, known, async_op) -> None:
+        m = count_matrix(seed, W, max_rows, zero_fraction)
+        x = input_for(seed, R, m, row_shape, dtype)
+        recv_arg = [int(v) for v in m[:, R]] if known else None
+        result = comm.all_to_all_v(x, [int(v) for v in m[R]], recv_arg, async_op=async_op, algorithm=algorithm,
+                                   wire_dtype=wire)
+        out, recv = result.wait() if async_op else result
+        ok = recv == [int(v) for v in m[:, R]] and same_bits(out, expected(seed, m, row_shape, dtype, wire))
+        collective_assert(ok, f"{algorithm} wire exchange seed={seed} {dtype}->{wire} {row_shape} {m.tolist()}")
+
+    check.__name__ = f"check_wire_{algorithm}"
+    return check
+
+
+def check_async_in_flight() -> None:
+    """Several wire exchanges in flight at once, waited in reverse order."""
+    works, refs = [], []
+    for i, (dtype, wire) in enumerate([(torch.bfloat16, WIRES[0]), (torch.float32, WIRES[1]), (torch.float16, WIRES[0])]):
+        m = count_matrix(100 + i, W, 4, 0.3)
+        x = input_for(100 + i, R, m, (130,), dtype)
+        works.append(COMM.all_to_all_v(x, [int(v) for v in m[R]], [int(v) for v in m[:, R]], async_op=True,
+                                       wire_dtype=wire))
+        refs.append(expected(100 + i, m, (130,), dtype, wire))
+    outs = [w.wait()[0] for w in reversed(works)][::-1]
+    collective_assert(all(same_bits(o, r) for o, r in zip(outs, refs)), "async wire exchanges in flight")
+
+
+def check_gradient() -> None:
+    for comm, algorithm in [(COMM, "flat")] + ([(HIER, "2dh")] if HIER is not None else []):
+        seed = 7
+        m = count_matrix(seed, W, 5, 0.3)
+        send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+        x = input_for(seed, R, m, (200,), torch.bfloat16).requires_grad_()
+        out, got = F.all_to_all_v(x, send, comm=comm, algorithm=algorithm, wire_dtype=WIRES[0])
+        ok = got == recv and same_bits(out.detach(), expected(seed, m, (200,), torch.bfloat16, WIRES[0]))
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(R)).to(torch.bfloat16)
+        (gx,) = torch.autograd.grad(out, x, g)
+        # straight-through: the plain exchange's gradient, exactly
+        x2 = x.detach().clone().requires_grad_()
+        out2, _ = F.all_to_all_v(x2, send, recv, comm=comm, algorithm=algorithm)
+        (gx2,) = torch.autograd.grad(out2, x2, g)
+        ok = ok and same_bits(gx, gx2)
+        # gradient rows sent in FP8: the reference roundtrip of the plain gradient's rows
+        x3 = x.detach().clone().requires_grad_()
+        out3, _ = F.all_to_all_v(x3, send, recv, comm=comm, algorithm=algorithm, wire_dtype=WIRES[0],
+                                 grad_wire_dtype=WIRES[1])
+        (gx3,) = torch.autograd.grad(out3, x3, g)
+        ok = ok and same_bits(gx3, roundtrip(gx2, WIRES[1]))
+        collective_assert(ok, f"functional wire gradient ({algorithm})")
+
+
+def check_bad_input() -> None:
+    x = torch.randn(W, 8)
+    errors = []
+    for kw, exc, words in [(dict(wire_dtype=torch.bfloat16), TypeError, "wire_dtype"),
+                           (dict(wire_dtype=torch.int8), TypeError, "wire_dtype")]:
+        try:
+            COMM.all_to_all_v(x, [1] * W, **kw)
+            errors.append(f"{kw}: no error")
+        except exc as e:
+            if words not in str(e):
+                errors.append(f"{kw}: {e}")
+    try:
+        COMM.all_to_all_v(torch.ones(W, 8, dtype=torch.int32), [1] * W, wire_dtype=WIRES[0])
+        errors.append("int input: no error")
+    except TypeError as e:
+        if "input" not in str(e):
+            errors.append(str(e))
+    try:
+        F.all_to_all_v(x, [1] * W, comm=COMM, grad_wire_dtype=torch.float16)
+        errors.append("grad_wire_dtype float16: no error")
+    except TypeError as e:
+        if "grad_wire_dtype" not in str(e):
+            errors.append(str(e))
+    collective_assert(not errors, "; ".join(errors))
+
+
+def check_validate() -> None:
+    """validate=True: non-finite rows on one rank raise ValueError on every rank, before sending;
+    another wire dtype on one rank raises CountMismatchError everywhere."""
+    comm = moecomm.init(backend="mpi", timeout=60, set_default=False, hierarchy=False, validate=True)
+    def data(rank):
+        return torch.randn(2 * W, 140, generator=torch.Generator().manual_seed(rank))
+
+    x = data(R)
+    out, _ = comm.all_to_all_v(x, [2] * W, wire_dtype=WIRES[0])
+    ok = same_bits(out, torch.cat([roundtrip(data(p)[2 * R:2 * R + 2], WIRES[0]) for p in range(W)]))
+    for bad, exc in [(float("nan"), ValueError), (float("inf"), ValueError)]:
+        y = x.clone()
+        if R == W - 1:
+            y[1, 3] = bad
+        try:
+            comm.all_to_all_v(y, [2] * W, wire_dtype=WIRES[0])
+            ok = False
+        except exc as e:
+            ok = ok and "non-finite" in str(e) and str(W - 1) in str(e)
+    try:
+        comm.all_to_all_v(x, [2] * W, wire_dtype=WIRES[R % 2] if W > 1 else WIRES[0])
+        ok = ok and W == 1
+    except CountMismatchError as e:
+        ok = ok and "wire_dtype" in str(e)
+    # the communicator still works afterwards
+    out, _ = comm.all_to_all_v(x, [2] * W, wire_dtype=WIRES[1])
+    collective_assert(ok and out.shape == x.shape, "validate=True with wire_dtype")
+
+
+if __name__ == "__main__":
+    CHECKS = [_exchange_check(COMM, "flat"), check_async_in_flight, check_gradient, check_bad_input, check_validate]
+    if HIER is not None:
+        CHECKS.insert(1, _exchange_check(HIER, "2dh"))
+    rank_main(CHECKS)
