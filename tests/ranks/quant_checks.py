@@ -1,11 +1,17 @@
 """``wire_dtype`` exchanges against the quantization reference, bit for bit, on real MPI ranks
 (run by tests/test_quant_mpi.py): flat and 2DH (``local_size=2`` when the rank count is even
 and at least 4), known and unknown counts, sync and async, empty splits, the functional
-gradient (straight-through, with and without ``grad_wire_dtype``) and ``validate=True``."""
+gradient (straight-through, with and without ``grad_wire_dtype``) and ``validate=True``.
+
+Argument: ``mpi`` (default), ``nccl`` or ``nccl-p2p`` (GPUs: one rank per GPU under mpirun;
+``nccl-p2p`` gives the communicators peer memory and moves every known-counts exchange by
+copy engines), optionally followed by one check's name.
+"""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -25,9 +31,22 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 WIRES = [torch.float8_e4m3fn, torch.float8_e5m2]
 ROW_SHAPES = [(5,), (128,), (300,), (2, 70), (0,)]
 
-COMM = moecomm.init(backend="mpi", timeout=60, set_default=False, hierarchy=False)
+MODE = sys.argv[1] if len(sys.argv) > 1 else "mpi"
+ONLY = sys.argv[2] if len(sys.argv) > 2 else None
+BACKEND = "nccl" if MODE.startswith("nccl") else MODE
+EXTRA = {"p2p_bytes": 64 << 20} if MODE == "nccl-p2p" else {}
+if EXTRA:
+    moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES = 0  # copy engines for every known-counts exchange
+
+
+def make_comm(**kw):
+    return moecomm.init(backend=BACKEND, timeout=60, set_default=False, **EXTRA, **kw)
+
+
+COMM = make_comm(hierarchy=False)
 W, R = COMM.size, COMM.rank
-HIER = moecomm.init(backend="mpi", timeout=60, set_default=False, local_size=2) if W >= 4 and W % 2 == 0 else None
+DEV = COMM.device
+HIER = make_comm(local_size=2) if W >= 4 and W % 2 == 0 and BACKEND == "mpi" else None
 
 
 def rows(seed: int, src: int, dst: int, n: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -54,6 +73,7 @@ def expected(seed, m, row_shape, dtype, wire) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach().cpu(), b.detach().cpu()
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dim() else a,
                                                                       b.view(torch.uint8) if b.dim() else b)
 
@@ -62,12 +82,13 @@ def _exchange_check(comm, algorithm: str):
     @SETTINGS
     @given(seed=st.integers(0, 2**31), max_rows=st.integers(0, 5), zero_fraction=st.sampled_from([0.0, 0.4, 1.0]),
            dtype=st.sampled_from(DTYPES), wire=st.sampled_from(WIRES), row_shape=st.sampled_from(ROW_SHAPES),
-           known=st.booleans(), async_op=st.booleans())
+           known=st.sampled_from(["yes", "no", "device counts"]), async_op=st.booleans())
     def check(seed, max_rows, zero_fraction, dtype, wire, row_shape, known, async_op) -> None:
         m = count_matrix(seed, W, max_rows, zero_fraction)
-        x = input_for(seed, R, m, row_shape, dtype)
-        recv_arg = [int(v) for v in m[:, R]] if known else None
-        result = comm.all_to_all_v(x, [int(v) for v in m[R]], recv_arg, async_op=async_op, algorithm=algorithm,
+        x = input_for(seed, R, m, row_shape, dtype).to(DEV)
+        recv_arg = [int(v) for v in m[:, R]] if known == "yes" else None
+        send_arg = torch.tensor(m[R], device=DEV) if known == "device counts" else [int(v) for v in m[R]]
+        result = comm.all_to_all_v(x, send_arg, recv_arg, async_op=async_op, algorithm=algorithm,
                                    wire_dtype=wire)
         out, recv = result.wait() if async_op else result
         ok = recv == [int(v) for v in m[:, R]] and same_bits(out, expected(seed, m, row_shape, dtype, wire))
@@ -82,7 +103,7 @@ def check_async_in_flight() -> None:
     works, refs = [], []
     for i, (dtype, wire) in enumerate([(torch.bfloat16, WIRES[0]), (torch.float32, WIRES[1]), (torch.float16, WIRES[0])]):
         m = count_matrix(100 + i, W, 4, 0.3)
-        x = input_for(100 + i, R, m, (130,), dtype)
+        x = input_for(100 + i, R, m, (130,), dtype).to(DEV)
         works.append(COMM.all_to_all_v(x, [int(v) for v in m[R]], [int(v) for v in m[:, R]], async_op=True,
                                        wire_dtype=wire))
         refs.append(expected(100 + i, m, (130,), dtype, wire))
@@ -95,10 +116,10 @@ def check_gradient() -> None:
         seed = 7
         m = count_matrix(seed, W, 5, 0.3)
         send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
-        x = input_for(seed, R, m, (200,), torch.bfloat16).requires_grad_()
+        x = input_for(seed, R, m, (200,), torch.bfloat16).to(DEV).requires_grad_()
         out, got = F.all_to_all_v(x, send, comm=comm, algorithm=algorithm, wire_dtype=WIRES[0])
         ok = got == recv and same_bits(out.detach(), expected(seed, m, (200,), torch.bfloat16, WIRES[0]))
-        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(R)).to(torch.bfloat16)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(R)).to(torch.bfloat16).to(DEV)
         (gx,) = torch.autograd.grad(out, x, g)
         # straight-through: the plain exchange's gradient, exactly
         x2 = x.detach().clone().requires_grad_()
@@ -115,7 +136,7 @@ def check_gradient() -> None:
 
 
 def check_bad_input() -> None:
-    x = torch.randn(W, 8)
+    x = torch.randn(W, 8, device=DEV)
     errors = []
     for kw, exc, words in [(dict(wire_dtype=torch.bfloat16), TypeError, "wire_dtype"),
                            (dict(wire_dtype=torch.int8), TypeError, "wire_dtype")]:
@@ -126,7 +147,7 @@ def check_bad_input() -> None:
             if words not in str(e):
                 errors.append(f"{kw}: {e}")
     try:
-        COMM.all_to_all_v(torch.ones(W, 8, dtype=torch.int32), [1] * W, wire_dtype=WIRES[0])
+        COMM.all_to_all_v(torch.ones(W, 8, dtype=torch.int32, device=DEV), [1] * W, wire_dtype=WIRES[0])
         errors.append("int input: no error")
     except TypeError as e:
         if "input" not in str(e):
@@ -143,13 +164,14 @@ def check_bad_input() -> None:
 def check_validate() -> None:
     """validate=True: non-finite rows on one rank raise ValueError on every rank, before sending;
     another wire dtype on one rank raises CountMismatchError everywhere."""
-    comm = moecomm.init(backend="mpi", timeout=60, set_default=False, hierarchy=False, validate=True)
+    comm = make_comm(hierarchy=False, validate=True)
+
     def data(rank):
-        return torch.randn(2 * W, 140, generator=torch.Generator().manual_seed(rank))
+        return torch.randn(2 * W, 140, generator=torch.Generator().manual_seed(rank)).to(DEV)
 
     x = data(R)
     out, _ = comm.all_to_all_v(x, [2] * W, wire_dtype=WIRES[0])
-    ok = same_bits(out, torch.cat([roundtrip(data(p)[2 * R:2 * R + 2], WIRES[0]) for p in range(W)]))
+    ok = same_bits(out, torch.cat([roundtrip(data(p)[2 * R:2 * R + 2].cpu(), WIRES[0]) for p in range(W)]))
     for bad, exc in [(float("nan"), ValueError), (float("inf"), ValueError)]:
         y = x.clone()
         if R == W - 1:
@@ -169,8 +191,38 @@ def check_validate() -> None:
     collective_assert(ok and out.shape == x.shape, "validate=True with wire_dtype")
 
 
+def check_cuda_graph() -> None:
+    """GPU only: a wire exchange with known counts captured into a CUDA graph (quantize and
+    pack, exchange, unpack and dequantize) and replayed with new data."""
+    if DEV.type != "cuda":
+        return
+    m = count_matrix(5, W, 6, 0.2)
+    send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+    static_x = input_for(5, R, m, (300,), torch.bfloat16).to(DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        COMM.all_to_all_v(static_x, send, recv, wire_dtype=WIRES[0])  # warm-up (extension, pools)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, _ = COMM.all_to_all_v(static_x, send, recv, wire_dtype=WIRES[0])
+    ok = True
+    for seed in (6, 7):
+        static_x.copy_(input_for(seed, R, m, (300,), torch.bfloat16).to(DEV))
+        graph.replay()
+        COMM.watch_stream()
+        torch.cuda.synchronize()
+        ok = ok and same_bits(static_out, expected(seed, m, (300,), torch.bfloat16, WIRES[0]))
+    del graph
+    collective_assert(ok, "captured wire exchange")
+
+
 if __name__ == "__main__":
-    CHECKS = [_exchange_check(COMM, "flat"), check_async_in_flight, check_gradient, check_bad_input, check_validate]
+    CHECKS = [_exchange_check(COMM, "flat"), check_async_in_flight, check_gradient, check_bad_input, check_validate,
+              check_cuda_graph]
     if HIER is not None:
         CHECKS.insert(1, _exchange_check(HIER, "2dh"))
+    if ONLY:
+        CHECKS = [c for c in CHECKS if c.__name__ == ONLY]
     rank_main(CHECKS)
