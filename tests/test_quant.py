@@ -220,3 +220,27 @@ def test_cuda_kernels_match_reference(dtype, wire):
         p = quant.pack_rows(xc, wire, use_native=native)
         assert torch.equal(p.cpu(), quant.pack_rows(x, wire, use_native=False))
         assert torch.equal(quant.unpack_rows(p, (2100,), dtype, wire, use_native=native), y)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_native_codec_on_many_bit_patterns(wire):
+    """Blocks whose amax is FP8_MAX have scale 1, so the kernel's encoder sees the values
+    themselves: random float32 bit patterns of every exponent in range (and every FP8 code
+    back), native against torch's own casts."""
+    fmax = quant.FP8_MAX[wire]
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(0, 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    v = bits.view(torch.float32)
+    v = torch.where(v.isfinite() & (v.abs() <= fmax), v, torch.ldexp(v.abs().clamp(max=1.0).nan_to_num(0.5),
+                                                                        -torch.randint(0, 30, v.shape, generator=g)))
+    v = v * torch.where(torch.rand(v.shape, generator=g) < 0.5, -1.0, 1.0)
+    x = v[: (v.numel() // 127) * 127].reshape(-1, 127)
+    x = torch.cat([torch.full((x.shape[0], 1), fmax), x], dim=1)  # amax = FP8_MAX: scale 1
+    q, s = quant.quantize_rows(x, wire, use_native=True)
+    assert torch.all(s == 1.0)
+    assert torch.equal(q.view(torch.uint8), x.to(wire).view(torch.uint8))
+    codes = torch.arange(256, dtype=torch.uint8).view(wire)
+    codes = codes[codes.float().isfinite()].reshape(1, -1)
+    ones = torch.ones(1, quant.num_blocks(codes.shape[1]))
+    for dtype in DTYPES:
+        assert torch.equal(quant.dequantize_rows(codes, ones, dtype, use_native=True), codes.float().to(dtype))

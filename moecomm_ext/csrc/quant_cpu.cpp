@@ -28,6 +28,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -36,40 +37,156 @@ constexpr int64_t kGrainBytes = 64 * 1024;
 int64_t num_blocks(int64_t d, int64_t block) { return (d + block - 1) / block; }
 int64_t scale_offset(int64_t d) { return (d + 3) / 4 * 4; }
 
-template <typename fp8_t>
-struct Wire {
-  static constexpr float kMax = std::is_same<fp8_t, c10::Float8_e4m3fn>::value ? 448.0f : 57344.0f;
-  static uint8_t encode(float v) { return fp8_t(v).x; }
-  static float decode(uint8_t b) { return static_cast<float>(fp8_t(b, fp8_t::from_bits())); }
+#define MOECOMM_INLINE inline __attribute__((always_inline))
+
+MOECOMM_INLINE uint32_t f2u(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+MOECOMM_INLINE float u2f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The conversions below are c10's (fp8e4m3fn_from_fp32_value, fp8e5m2_from_fp32_value, and
+// the decoders), rewritten with selects instead of branches so that loops over them
+// vectorize; tests/test_quant.py compares them with torch's casts.
+struct E4M3 {
+  static constexpr float kMax = 448.0f;
+  static MOECOMM_INLINE uint8_t encode(float f) {
+    uint32_t b = f2u(f);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    const uint32_t sub = f2u(u2f(b) + u2f(141u << 23)) - (141u << 23);
+    const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
+    const uint32_t big = b > 0x7F800000u ? 0x7Fu : 0x7Eu;
+    const uint32_t r = b >= (1087u << 20) ? big : (b < (121u << 23) ? sub : normal);
+    return static_cast<uint8_t>(r | (sign >> 24));
+  }
+  static MOECOMM_INLINE float decode(uint32_t c) {
+    const uint32_t mag = c & 0x7Fu, e = mag >> 3, m = mag & 7u;
+    const float normal = u2f(((e + 120u) << 23) | (m << 20));
+    const float sub = static_cast<float>(static_cast<int32_t>(m)) * 0x1p-9f;
+    uint32_t v = f2u(e == 0 ? sub : normal);
+    v = mag == 0x7Fu ? 0x7FC00000u : v;
+    return u2f(v | ((c & 0x80u) << 24));
+  }
 };
 
+struct E5M2 {
+  static constexpr float kMax = 57344.0f;
+  static MOECOMM_INLINE uint8_t encode(float f) {
+    uint32_t b = f2u(f);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    const uint32_t sub = f2u(u2f(b) + u2f(134u << 23)) - (134u << 23);
+    const uint32_t normal = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu + ((b >> 21) & 1u)) >> 21;
+    const uint32_t big = b > (255u << 23) ? 0x7Fu : 0x7Cu;
+    const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? sub : normal);
+    return static_cast<uint8_t>(r | (sign >> 24));
+  }
+  static MOECOMM_INLINE float decode(uint32_t c) {
+    const uint32_t mag = c & 0x7Fu, e = mag >> 2, m = mag & 3u;
+    const float normal = u2f(((e + 112u) << 23) | (m << 21));
+    const float sub = static_cast<float>(static_cast<int32_t>(m)) * 0x1p-16f;
+    uint32_t v = f2u(e == 0 ? sub : normal);
+    v = e == 31u ? (m == 0 ? 0x7F800000u : 0x7FC00000u) : v;
+    return u2f(v | ((c & 0x80u) << 24));
+  }
+};
+
+template <typename fp8_t>
+using WireOf = std::conditional_t<std::is_same<fp8_t, c10::Float8_e4m3fn>::value, E4M3, E5M2>;
+
+template <typename T>
+MOECOMM_INLINE float load(const T* p, int64_t i) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    return u2f(static_cast<uint32_t>(p[i].x) << 16);
+  } else {
+    return static_cast<float>(p[i]);
+  }
+}
+
+template <typename T>
+MOECOMM_INLINE void store(T* p, int64_t i, float v) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {  // c10's round_to_nearest_even
+    const uint32_t u = f2u(v);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    p[i].x = static_cast<uint16_t>(v != v ? 0x7FC0u : r);
+  } else {
+    p[i] = static_cast<T>(v);
+  }
+}
+
 // One row: q bytes at q, nb scales at s (bytes; may be unaligned in packed rows).
-template <typename scalar_t, typename fp8_t>
-void quantize_row(const scalar_t* x, int64_t d, int64_t block, uint8_t* q, uint8_t* s) {
+template <typename scalar_t, typename W>
+MOECOMM_INLINE void quantize_row_body(const scalar_t* x, int64_t d, int64_t block, uint8_t* q, uint8_t* s) {
   for (int64_t b0 = 0, k = 0; b0 < d; b0 += block, ++k) {
-    const int64_t b1 = std::min(d, b0 + block);
-    float amax = 0.0f;
-    for (int64_t i = b0; i < b1; ++i) amax = std::max(amax, std::abs(static_cast<float>(x[i])));
-    const float scale = amax == 0.0f ? 1.0f : amax / Wire<fp8_t>::kMax;
-    for (int64_t i = b0; i < b1; ++i) q[i] = Wire<fp8_t>::encode(static_cast<float>(x[i]) / scale);
+    const int64_t len = std::min(d - b0, block);
+    const scalar_t* xb = x + b0;
+    float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // partial maxima, so that the loop vectorizes
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+      for (int j = 0; j < 8; ++j) {
+        const float a = std::fabs(load(xb, i + j));
+        m[j] = m[j] < a ? a : m[j];
+      }
+    }
+    for (; i < len; ++i) {
+      const float a = std::fabs(load(xb, i));
+      m[0] = m[0] < a ? a : m[0];
+    }
+    float amax = m[0];
+    for (int j = 1; j < 8; ++j) amax = amax < m[j] ? m[j] : amax;
+    const float scale = amax == 0.0f ? 1.0f : amax / W::kMax;
+    uint8_t* qb = q + b0;
+    for (i = 0; i < len; ++i) qb[i] = W::encode(load(xb, i) / scale);
     std::memcpy(s + 4 * k, &scale, 4);
   }
 }
 
-template <typename scalar_t, typename fp8_t>
-void dequantize_row(const uint8_t* q, const uint8_t* s, int64_t d, int64_t block, const float* lut,
-                    scalar_t* out) {
+template <typename scalar_t, typename W>
+MOECOMM_INLINE void dequantize_row_body(const uint8_t* q, const uint8_t* s, int64_t d, int64_t block,
+                                        scalar_t* out) {
   for (int64_t b0 = 0, k = 0; b0 < d; b0 += block, ++k) {
-    const int64_t b1 = std::min(d, b0 + block);
+    const int64_t len = std::min(d - b0, block);
     float scale;
     std::memcpy(&scale, s + 4 * k, 4);
-    for (int64_t i = b0; i < b1; ++i) out[i] = static_cast<scalar_t>(lut[q[i]] * scale);
+    const uint8_t* qb = q + b0;
+    for (int64_t i = 0; i < len; ++i) store(out + b0, i, W::decode(qb[i]) * scale);
   }
 }
 
-template <typename fp8_t>
-void fill_lut(float* lut) {
-  for (int b = 0; b < 256; ++b) lut[b] = Wire<fp8_t>::decode(static_cast<uint8_t>(b));
+// Each row function twice: for AVX2 (chosen at run time where the CPU has it; no FMA, so
+// the arithmetic is the same) and for the baseline ISA.
+template <typename scalar_t, typename W>
+__attribute__((target("avx2"))) void quantize_row_avx2(const scalar_t* x, int64_t d, int64_t block, uint8_t* q,
+                                                       uint8_t* s) {
+  quantize_row_body<scalar_t, W>(x, d, block, q, s);
+}
+template <typename scalar_t, typename W>
+void quantize_row_base(const scalar_t* x, int64_t d, int64_t block, uint8_t* q, uint8_t* s) {
+  quantize_row_body<scalar_t, W>(x, d, block, q, s);
+}
+template <typename scalar_t, typename W>
+__attribute__((target("avx2"))) void dequantize_row_avx2(const uint8_t* q, const uint8_t* s, int64_t d,
+                                                         int64_t block, scalar_t* out) {
+  dequantize_row_body<scalar_t, W>(q, s, d, block, out);
+}
+template <typename scalar_t, typename W>
+void dequantize_row_base(const uint8_t* q, const uint8_t* s, int64_t d, int64_t block, scalar_t* out) {
+  dequantize_row_body<scalar_t, W>(q, s, d, block, out);
+}
+
+bool has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+#else
+  return false;
+#endif
 }
 
 void check_x(const at::Tensor& x, const char* fn) {
@@ -97,13 +214,15 @@ void for_rows(int64_t n, int64_t row_bytes, const F& f) {
 template <typename fp8_t>
 void quantize_into(const at::Tensor& x, int64_t block, uint8_t* q, int64_t q_stride, uint8_t* s,
                    int64_t s_stride, int64_t pad_to) {
+  using W = WireOf<fp8_t>;
   const int64_t n = x.size(0), d = x.size(1);
   const int64_t nb = num_blocks(d, block), soff = scale_offset(d);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
+    const auto row_fn = has_avx2() ? &quantize_row_avx2<scalar_t, W> : &quantize_row_base<scalar_t, W>;
     for_rows(n, d * static_cast<int64_t>(sizeof(scalar_t)), [&](int64_t r) {
       uint8_t* qr = q + r * q_stride;
-      quantize_row<scalar_t, fp8_t>(xp + r * d, d, block, qr, s + r * s_stride);
+      row_fn(xp + r * d, d, block, qr, s + r * s_stride);
       if (pad_to > 0) {  // packed row: zero the gaps, so that no stale byte is ever sent
         std::memset(qr + d, 0, soff - d);
         std::memset(qr + soff + 4 * nb, 0, pad_to - soff - 4 * nb);
@@ -115,12 +234,12 @@ void quantize_into(const at::Tensor& x, int64_t block, uint8_t* q, int64_t q_str
 template <typename fp8_t>
 void dequantize_into(const uint8_t* q, int64_t q_stride, const uint8_t* s, int64_t s_stride, int64_t n,
                      int64_t d, int64_t block, at::Tensor& out) {
-  float lut[256];
-  fill_lut<fp8_t>(lut);
+  using W = WireOf<fp8_t>;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
+    const auto row_fn = has_avx2() ? &dequantize_row_avx2<scalar_t, W> : &dequantize_row_base<scalar_t, W>;
     for_rows(n, d * static_cast<int64_t>(sizeof(scalar_t)), [&](int64_t r) {
-      dequantize_row<scalar_t, fp8_t>(q + r * q_stride, s + r * s_stride, d, block, lut, op + r * d);
+      row_fn(q + r * q_stride, s + r * s_stride, d, block, op + r * d);
     });
   });
 }
