@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import moecomm_ext
 
-from . import _comm
+from . import _comm, _wire
 from ._args import float_arg, int_arg
 from ._gather import gather_expert_params
 from .experts import BatchedExperts, ExpertList, FFNExperts, Segments, WeightGradSum
@@ -65,6 +65,16 @@ class MoELayer(nn.Module):
     2 x H200 (``bench/results/README.md``): captured, own rows first shortens the step by
     5-8%; eagerly the step is bound by the host, whose cost of issuing the pipelined stages
     made it longer.
+
+    ``wire_dtype`` (expert-parallel, *per call*): ``torch.float8_e4m3fn`` or
+    ``torch.float8_e5m2``: the dispatch exchange sends the tokens in that dtype with a
+    float32 scale per 128 elements (``Communicator.all_to_all_v(..., wire_dtype=)``) and
+    the experts get them dequantized to the activation dtype; the combine exchange stays in
+    the activation dtype. The backward pass sends the dispatch gradient in
+    ``grad_wire_dtype`` (default bfloat16; an FP8 dtype, float16, float32, or None for the
+    gradient's own dtype); the quantization's gradient is the straight-through one. It
+    needs the plain exchange (``overlap_degree=1``, ``own_first`` False or ``"auto"``, which
+    then stays False). On one rank nothing travels and nothing is quantized.
     """
 
     def __init__(
@@ -96,6 +106,8 @@ class MoELayer(nn.Module):
         own_first: Union[bool, str] = "auto",
         algorithm: Optional[str] = None,
         inequivalent_tokens: bool = False,
+        wire_dtype: Optional[torch.dtype] = None,
+        grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -145,6 +157,11 @@ class MoELayer(nn.Module):
         self.overlap_degree = self._check_degree(overlap_degree)
         self.own_first = self._check_own_first(own_first)
         self.algorithm = self._check_algorithm(algorithm)
+        _wire.check_wire_args(wire_dtype, grad_wire_dtype)
+        if wire_dtype is not None and (self.overlap_degree not in (1, "auto") or self.own_first is True):
+            raise ValueError(f"wire_dtype={wire_dtype} works with the plain dispatch exchange only: pass "
+                             f"overlap_degree=1 and own_first=False or 'auto'")
+        self.wire_dtype, self.grad_wire_dtype = wire_dtype, grad_wire_dtype
         if seed is not None:
             int_arg("seed", seed, 0)
         else:
@@ -325,6 +342,7 @@ class MoELayer(nn.Module):
         parallel_mode: Optional[str] = None,
         gate_index: int = 0,
         inequivalent_tokens: Optional[bool] = None,
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -344,6 +362,13 @@ class MoELayer(nn.Module):
         deg = overlap_degree if overlap_degree is not None else a2a_ffn_overlap_degree
         deg = self.overlap_degree if deg is None else self._check_degree(deg)
         own = self.own_first if own_first is None else self._check_own_first(own_first)
+        wire = self.wire_dtype if wire_dtype is None else wire_dtype
+        _wire.check_wire_args(wire, None)
+        if wire is not None:  # the wire exchange is the plain one: no pipelined stages
+            if own is True or deg not in (1, "auto"):
+                raise ValueError(f"wire_dtype={wire} works with the plain dispatch exchange only: pass "
+                                 f"overlap_degree=1 and own_first=False or 'auto' (got {deg!r}, {own!r})")
+            deg, own = 1, False
         if own == "auto":
             own = x.is_cuda and torch.cuda.is_current_stream_capturing()
         cf = gate.capacity_factor if capacity_factor is None else float_arg("capacity_factor", capacity_factor)
@@ -401,16 +426,16 @@ class MoELayer(nn.Module):
         if mode == "auto":
             # identical on every rank (the choice must be): T only where ranks must agree on it
             t_key = T if not (drop_less or ineq) else None
-            auto_key = (t_key, kk, cf, drop_less, deg, own, str(cdtype), algo)
+            auto_key = (t_key, kk, cf, drop_less, deg, own, str(cdtype), algo, str(wire))
             mode = self._auto_choice(auto_key)
         self.last_parallel_mode = mode
         x_c = x2 if x2.dtype == cdtype else x2.to(cdtype)
         if mode == "expert":
-            y = self._expert_parallel(x_c, r, deg, own, algo, cdtype)
+            y = self._expert_parallel(x_c, r, deg, own, algo, cdtype, wire)
         elif mode == "data":
             y = self._data_parallel(x_c, r, cdtype)
         else:  # a timed trial of both paths in auto mode
-            y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype)
+            y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype, wire)
         self.last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
         y = y.reshape(*lead, self.output_dim)
         if self.result_func is not None:
@@ -461,7 +486,7 @@ class MoELayer(nn.Module):
         return self.experts(rows, seg)
 
     def _expert_parallel(self, x_c: Tensor, r: Routing, degree, own_first: bool, algo: Optional[str],
-                         cdtype) -> Tensor:
+                         cdtype, wire: Optional[torch.dtype] = None) -> Tensor:
         comm = self.comm
         W, El, S, E = comm.size, self.num_local_experts, self.shards, self.num_experts
         El_dest = El if S == 1 else 1  # experts per destination rank, as the rows arrive
@@ -496,7 +521,8 @@ class MoELayer(nn.Module):
             seg = Segments(blocks, El_dest, counts_dev=recv_cnt.view(W, El_dest))
 
         if degree == 1 and not own_first:
-            got_rows = _comm.all_to_all(send, comm, send_splits, recv_splits, algo)
+            got_rows = _comm.all_to_all(send, comm, send_splits, recv_splits, algo) if wire is None else \
+                _wire.all_to_all_wire(send, comm, send_splits, recv_splits, algo, wire, self.grad_wire_dtype)
             y = self._run_experts(got_rows, seg)
             back = _comm.all_to_all(y.contiguous(), comm, recv_splits, send_splits, algo)
         else:
@@ -544,12 +570,12 @@ class MoELayer(nn.Module):
         t = st["times"]
         return "trial:expert" if len(t["expert"]) <= len(t["data"]) else "trial:data"
 
-    def _timed(self, trial: str, key, x_c, r, deg, own, algo, cdtype) -> Tensor:
+    def _timed(self, trial: str, key, x_c, r, deg, own, algo, cdtype, wire=None) -> Tensor:
         mode = trial.split(":", 1)[1]
         sync = torch.cuda.synchronize if x_c.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        y = self._expert_parallel(x_c, r, deg, own, algo, cdtype) if mode == "expert" else \
+        y = self._expert_parallel(x_c, r, deg, own, algo, cdtype, wire) if mode == "expert" else \
             self._data_parallel(x_c, r, cdtype)
         sync()
         dt = time.perf_counter() - t0

@@ -191,6 +191,67 @@ def check_validate() -> None:
     collective_assert(ok and out.shape == x.shape, "validate=True with wire_dtype")
 
 
+class _StraightThrough(torch.autograd.Function):
+    """The reference of the layer's wire exchange, applied by hand to the experts' input:
+    forward the rows' roundtrip through ``wire``, backward the gradient as the dispatch
+    gradient exchange delivers it in ``grad_wire`` (FP8 roundtrip, a cast, or as it is)."""
+
+    @staticmethod
+    def forward(ctx, rows, wire, grad_wire):  # type: ignore[override]
+        ctx.grad_wire = grad_wire
+        return roundtrip(rows, wire)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        gw = ctx.grad_wire
+        if gw in WIRES:
+            return roundtrip(g.contiguous(), gw), None, None
+        return (g if gw is None else g.to(gw).to(g.dtype)), None, None
+
+
+def check_moe_layer() -> None:
+    """MoELayer(wire_dtype=) against the same layer with the quantization applied by hand to
+    its experts' input, bit for bit: output, input gradient, expert weight gradient;
+    capacity and dropless routing, each grad_wire_dtype kind."""
+    from moecomm.moe import MoELayer, moe_layer
+
+    D, H, E = 48, 32, 2 * W
+    cases = [(dict(), torch.float8_e4m3fn, torch.bfloat16), (dict(dropless=True), torch.float8_e4m3fn, None),
+             (dict(capacity_factor=0.0), torch.float8_e5m2, torch.float8_e5m2)]
+    problems = []
+    for i, (kw, wire, gw) in enumerate(cases):
+        layer = MoELayer(D, H, E, k=2, comm=COMM, seed=1, wire_dtype=wire, grad_wire_dtype=gw, device=DEV, **kw)
+        ref = MoELayer(D, H, E, k=2, comm=COMM, seed=1, device=DEV, **kw)
+        ref.load_state_dict(layer.state_dict())
+        if W > 1:
+            plain_experts = ref._run_experts
+            ref._run_experts = lambda rows, seg, f=plain_experts: f(_StraightThrough.apply(rows, wire, gw), seg)
+        x = torch.randn(37 + R, D, generator=torch.Generator().manual_seed(10 * i + R)).to(DEV)
+        g = torch.randn(37 + R, D, generator=torch.Generator().manual_seed(10 * i + R + 5)).to(DEV)
+        outs = []
+        for lay in (layer, ref):
+            xx = x.clone().requires_grad_()
+            y = lay(xx)
+            y.backward(g)
+            w = next(p for n, p in lay.named_parameters() if "experts" in n)
+            outs.append((y.detach(), xx.grad, w.grad))
+        names = ("output", "input gradient", "expert weight gradient")
+        problems += [f"case {i}: {n}" for n, a, b in zip(names, *outs) if not same_bits(a, b)]
+    layer = moe_layer(gate_type={"type": "top", "k": 1}, model_dim=D, experts={"type": "ffn", "count_per_node": 2,
+                      "hidden_size_per_expert": H}, group=COMM, wire_dtype=torch.float8_e5m2)
+    if layer.wire_dtype != torch.float8_e5m2:
+        problems.append("moe_layer did not pass wire_dtype")
+    for kw, exc in [(dict(wire_dtype=torch.bfloat16), TypeError), (dict(grad_wire_dtype=torch.int8), TypeError),
+                    (dict(wire_dtype=WIRES[0], overlap_degree=2), ValueError)]:
+        try:
+            MoELayer(D, H, E, comm=COMM, **kw)
+            problems.append(f"{kw}: no error")
+        except exc as e:
+            if not any(name in str(e) for name in kw):
+                problems.append(f"{kw}: {e}")
+    collective_assert(not problems, "; ".join(problems))
+
+
 def check_cuda_graph() -> None:
     """GPU only: a wire exchange with known counts captured into a CUDA graph (quantize and
     pack, exchange, unpack and dequantize) and replayed with new data."""
@@ -220,7 +281,7 @@ def check_cuda_graph() -> None:
 
 if __name__ == "__main__":
     CHECKS = [_exchange_check(COMM, "flat"), check_async_in_flight, check_gradient, check_bad_input, check_validate,
-              check_cuda_graph]
+              check_moe_layer, check_cuda_graph]
     if HIER is not None:
         CHECKS.insert(1, _exchange_check(HIER, "2dh"))
     if ONLY:
