@@ -50,6 +50,8 @@ MOECOMM_INLINE float u2f(uint32_t u) {
   return f;
 }
 
+// Built with -fno-trapping-math (moecomm_ext/_loader.py): GCC then computes both sides of
+// the selects below and vectorizes the loops; no value changes (exceptions are not used).
 // The conversions below are c10's (fp8e4m3fn_from_fp32_value, fp8e5m2_from_fp32_value, and
 // the decoders), rewritten with selects instead of branches so that loops over them
 // vectorize; tests/test_quant.py compares them with torch's casts.
@@ -67,9 +69,9 @@ struct E4M3 {
   }
   static MOECOMM_INLINE float decode(uint32_t c) {
     const uint32_t mag = c & 0x7Fu, e = mag >> 3, m = mag & 7u;
-    const float normal = u2f(((e + 120u) << 23) | (m << 20));
-    const float sub = static_cast<float>(static_cast<int32_t>(m)) * 0x1p-9f;
-    uint32_t v = f2u(e == 0 ? sub : normal);
+    const uint32_t normal = ((e + 120u) << 23) | (m << 20);
+    const uint32_t sub = f2u(static_cast<float>(static_cast<int32_t>(m)) * 0x1p-9f);
+    uint32_t v = e == 0 ? sub : normal;
     v = mag == 0x7Fu ? 0x7FC00000u : v;
     return u2f(v | ((c & 0x80u) << 24));
   }
@@ -89,9 +91,9 @@ struct E5M2 {
   }
   static MOECOMM_INLINE float decode(uint32_t c) {
     const uint32_t mag = c & 0x7Fu, e = mag >> 2, m = mag & 3u;
-    const float normal = u2f(((e + 112u) << 23) | (m << 21));
-    const float sub = static_cast<float>(static_cast<int32_t>(m)) * 0x1p-16f;
-    uint32_t v = f2u(e == 0 ? sub : normal);
+    const uint32_t normal = ((e + 112u) << 23) | (m << 21);
+    const uint32_t sub = f2u(static_cast<float>(static_cast<int32_t>(m)) * 0x1p-16f);
+    uint32_t v = e == 0 ? sub : normal;
     v = e == 31u ? (m == 0 ? 0x7F800000u : 0x7FC00000u) : v;
     return u2f(v | ((c & 0x80u) << 24));
   }
@@ -109,12 +111,26 @@ MOECOMM_INLINE float load(const T* p, int64_t i) {
   }
 }
 
+// |x| as bits: for non-NaN values their unsigned order is the order of the magnitudes
+template <typename T>
+MOECOMM_INLINE uint32_t abs_bits(const T* p, int64_t i) {
+  if constexpr (std::is_same<T, float>::value) {
+    uint32_t u;
+    std::memcpy(&u, p + i, 4);
+    return u & 0x7FFFFFFFu;
+  } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    return (static_cast<uint32_t>(p[i].x) << 16) & 0x7FFFFFFFu;
+  } else {
+    return f2u(load(p, i)) & 0x7FFFFFFFu;
+  }
+}
+
 template <typename T>
 MOECOMM_INLINE void store(T* p, int64_t i, float v) {
   if constexpr (std::is_same<T, c10::BFloat16>::value) {  // c10's round_to_nearest_even
     const uint32_t u = f2u(v);
     const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    p[i].x = static_cast<uint16_t>(v != v ? 0x7FC0u : r);
+    p[i].x = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
   } else {
     p[i] = static_cast<T>(v);
   }
@@ -126,23 +142,12 @@ MOECOMM_INLINE void quantize_row_body(const scalar_t* x, int64_t d, int64_t bloc
   for (int64_t b0 = 0, k = 0; b0 < d; b0 += block, ++k) {
     const int64_t len = std::min(d - b0, block);
     const scalar_t* xb = x + b0;
-    float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // partial maxima, so that the loop vectorizes
-    int64_t i = 0;
-    for (; i + 8 <= len; i += 8) {
-      for (int j = 0; j < 8; ++j) {
-        const float a = std::fabs(load(xb, i + j));
-        m[j] = m[j] < a ? a : m[j];
-      }
-    }
-    for (; i < len; ++i) {
-      const float a = std::fabs(load(xb, i));
-      m[0] = m[0] < a ? a : m[0];
-    }
-    float amax = m[0];
-    for (int j = 1; j < 8; ++j) amax = amax < m[j] ? m[j] : amax;
+    uint32_t amax_bits = 0;  // an integer max of |x|'s bits vectorizes where a float max does not
+    for (int64_t i = 0; i < len; ++i) amax_bits = std::max(amax_bits, abs_bits(xb, i));
+    const float amax = u2f(amax_bits);
     const float scale = amax == 0.0f ? 1.0f : amax / W::kMax;
     uint8_t* qb = q + b0;
-    for (i = 0; i < len; ++i) qb[i] = W::encode(load(xb, i) / scale);
+    for (int64_t i = 0; i < len; ++i) qb[i] = W::encode(load(xb, i) / scale);
     std::memcpy(s + 4 * k, &scale, 4);
   }
 }
@@ -159,8 +164,18 @@ MOECOMM_INLINE void dequantize_row_body(const uint8_t* q, const uint8_t* s, int6
   }
 }
 
-// Each row function twice: for AVX2 (chosen at run time where the CPU has it; no FMA, so
-// the arithmetic is the same) and for the baseline ISA.
+// Each row function three times: for AVX-512 and for AVX2 (chosen at run time where the CPU
+// has them; no FMA, so the arithmetic is the same) and for the baseline ISA.
+#define MOECOMM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512")))
+template <typename scalar_t, typename W>
+MOECOMM_AVX512 void quantize_row_avx512(const scalar_t* x, int64_t d, int64_t block, uint8_t* q, uint8_t* s) {
+  quantize_row_body<scalar_t, W>(x, d, block, q, s);
+}
+template <typename scalar_t, typename W>
+MOECOMM_AVX512 void dequantize_row_avx512(const uint8_t* q, const uint8_t* s, int64_t d, int64_t block,
+                                          scalar_t* out) {
+  dequantize_row_body<scalar_t, W>(q, s, d, block, out);
+}
 template <typename scalar_t, typename W>
 __attribute__((target("avx2"))) void quantize_row_avx2(const scalar_t* x, int64_t d, int64_t block, uint8_t* q,
                                                        uint8_t* s) {
@@ -180,12 +195,14 @@ void dequantize_row_base(const uint8_t* q, const uint8_t* s, int64_t d, int64_t 
   dequantize_row_body<scalar_t, W>(q, s, d, block, out);
 }
 
-bool has_avx2() {
+// 2: AVX-512 (F, BW, VL), 1: AVX2, 0: neither.
+int simd_level() {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
+  static const int level = (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl")) ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+  return level;
 #else
-  return false;
+  return 0;
 #endif
 }
 
@@ -219,7 +236,9 @@ void quantize_into(const at::Tensor& x, int64_t block, uint8_t* q, int64_t q_str
   const int64_t nb = num_blocks(d, block), soff = scale_offset(d);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    const auto row_fn = has_avx2() ? &quantize_row_avx2<scalar_t, W> : &quantize_row_base<scalar_t, W>;
+    const int level = simd_level();
+    const auto row_fn = level == 2 ? &quantize_row_avx512<scalar_t, W>
+                        : level == 1 ? &quantize_row_avx2<scalar_t, W> : &quantize_row_base<scalar_t, W>;
     for_rows(n, d * static_cast<int64_t>(sizeof(scalar_t)), [&](int64_t r) {
       uint8_t* qr = q + r * q_stride;
       row_fn(xp + r * d, d, block, qr, s + r * s_stride);
@@ -237,7 +256,9 @@ void dequantize_into(const uint8_t* q, int64_t q_stride, const uint8_t* s, int64
   using W = WireOf<fp8_t>;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    const auto row_fn = has_avx2() ? &dequantize_row_avx2<scalar_t, W> : &dequantize_row_base<scalar_t, W>;
+    const int level = simd_level();
+    const auto row_fn = level == 2 ? &dequantize_row_avx512<scalar_t, W>
+                        : level == 1 ? &dequantize_row_avx2<scalar_t, W> : &dequantize_row_base<scalar_t, W>;
     for_rows(n, d * static_cast<int64_t>(sizeof(scalar_t)), [&](int64_t r) {
       row_fn(q + r * q_stride, s + r * s_stride, d, block, op + r * d);
     });
