@@ -8,7 +8,8 @@
 //
 // Quantize: one warp per (row, block): the lanes stride over the block's elements, reduce
 // |x| with shuffles, then each lane encodes its own elements; the warp of a row's last block
-// also zeroes the packed row's padding.  Dequantize: one thread per element.
+// also zeroes the packed row's padding.  Dequantize: one thread per element (rows along
+// the grid's y).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
@@ -19,6 +20,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -77,13 +79,16 @@ template <typename scalar_t, typename fp8_t>
 __global__ void __launch_bounds__(kThreads)
 dequantize_kernel(const uint8_t* __restrict__ q, int64_t q_stride, const uint8_t* __restrict__ s, int64_t s_stride,
                   int64_t n, int64_t d, int64_t block, scalar_t* __restrict__ out) {
-  const int64_t total = n * d;
+  // rows along y, a row's elements along x: no 64-bit division per element
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < total; e += step) {
-    const int64_t r = e / d, i = e - r * d;
-    const float scale = reinterpret_cast<const float*>(s + r * s_stride)[i / block];
-    const float v = static_cast<float>(fp8_t(q[r * q_stride + i], fp8_t::from_bits()));
-    out[e] = static_cast<scalar_t>(v * scale);
+  for (int64_t r = blockIdx.y; r < n; r += gridDim.y) {
+    const float* sr = reinterpret_cast<const float*>(s + r * s_stride);
+    const uint8_t* qr = q + r * q_stride;
+    scalar_t* orow = out + r * d;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < d; i += step) {
+      const float v = static_cast<float>(fp8_t(qr[i], fp8_t::from_bits()));
+      orow[i] = static_cast<scalar_t>(v * sr[static_cast<int32_t>(i) / static_cast<int32_t>(block)]);
+    }
   }
 }
 
@@ -124,7 +129,9 @@ void launch_quantize(const at::Tensor& x, int64_t wire, int64_t block, uint8_t* 
 
 void launch_dequantize(const uint8_t* q, int64_t q_stride, const uint8_t* s, int64_t s_stride, int64_t n, int64_t d,
                        int64_t wire, int64_t block, at::Tensor& out) {
-  const int grid = grid_for(n * d, kThreads);
+  TORCH_CHECK(d < (int64_t(1) << 31), "dequantize_rows: rows of 2^31 elements or more are not supported");
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((d + kThreads - 1) / kThreads, 1024)),
+                  static_cast<unsigned>(std::min<int64_t>(n, 65535)));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows_cuda", [&] {
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
