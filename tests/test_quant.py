@@ -244,3 +244,16 @@ def test_native_codec_on_many_bit_patterns(wire):
     ones = torch.ones(1, quant.num_blocks(codes.shape[1]))
     for dtype in DTYPES:
         assert torch.equal(quant.dequantize_rows(codes, ones, dtype, use_native=True), codes.float().to(dtype))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_empty_and_strided_rows(native):
+    for shape in [(3, 0), (0, 5), (2, 0, 4)]:
+        x = torch.empty(shape)
+        q, s = quant.quantize_rows(x, torch.float8_e4m3fn, use_native=native)
+        assert q.shape == shape and s.shape == (shape[0], quant.num_blocks(math.prod(shape[1:])))
+        assert quant.dequantize_rows(q, s, torch.bfloat16, use_native=native).shape == shape
+    x = torch.randn(4, 3, 140)[:, 1]  # not contiguous
+    q, s = quant.quantize_rows(x, torch.float8_e5m2, use_native=native)
+    q2, s2 = quant.quantize_rows_reference(x.contiguous(), torch.float8_e5m2)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
