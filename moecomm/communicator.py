@@ -318,6 +318,7 @@ class Communicator:
         algorithm: Optional[str] = None,
         own_first: bool = False,
         own_split: float = 0.3,
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> torch.Tensor:
         """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` chunks per peer.
 
@@ -328,12 +329,14 @@ class Communicator:
         is pipelined too). ``degree``: 1..16 or ``"auto"``. ``own_first``: ``fn`` runs first
         on the rank's own rows (which need no exchange and are not copied) while the peers'
         rows are in flight, forward and backward; ``own_split`` of them first, the rest last,
-        while the peers' results travel home. See :mod:`moecomm.overlap`.
+        while the peers' results travel home. ``wire_dtype``: the input's rows travel in that FP8
+        dtype, as in :meth:`all_to_all_v` (results in their own dtype). See :mod:`moecomm.overlap`.
         """
         from .overlap import scatter_compute_gather
 
+        kw = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
         return scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
-                                      algorithm=algorithm, own_first=own_first, own_split=own_split)
+                                      algorithm=algorithm, own_first=own_first, own_split=own_split, **kw)
 
     def _peer_rows_stream(self) -> "torch.cuda.Stream":
         """The communicator's stream for ``fn`` on the peers' rows in ``scatter_compute_gather(...,

@@ -191,6 +191,48 @@ def check_validate() -> None:
     collective_assert(ok and out.shape == x.shape, "validate=True with wire_dtype")
 
 
+def check_scatter_compute_gather() -> None:
+    """scatter_compute_gather(wire_dtype=): fn sees the reference roundtrip of every row (own
+    rows first or not, degrees 1-3), the result equals the unpipelined wire exchange's, and the
+    input gradient is the straight-through one (that of the same pipeline without wire_dtype)."""
+    problems = []
+    w1 = torch.randn(70, 9, generator=torch.Generator().manual_seed(3)).to(DEV)
+    for i, (degree, own_first, dtype, wire) in enumerate([(1, False, torch.float32, WIRES[0]),
+                                                          (2, True, torch.bfloat16, WIRES[1]),
+                                                          (3, False, torch.float16, WIRES[0])]):
+        seed = 300 + i
+        m = count_matrix(seed, W, 6, 0.3)
+        send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+        x = input_for(seed, R, m, (2, 70), dtype).to(DEV)
+        w = w1.to(dtype)
+
+        def fn(rows, chunk):
+            return rows.sum(1) @ w  # [n, 9]: a row's result depends on that row only
+
+        results = []
+        for wire_arg in (wire, None):
+            xx = x.clone().requires_grad_()
+            y = COMM.scatter_compute_gather(xx, send, fn, degree=degree, recv_splits=recv, own_first=own_first,
+                                            **({"wire_dtype": wire_arg} if wire_arg is not None else {}))
+            g = torch.randn(y.shape, generator=torch.Generator().manual_seed(R)).to(dtype).to(DEV)
+            (gx,) = torch.autograd.grad(y, xx, g)
+            results.append((y.detach(), gx))
+        got, _ = COMM.all_to_all_v(x, send, recv, wire_dtype=wire)
+        back, _ = COMM.all_to_all_v(fn(got, None).contiguous(), recv, send)
+        if not same_bits(results[0][0], back):
+            problems.append(f"case {i}: result")
+        if not same_bits(results[0][1], results[1][1]):
+            problems.append(f"case {i}: gradient")
+    try:
+        COMM.scatter_compute_gather(torch.ones(W, 4, dtype=torch.int32, device=DEV), [1] * W, lambda r, c: r,
+                                    wire_dtype=WIRES[0])
+        problems.append("int input: no error")
+    except TypeError as e:
+        if "input" not in str(e):
+            problems.append(str(e))
+    collective_assert(not problems, "scatter_compute_gather wire_dtype: " + "; ".join(problems))
+
+
 class _StraightThrough(torch.autograd.Function):
     """The reference of the layer's wire exchange, applied by hand to the experts' input:
     forward the rows' roundtrip through ``wire``, backward the gradient as the dispatch
@@ -281,7 +323,7 @@ def check_cuda_graph() -> None:
 
 if __name__ == "__main__":
     CHECKS = [_exchange_check(COMM, "flat"), check_async_in_flight, check_gradient, check_bad_input, check_validate,
-              check_moe_layer, check_cuda_graph]
+              check_scatter_compute_gather, check_moe_layer, check_cuda_graph]
     if HIER is not None:
         CHECKS.insert(1, _exchange_check(HIER, "2dh"))
     if ONLY:
