@@ -72,9 +72,10 @@ class MoELayer(nn.Module):
     the experts get them dequantized to the activation dtype; the combine exchange stays in
     the activation dtype. The backward pass sends the dispatch gradient in
     ``grad_wire_dtype`` (default bfloat16; an FP8 dtype, float16, float32, or None for the
-    gradient's own dtype); the quantization's gradient is the straight-through one. It
-    needs the plain exchange (``overlap_degree=1``, ``own_first`` False or ``"auto"``, which
-    then stays False). On one rank nothing travels and nothing is quantized.
+    gradient's own dtype); the quantization's gradient is the straight-through one. With
+    ``overlap_degree`` > 1 or ``own_first`` the pipelined exchange sends the tokens in FP8
+    too, and the dispatch gradient in the activation dtype (``grad_wire_dtype`` must then be
+    None or that dtype). On one rank nothing travels and nothing is quantized.
     """
 
     def __init__(
@@ -158,9 +159,6 @@ class MoELayer(nn.Module):
         self.own_first = self._check_own_first(own_first)
         self.algorithm = self._check_algorithm(algorithm)
         _wire.check_wire_args(wire_dtype, grad_wire_dtype)
-        if wire_dtype is not None and (self.overlap_degree not in (1, "auto") or self.own_first is True):
-            raise ValueError(f"wire_dtype={wire_dtype} works with the plain dispatch exchange only: pass "
-                             f"overlap_degree=1 and own_first=False or 'auto'")
         self.wire_dtype, self.grad_wire_dtype = wire_dtype, grad_wire_dtype
         if seed is not None:
             int_arg("seed", seed, 0)
@@ -364,11 +362,6 @@ class MoELayer(nn.Module):
         own = self.own_first if own_first is None else self._check_own_first(own_first)
         wire = self.wire_dtype if wire_dtype is None else wire_dtype
         _wire.check_wire_args(wire, None)
-        if wire is not None:  # the wire exchange is the plain one: no pipelined stages
-            if own is True or deg not in (1, "auto"):
-                raise ValueError(f"wire_dtype={wire} works with the plain dispatch exchange only: pass "
-                                 f"overlap_degree=1 and own_first=False or 'auto' (got {deg!r}, {own!r})")
-            deg, own = 1, False
         if own == "auto":
             own = x.is_cuda and torch.cuda.is_current_stream_capturing()
         cf = gate.capacity_factor if capacity_factor is None else float_arg("capacity_factor", capacity_factor)
@@ -535,7 +528,12 @@ class MoELayer(nn.Module):
                     return self._run_experts(rows, Segments.uniform_blocks(nb, El_dest, Cc, wgrad_sum))
                 return self._run_experts(rows, Segments(chunk.group_splits(blocks), El_dest, wgrad_sum=wgrad_sum))
 
-            back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo, own_first)
+            if wire is not None and self.grad_wire_dtype not in (None, cdtype):
+                raise ValueError(f"wire_dtype with overlap_degree={degree} or own_first sends the dispatch gradient "
+                                 f"in the activation dtype {cdtype}: pass grad_wire_dtype=None (or {cdtype}), got "
+                                 f"{self.grad_wire_dtype}")
+            back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo, own_first,
+                                                wire)
         return self._combine(back, sm, weights)
 
     # -- data-parallel path -----------------------------------------------------------------
