@@ -528,12 +528,12 @@ class MoELayer(nn.Module):
                     return self._run_experts(rows, Segments.uniform_blocks(nb, El_dest, Cc, wgrad_sum))
                 return self._run_experts(rows, Segments(chunk.group_splits(blocks), El_dest, wgrad_sum=wgrad_sum))
 
-            if wire is not None and self.grad_wire_dtype not in (None, cdtype):
+            if wire is not None and W > 1 and self.grad_wire_dtype not in (None, cdtype):
                 raise ValueError(f"wire_dtype with overlap_degree={degree} or own_first sends the dispatch gradient "
                                  f"in the activation dtype {cdtype}: pass grad_wire_dtype=None (or {cdtype}), got "
                                  f"{self.grad_wire_dtype}")
             back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo, own_first,
-                                                wire)
+                                                wire if W > 1 else None)  # one rank: nothing travels
         return self._combine(back, sm, weights)
 
     # -- data-parallel path -----------------------------------------------------------------
