@@ -4,8 +4,9 @@ The extensions are compiled with torch's ``BuildExtension``, so torch must be im
 while building: install torch first, then this package with ``--no-build-isolation`` (an
 isolated build would have no torch, or fetch one). Built here:
 
-* ``moecomm_ext._rows_cpu`` and ``moecomm_ext._nccl_issue`` (C++, host only) always;
-* ``moecomm_ext._rows_cuda`` and ``moecomm_ext._p2p_cuda`` where torch has CUDA
+* ``moecomm_ext._rows_cpu``, ``moecomm_ext._quant_cpu`` and ``moecomm_ext._nccl_issue``
+  (C++, host only) always;
+* ``moecomm_ext._rows_cuda``, ``moecomm_ext._quant_cuda`` and ``moecomm_ext._p2p_cuda`` where torch has CUDA
   (``torch.version.cuda``) and a CUDA toolkit is found.
 
 A build that cannot happen (no torch, no compiler, a compile error) does not fail the
@@ -56,9 +57,9 @@ def _native_build() -> dict:
         return {}
     specs = _load_specs()
     openmp = torch.backends.openmp.is_available()
-    kinds = [specs.CPU, specs.NCCL_ISSUE]
+    kinds = [specs.CPU, specs.NCCL_ISSUE, specs.QUANT_CPU]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
-        kinds += [specs.CUDA, specs.P2P]
+        kinds += [specs.CUDA, specs.P2P, specs.QUANT_CUDA]
     elif torch.version.cuda:
         _note("torch has CUDA but no CUDA toolkit was found (CUDA_HOME, nvcc): building the CPU kernels only")
     capability = torch.cuda.get_device_capability() if torch.version.cuda and torch.cuda.is_available() else None

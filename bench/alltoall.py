@@ -26,6 +26,12 @@ Methods (``--compare`` adds the last two):
                  on uniform splits (GPU)
 
 ``python -m bench.plot results.json -o plot.png`` draws a ``--json`` file.
+
+``--wire-dtype float8_e4m3fn`` (or ``float8_e5m2``) adds ``moecomm-fp8`` and
+``moecomm-fp8-known`` (and the ``-p2p`` ones): the same exchanges with
+``wire_dtype=``, quantization and dequantization included in the time. The ``wire``
+column gives the bytes a rank sends (rows as they travel: FP8 plus block scales for those
+methods), ``vs plain`` the time against the same method without ``wire_dtype``.
 """
 
 from __future__ import annotations
@@ -127,6 +133,7 @@ class Bench:
         self.device = self.comm.device
         self.cuda = self.device.type == "cuda"
         self.dtype = _DTYPES[args.dtype]
+        self.wire = getattr(torch, args.wire_dtype) if args.wire_dtype else None
         self.pg = self._torch_group() if args.compare else None
         self.p2p = None
         if self.cuda and args.p2p_bytes:
@@ -206,8 +213,16 @@ class Bench:
         expect = expect_tag.repeat_interleave(torch.tensor(recv)).to(self.dtype).to(self.device)
         counts_dev = torch.tensor(send, dtype=torch.int64, device=self.device)
 
-        def check(out: torch.Tensor) -> bool:
-            ok = out.shape == (sum(recv), self.args.row_elems) and bool((out == expect[:, None]).all())
+        expect_rows = expect[:, None].expand(-1, self.args.row_elems)
+        if self.wire is not None:  # what the rows become on the wire and back (moecomm.quant's reference)
+            from moecomm import quant
+
+            expect_wire = quant.dequantize_rows_reference(*quant.quantize_rows_reference(expect_rows, self.wire),
+                                                          self.dtype)
+
+        def check(out: torch.Tensor, name: str) -> bool:
+            want = expect_wire if "fp8" in name else expect_rows
+            ok = out.shape == (sum(recv), self.args.row_elems) and bool((out == want).all())
             return bool(self.world.allreduce(ok, op=_land_op()))
 
         methods: dict[str, Optional[Callable[[], torch.Tensor]]] = {
@@ -222,6 +237,13 @@ class Bench:
             for block_bytes, max_blocks in self.p2p_blocks:
                 methods[f"moecomm-p2p[{block_bytes >> 10}K:{max_blocks}]"] = \
                     lambda b=block_bytes, m=max_blocks: self._p2p_with_blocks(x, counts_dev, b, m)
+        if self.wire is not None:
+            wire = self.wire
+            methods["moecomm-fp8"] = lambda: self.comm.all_to_all_v(x, counts_dev, wire_dtype=wire)[0]
+            methods["moecomm-fp8-known"] = lambda: self.comm.all_to_all_v(x, send, recv, wire_dtype=wire)[0]
+            if self.p2p is not None:
+                methods["moecomm-p2p-fp8"] = lambda: self.p2p.all_to_all_v(x, counts_dev, wire_dtype=wire)[0]
+                methods["moecomm-p2p-fp8-known"] = lambda: self.p2p.all_to_all_v(x, send, recv, wire_dtype=wire)[0]
         if self.pg is not None:
             methods["torch"] = lambda: self._torch_pattern(x, counts_dev)
             methods["raw"] = self._raw_method(x, send, recv, pattern)
@@ -231,8 +253,14 @@ class Bench:
             med = float(np.median(times))
             p99 = float(np.percentile(times, 99))
             algbw = size_bytes / med / 1e9 if med > 0 else 0.0
+            wire_row = row_bytes
+            if "fp8" in name:
+                from moecomm.quant import packed_row_bytes
+
+                wire_row = packed_row_bytes(self.args.row_elems)
             results.append(dict(pattern=pattern, size=size_bytes, rows=rows, method=name, time_us=med * 1e6,
-                                p99_us=p99 * 1e6, algbw=algbw, busbw=algbw * (W - 1) / W, check=check(out)))
+                                p99_us=p99 * 1e6, algbw=algbw, busbw=algbw * (W - 1) / W, check=check(out, name),
+                                wire_bytes=sum(send) * wire_row))
             if self.args.check_cost:  # every round's time, for ratios paired round by round
                 results[-1]["times_us"] = [t * 1e6 for t in times]
         return results
@@ -320,18 +348,22 @@ def _fmt_size(n: int) -> str:
 
 
 def format_table(results: list[dict], header: str) -> str:
-    lines = [header, f"{'size':>10} {'rows':>8} {'pattern':>8} {'method':>14} {'time(us)':>10} {'p99(us)':>10} "
-             f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'check':>6} {'vs torch':>9} {'vs raw':>7}"]
+    lines = [header, f"{'size':>10} {'rows':>8} {'pattern':>8} {'method':>17} {'time(us)':>10} {'p99(us)':>10} "
+             f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'check':>6} {'vs torch':>9} {'vs raw':>7} {'wire':>10} "
+             f"{'vs plain':>9}"]
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in results:
         by_key.setdefault((r["pattern"], r["size"]), {})[r["method"]] = r
     for r in results:
         peers = by_key[(r["pattern"], r["size"])]
         ratio = lambda other: f"{r['time_us'] / peers[other]['time_us']:.2f}x" if other in peers and peers[other]["time_us"] > 0 else "-"
-        lines.append(f"{_fmt_size(r['size']):>10} {r['rows']:>8} {r['pattern']:>8} {r['method']:>14} {r['time_us']:>10.1f} "
+        wire = r.get("wire_bytes", r["size"])
+        plain = r["method"].replace("-fp8", "")
+        lines.append(f"{_fmt_size(r['size']):>10} {r['rows']:>8} {r['pattern']:>8} {r['method']:>17} {r['time_us']:>10.1f} "
                      f"{r['p99_us']:>10.1f} {r['algbw']:>12.3f} {r['busbw']:>12.3f} {'OK' if r['check'] else 'FAIL':>6} "
                      f"{ratio('torch') if r['method'].startswith('moecomm') else '-':>9} "
-                     f"{ratio('raw') if r['method'].startswith('moecomm') else '-':>7}")
+                     f"{ratio('raw') if r['method'].startswith('moecomm') else '-':>7} "
+                     f"{wire:>10} {ratio(plain) if plain != r['method'] else '-':>9}")
     return "\n".join(lines)
 
 
@@ -358,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p2p-blocks", metavar="BYTES:MAX,...", default=None,
                    help="with --p2p-bytes: also time moecomm-p2p with its kernels using one thread block per BYTES "
                         "moved, at most MAX in all (PeerTransport's default: 64K:256), one method per setting")
+    p.add_argument("--wire-dtype", choices=["float8_e4m3fn", "float8_e5m2"], default=None,
+                   help="also time the exchanges with rows sent in this FP8 dtype (all_to_all_v(wire_dtype=))")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -389,7 +423,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if rank0:
         name = torch.cuda.get_device_name(bench.device) if bench.cuda else "cpu"
         header = (f"# moecomm all-to-all: {bench.comm.size} ranks, backend {bench.comm.backend}, {name}, "
-                  f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters, torch {torch.__version__}")
+                  f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters, torch {torch.__version__}"
+                  + (f", wire dtype {args.wire_dtype}" if args.wire_dtype else ""))
         print(format_table(results, header), flush=True)
         bad = [r for r in results if not r["check"]]
         if args.json:

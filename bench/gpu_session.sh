@@ -5,7 +5,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl, p2pblocks
-# perpeer, perpeerx3 and deadlines run when named)
+# perpeer, perpeerx3, deadlines and fp8 run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -142,6 +142,12 @@ run_step() {
           -b 256K -e 16M -f 2 -p uniform,random,skewed --compare --p2p-bytes 2G --p2p-blocks 256K:128,64K:256,32K:512 \
           -n 40 --no-progress --json "$RES/alltoall_p2p_blocks_$run.json"
       done ;;
+    fp8)  # issue 20: FP8 on the wire (kernels, exchanges over NCCL and peer memory, the benchmark)
+      step quant_kernels 300 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py
+      step quant_checks 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.quant_checks nccl
+      step quant_checks_p2p 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.quant_checks nccl-p2p
+      step alltoall_fp8 200 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 1M -e 256M -f 4 \
+        -p uniform,random --wire-dtype float8_e4m3fn --p2p-bytes 2G -n 30 --no-progress --json "$RES/alltoall_fp8.json" ;;
     perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;
     deadlines) step nccl_deadlines 90 "${MPI[@]}" python3 -m tests.ranks.nccl_init_timeout ;;
     perpeerx3)  # the same, three runs

@@ -181,6 +181,7 @@ class Communicator:
         *,
         async_op: bool = False,
         algorithm: str = "flat",
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> Union[tuple[torch.Tensor, list[int]], Work]:
         """Send rows of ``input`` to every rank, ``send_splits[p]`` rows to rank ``p``.
 
@@ -197,13 +198,21 @@ class Communicator:
                 node, then along the rail; needs ``init(hierarchy=True)`` or a multi-node
                 layout) or ``"auto"`` (the topology profile's choice for this size); the
                 same result either way. See :mod:`moecomm.hierarchical`.
+            wire_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: rows of a
+                float32/bfloat16/float16 ``input`` travel quantized to it, in blocks of 128
+                elements with a float32 scale each, and ``output`` is dequantized back to
+                ``input.dtype``: exactly :func:`moecomm.quant.quantize_rows` then
+                :func:`moecomm.quant.dequantize_rows`, on every path (see :mod:`moecomm.wire`).
+                Non-finite values give undefined results (``validate=True`` refuses them).
 
         Returns:
             ``(output, recv_splits)``: ``output`` is ``[sum(recv_splits), *row_shape]`` with
             the rows from rank ``p`` in block ``p``; ``recv_splits`` a list of ints.
 
         Raises:
-            TypeError, ValueError: bad tensors or splits (named), before anything is sent.
+            TypeError, ValueError: bad tensors, splits, ``algorithm`` or ``wire_dtype`` (not an
+                FP8 dtype, or ``input`` not floating), named, before anything is sent; with
+                ``validate=True`` also non-finite rows under ``wire_dtype`` (on every rank).
                 A conjugate or negative view is resolved first (a copy); sparse tensors are
                 refused. An input that requires grad warns: use :mod:`moecomm.functional`.
             CountMismatchError: a peer sends another count than ``recv_splits`` says, expects
@@ -213,6 +222,11 @@ class Communicator:
             TimeoutError: a wait outlived the communicator's timeout (it is aborted).
         """
         _warn_if_graph_lost(input, "all_to_all_v")
+        if wire_dtype is not None:
+            from .wire import start_all_to_all_v as start_wire
+
+            out, _, recv, request, _ = start_wire(self, input, send_splits, recv_splits, algorithm, wire_dtype)
+            return self._finish(request, "all_to_all_v", (out, recv), async_op)
         out, _, recv, request = self._start_all_to_all_v(input, send_splits, recv_splits, algorithm=algorithm)
         return self._finish(request, "all_to_all_v", (out, recv), async_op)
 
@@ -407,6 +421,7 @@ class Communicator:
         algorithm: Optional[str] = None,
         own_first: bool = False,
         own_split: float = 0.3,
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> torch.Tensor:
         """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` chunks per peer.
 
@@ -417,12 +432,14 @@ class Communicator:
         is pipelined too). ``degree``: 1..16 or ``"auto"``. ``own_first``: ``fn`` runs first
         on the rank's own rows (which need no exchange and are not copied) while the peers'
         rows are in flight, forward and backward; ``own_split`` of them first, the rest last,
-        while the peers' results travel home. See :mod:`moecomm.overlap`.
+        while the peers' results travel home. ``wire_dtype``: the input's rows travel in that FP8
+        dtype, as in :meth:`all_to_all_v` (results in their own dtype). See :mod:`moecomm.overlap`.
         """
         from .overlap import scatter_compute_gather
 
+        kw = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
         return scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
-                                      algorithm=algorithm, own_first=own_first, own_split=own_split)
+                                      algorithm=algorithm, own_first=own_first, own_split=own_split, **kw)
 
     def _peer_rows_stream(self) -> "torch.cuda.Stream":
         """The communicator's stream for ``fn`` on the peers' rows in ``scatter_compute_gather(...,

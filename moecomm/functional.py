@@ -15,23 +15,43 @@ __all__ = ["all_to_all_v"]
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, comm, send_splits, recv_splits, counts_out, algorithm="flat"):  # type: ignore[override]
-        output, send, recv, request = comm._start_all_to_all_v(input, send_splits, recv_splits, algorithm=algorithm)
+    def forward(ctx, input, comm, send_splits, recv_splits, counts_out, algorithm="flat",  # type: ignore[override]
+                wire_dtype=None, grad_wire_dtype=None):
+        if wire_dtype is None:
+            output, send, recv, request = comm._start_all_to_all_v(input, send_splits, recv_splits,
+                                                                    algorithm=algorithm)
+            plan = getattr(request, "plan", None)
+        else:
+            from .wire import start_all_to_all_v as start_wire
+
+            output, send, recv, request, plan = start_wire(comm, input, send_splits, recv_splits, algorithm,
+                                                           wire_dtype)
         comm._complete(request, "all_to_all_v", None)
         ctx.comm, ctx.send, ctx.recv = comm, send, recv
-        ctx.plan = getattr(request, "plan", None)  # a 2DH exchange: its backward runs the phases reversed
+        ctx.plan = plan  # a 2DH exchange: its backward runs the phases reversed
+        ctx.algorithm, ctx.grad_wire_dtype = algorithm, grad_wire_dtype
         counts_out.append(recv)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         # What arrived goes back where it came from; both sides' counts are known already.
+        # The quantization of the forward is treated as the identity (straight-through).
+        if ctx.grad_wire_dtype is not None:
+            from . import wire
+
+            if ctx.plan is not None:
+                grad_input = wire.reverse_rows(ctx.comm, ctx.plan, grad_output, ctx.grad_wire_dtype)
+            else:
+                grad_input = wire.exchange_rows(ctx.comm, grad_output.contiguous(), ctx.recv, ctx.send, "flat",
+                                                ctx.grad_wire_dtype)
+            return grad_input, None, None, None, None, None, None, None
         if ctx.plan is not None:
             from .hierarchical import reverse_all_to_all_v
 
-            return reverse_all_to_all_v(ctx.comm, ctx.plan, grad_output), None, None, None, None, None
+            return reverse_all_to_all_v(ctx.comm, ctx.plan, grad_output), None, None, None, None, None, None, None
         grad_input, _ = ctx.comm.all_to_all_v(grad_output.contiguous(), ctx.recv, ctx.send)
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None, None
 
 
 def all_to_all_v(
@@ -41,6 +61,8 @@ def all_to_all_v(
     *,
     comm: Optional[Communicator] = None,
     algorithm: str = "flat",
+    wire_dtype: Optional[torch.dtype] = None,
+    grad_wire_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Differentiable :meth:`Communicator.all_to_all_v` (the default communicator if ``comm`` is None).
 
@@ -49,15 +71,25 @@ def all_to_all_v(
     ``algorithm`` as in :meth:`Communicator.all_to_all_v`; the backward of a 2DH exchange is
     itself hierarchical (the forward's phases reversed).
 
+    ``wire_dtype``: the forward's rows travel in that FP8 dtype (as in
+    :meth:`Communicator.all_to_all_v`); ``grad_wire_dtype``: the backward's gradient rows do
+    (None: in the gradient's own dtype, exactly). The gradient with respect to ``input`` is
+    the straight-through one: the quantization counts as the identity.
+
     Raises:
-        TypeError: ``comm`` is not a Communicator (or None); bad tensors or splits as in
-            :meth:`Communicator.all_to_all_v`.
+        TypeError: ``comm`` is not a Communicator (or None).
+        TypeError, ValueError: as :meth:`Communicator.all_to_all_v`; ``grad_wire_dtype`` not
+            an FP8 dtype (checked before the forward exchange).
         CountMismatchError: ranks disagree on counts, dtype or row shape.
     """
     if comm is not None and not isinstance(comm, Communicator):
         raise TypeError(f"comm must be a moecomm.Communicator or None (the default communicator), "
                         f"got {comm!r} ({type(comm).__name__})")
     comm = default_communicator() if comm is None else comm
+    if grad_wire_dtype is not None:
+        from .quant import check_wire_dtype
+
+        check_wire_dtype(grad_wire_dtype, "grad_wire_dtype")
     counts: list[list[int]] = []
-    output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm)
+    output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm, wire_dtype, grad_wire_dtype)
     return output, counts[0]

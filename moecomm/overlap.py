@@ -560,11 +560,12 @@ class _Transport:
 class _Run:
     """One call: the plan, fn, and the exchanges in flight (forward and backward)."""
 
-    def __init__(self, comm: Any, plan: _Plan, fn: Fn, a2a_kwargs: dict) -> None:
+    def __init__(self, comm: Any, plan: _Plan, fn: Fn, a2a_kwargs: dict, wire_dtype: Any = None) -> None:
         self.comm = comm
         self.plan = plan
         self.fn = fn
         self.kw = a2a_kwargs
+        self.wire = wire_dtype  # the input's rows travel packed in this FP8 dtype (moecomm.wire)
         s = plan.stages
         self.scatter: list = [None] * s  # forward: input rows to the experts
         self.gather: list = [None] * s  # forward: fn's rows back
@@ -644,6 +645,11 @@ class _Run:
     # forward
     def issue_scatter(self, x: torch.Tensor) -> None:
         self.in_shape, self.in_dtype = tuple(x.shape[1:]), x.dtype
+        if self.wire is not None:  # one fused pass: every row quantized and packed (own rows too)
+            from .quant import pack_rows
+            from .wire import WIRE_BLOCK
+
+            x = pack_rows(x.detach(), self.wire, WIRE_BLOCK)
         p = self.plan
         for c in range(p.stages):
             self.scatter[c] = self._to_experts(x, c)
@@ -676,6 +682,11 @@ class _Run:
     def wait_scatter(self, c: int) -> torch.Tensor:
         rows, _ = self._wait(self.scatter[c])
         self.scatter[c] = None
+        if self.wire is not None:
+            from .quant import unpack_rows
+            from .wire import WIRE_BLOCK
+
+            return unpack_rows(self._used_here(rows), self.in_shape, self.in_dtype, self.wire, WIRE_BLOCK)
         return self._used_here(rows)
 
     def check_result(self, c: int, y: Any, rows: int) -> torch.Tensor:
@@ -822,6 +833,7 @@ def scatter_compute_gather(
     algorithm: Optional[str] = None,
     own_first: bool = False,
     own_split: float = 0.3,
+    wire_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` stages.
 
@@ -848,6 +860,11 @@ def scatter_compute_gather(
             home (in the backward pass the other way round). 1: all of them first. The
             default, 0.3, was the best of 0.3, 0.5 and 1 on 2 x H200 (an expert FFN,
             ``bench/results/h200x2/overlap_split_ce*.json``).
+        wire_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: the input's rows travel
+            quantized (as ``all_to_all_v(..., wire_dtype=)``; the own rows of ``own_first``
+            are quantized too) and ``fn`` gets them dequantized to ``input.dtype``; results
+            and gradients travel in their own dtype. The gradient with respect to ``input``
+            is the straight-through one. ``input`` must be float32, bfloat16 or float16.
 
     Returns:
         ``[N, *out_shape]``: row ``i`` is ``fn``'s result for ``input`` row ``i``, exactly
@@ -868,6 +885,13 @@ def scatter_compute_gather(
     if input.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"input has unsupported dtype {input.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
     degree = _check_degree(degree)
+    if wire_dtype is not None:
+        from .quant import INPUT_DTYPES, check_wire_dtype
+
+        check_wire_dtype(wire_dtype)
+        if input.dtype not in INPUT_DTYPES:
+            raise TypeError(f"input must be float32, bfloat16 or float16 to be sent with wire_dtype={wire_dtype}, "
+                            f"got {input.dtype}")
     if not isinstance(own_first, bool):
         raise TypeError(f"own_first must be a bool, got {own_first!r}")
     if isinstance(own_split, bool) or not isinstance(own_split, numbers.Real) or not 0.0 <= own_split <= 1.0:
@@ -896,9 +920,13 @@ def scatter_compute_gather(
         send_pieces = recv_pieces = [degree] * w
     own = comm.rank if own_first and w > 1 else None
     plan = _Plan(send, recv, send_pieces, recv_pieces, stages, dev, own, float(own_split))
-    run = _Run(comm, plan, fn, kw)
+    run = _Run(comm, plan, fn, kw, wire_dtype)
 
     x = input.contiguous()
+    if wire_dtype is not None and comm.validate:
+        from . import wire
+
+        wire.cross_check(comm, x, wire_dtype, "scatter_compute_gather")
     tokens = _Scatter.apply(x, run)
     departed: list = [None] * plan.stages
     # Own rows first on a GPU: the caller's stream computes the own rows while the peers'

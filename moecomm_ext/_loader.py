@@ -50,7 +50,7 @@ from typing import Iterator
 import torch
 
 from . import _specs
-from ._specs import NCCL_ISSUE, P2P
+from ._specs import NCCL_ISSUE, P2P, QUANT_CPU, QUANT_CUDA
 
 __all__ = [
     "NativeBuildWarning",
@@ -73,7 +73,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 LOCK_NAME = "moecomm-build.lock"
 LOCK_STALE_S = 1800.0  # a build lock this old is broken even if its holder still runs
 # Rough first-build times on one free core, for the progress line.
-_BUILD_SECONDS = {"cpu": 30, "cuda": 120, P2P: 90, NCCL_ISSUE: 15}
+_BUILD_SECONDS = {"cpu": 30, "cuda": 120, P2P: 90, NCCL_ISSUE: 15, QUANT_CPU: 30, QUANT_CUDA: 90}
 
 _CSRC = _specs.CSRC
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})

@@ -22,10 +22,13 @@ CPU = "cpu"
 CUDA = "cuda"
 P2P = "cuda-p2p"  # the peer-memory transport's own extension (moecomm/backends/p2p.py)
 NCCL_ISSUE = "nccl-issue"  # the NCCL backend's grouped send/recv, issued natively (moecomm/backends/nccl.py)
-KINDS = (CPU, CUDA, P2P, NCCL_ISSUE)
-CUDA_KINDS = (CUDA, P2P)  # need nvcc and a torch with CUDA
+QUANT_CPU = "quant-cpu"  # moecomm.quant's FP8 kernels (moecomm_ext/_quant.py), CPU
+QUANT_CUDA = "quant-cuda"  # and CUDA
+KINDS = (CPU, CUDA, P2P, NCCL_ISSUE, QUANT_CPU, QUANT_CUDA)
+CUDA_KINDS = (CUDA, P2P, QUANT_CUDA)  # need nvcc and a torch with CUDA
 
 HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
+_QUANT_FUNCTIONS = ("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,10 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
         return Spec(CPU, "moecomm_ext_rows_cpu", "moecomm_ext._rows_cpu", ("rows_cpu.cpp",),
                     ("-O3", "-DNDEBUG", *omp), None, omp, "cpu",
                     ("gather_rows", "gather_reduce_rows", "gather_rowdot"))
+    if kind == QUANT_CPU:
+        # -fno-trapping-math lets the selects of the FP8 codec vectorize (no result changes)
+        return Spec(QUANT_CPU, "moecomm_ext_quant_cpu", "moecomm_ext._quant_cpu", ("quant_cpu.cpp",),
+                    ("-O3", "-DNDEBUG", "-fno-trapping-math", *omp), None, omp, "cpu", _QUANT_FUNCTIONS)
     if kind == NCCL_ISSUE:
         return Spec(NCCL_ISSUE, "moecomm_ext_nccl_issue", "moecomm_ext._nccl_issue", ("nccl_issue.cpp",),
                     ("-O2", "-DNDEBUG"), None, ("-ldl",), "host", ("NcclCalls",))
@@ -85,6 +92,10 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
                     ("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "gpu_counts_exchange",
                      "launch_copy_out", "ce_exchange", "new_event", "destroy_event",
                      "max_copy_engine_ranks", "can_access_peer"))
+    if kind == QUANT_CUDA:
+        return Spec(QUANT_CUDA, "moecomm_ext_quant_cuda", "moecomm_ext._quant_cuda",
+                    ("quant_cuda.cu", "quant_cuda_bind.cpp"), ("-O3", "-DNDEBUG"),
+                    ("-O3", "-lineinfo", *arch_flags), (), tag, _QUANT_FUNCTIONS)
     if kind == CUDA:
         # No --use_fast_math: the kernels accumulate in fp32 and must match the reference closely.
         return Spec(CUDA, "moecomm_ext_rows_cuda", "moecomm_ext._rows_cuda", ("rows_cuda.cu", "rows_cuda_bind.cpp"),

@@ -134,9 +134,10 @@ def allreduce_sum_(comm: "moecomm.Communicator", t: torch.Tensor) -> torch.Tenso
     return t
 
 
-def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algorithm, own_first=False):
+def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algorithm, own_first=False,
+                           wire_dtype=None):
     """``comm.scatter_compute_gather`` (all-to-all, ``fn`` per chunk, all-to-all back, pipelined)."""
-    kw: dict = {}
+    kw: dict = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
     if own_first:
         kw["own_first"] = True
         if _method_accepts(type(comm), "scatter_compute_gather", "own_split"):

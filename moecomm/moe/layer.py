@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import moecomm_ext
 
-from . import _comm
+from . import _comm, _wire
 from ._args import float_arg, int_arg
 from ._gather import gather_expert_params
 from .experts import BatchedExperts, ExpertList, FFNExperts, Segments, WeightGradSum
@@ -75,6 +75,17 @@ class MoELayer(nn.Module):
     2 x H200 (``bench/results/README.md``): captured, own rows first shortens the step by
     5-8%; eagerly the step is bound by the host, whose cost of issuing the pipelined stages
     made it longer.
+
+    ``wire_dtype`` (expert-parallel, *per call*): ``torch.float8_e4m3fn`` or
+    ``torch.float8_e5m2``: the dispatch exchange sends the tokens in that dtype with a
+    float32 scale per 128 elements (``Communicator.all_to_all_v(..., wire_dtype=)``) and
+    the experts get them dequantized to the activation dtype; the combine exchange stays in
+    the activation dtype. The backward pass sends the dispatch gradient in
+    ``grad_wire_dtype`` (default bfloat16; an FP8 dtype, float16, float32, or None for the
+    gradient's own dtype); the quantization's gradient is the straight-through one. With
+    ``overlap_degree`` > 1 or ``own_first`` the pipelined exchange sends the tokens in FP8
+    too, and the dispatch gradient in the activation dtype (``grad_wire_dtype`` must then be
+    None or that dtype). On one rank nothing travels and nothing is quantized.
     """
 
     def __init__(
@@ -106,6 +117,8 @@ class MoELayer(nn.Module):
         own_first: Union[bool, str] = "auto",
         algorithm: Optional[str] = None,
         inequivalent_tokens: bool = True,
+        wire_dtype: Optional[torch.dtype] = None,
+        grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -155,6 +168,8 @@ class MoELayer(nn.Module):
         self.overlap_degree = self._check_degree(overlap_degree)
         self.own_first = self._check_own_first(own_first)
         self.algorithm = self._check_algorithm(algorithm)
+        _wire.check_wire_args(wire_dtype, grad_wire_dtype)
+        self.wire_dtype, self.grad_wire_dtype = wire_dtype, grad_wire_dtype
         if seed is not None:
             int_arg("seed", seed, 0)
         else:
@@ -336,6 +351,7 @@ class MoELayer(nn.Module):
         parallel_mode: Optional[str] = None,
         gate_index: int = 0,
         inequivalent_tokens: Optional[bool] = None,
+        wire_dtype: Optional[torch.dtype] = None,
     ) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -355,6 +371,8 @@ class MoELayer(nn.Module):
         deg = overlap_degree if overlap_degree is not None else a2a_ffn_overlap_degree
         deg = self.overlap_degree if deg is None else self._check_degree(deg)
         own = self.own_first if own_first is None else self._check_own_first(own_first)
+        wire = self.wire_dtype if wire_dtype is None else wire_dtype
+        _wire.check_wire_args(wire, None)
         if own == "auto":
             own = x.is_cuda and torch.cuda.is_current_stream_capturing()
         cf = gate.capacity_factor if capacity_factor is None else float_arg("capacity_factor", capacity_factor)
@@ -411,16 +429,16 @@ class MoELayer(nn.Module):
         auto_key = None
         if mode == "auto":
             # identical on every rank (the choice must be): the capacity is agreed, T is not
-            auto_key = (r.capacity, kk, cf, drop_less, deg, own, str(cdtype), algo)
+            auto_key = (r.capacity, kk, cf, drop_less, deg, own, str(cdtype), algo, str(wire))
             mode = self._auto_choice(auto_key)
         self.last_parallel_mode = mode
         x_c = x2 if x2.dtype == cdtype else x2.to(cdtype)
         if mode == "expert":
-            y = self._expert_parallel(x_c, r, deg, own, algo, cdtype)
+            y = self._expert_parallel(x_c, r, deg, own, algo, cdtype, wire)
         elif mode == "data":
             y = self._data_parallel(x_c, r, cdtype)
         else:  # a timed trial of both paths in auto mode
-            y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype)
+            y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype, wire)
         self.last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
         y = y.reshape(*lead, self.output_dim)
         if self.result_func is not None:
@@ -490,7 +508,7 @@ class MoELayer(nn.Module):
         return self.experts(rows, seg)
 
     def _expert_parallel(self, x_c: Tensor, r: Routing, degree, own_first: bool, algo: Optional[str],
-                         cdtype) -> Tensor:
+                         cdtype, wire: Optional[torch.dtype] = None) -> Tensor:
         comm = self.comm
         W, El, S, E = comm.size, self.num_local_experts, self.shards, self.num_experts
         El_dest = El if S == 1 else 1  # experts per destination rank, as the rows arrive
@@ -525,7 +543,8 @@ class MoELayer(nn.Module):
             seg = Segments(blocks, El_dest, counts_dev=recv_cnt.view(W, El_dest))
 
         if degree == 1 and not own_first:
-            got_rows = _comm.all_to_all(send, comm, send_splits, recv_splits, algo)
+            got_rows = _comm.all_to_all(send, comm, send_splits, recv_splits, algo) if wire is None else \
+                _wire.all_to_all_wire(send, comm, send_splits, recv_splits, algo, wire, self.grad_wire_dtype)
             y = self._run_experts(got_rows, seg)
             back = _comm.all_to_all(y.contiguous(), comm, recv_splits, send_splits, algo)
         else:
@@ -538,7 +557,12 @@ class MoELayer(nn.Module):
                     return self._run_experts(rows, Segments.uniform_blocks(nb, El_dest, Cc, wgrad_sum))
                 return self._run_experts(rows, Segments(chunk.group_splits(blocks), El_dest, wgrad_sum=wgrad_sum))
 
-            back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo, own_first)
+            if wire is not None and W > 1 and self.grad_wire_dtype not in (None, cdtype):
+                raise ValueError(f"wire_dtype with overlap_degree={degree} or own_first sends the dispatch gradient "
+                                 f"in the activation dtype {cdtype}: pass grad_wire_dtype=None (or {cdtype}), got "
+                                 f"{self.grad_wire_dtype}")
+            back = _comm.scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algo, own_first,
+                                                wire if W > 1 else None)  # one rank: nothing travels
         return self._combine(back, sm, weights)
 
     # -- data-parallel path -----------------------------------------------------------------
@@ -573,12 +597,12 @@ class MoELayer(nn.Module):
         t = st["times"]
         return "trial:expert" if len(t["expert"]) <= len(t["data"]) else "trial:data"
 
-    def _timed(self, trial: str, key, x_c, r, deg, own, algo, cdtype) -> Tensor:
+    def _timed(self, trial: str, key, x_c, r, deg, own, algo, cdtype, wire=None) -> Tensor:
         mode = trial.split(":", 1)[1]
         sync = torch.cuda.synchronize if x_c.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        y = self._expert_parallel(x_c, r, deg, own, algo, cdtype) if mode == "expert" else \
+        y = self._expert_parallel(x_c, r, deg, own, algo, cdtype, wire) if mode == "expert" else \
             self._data_parallel(x_c, r, cdtype)
         sync()
         dt = time.perf_counter() - t0

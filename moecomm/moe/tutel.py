@@ -32,7 +32,8 @@ LAYER_KEYS = ("gate_type", "model_dim", "experts", "scan_expert_func", "result_f
               "a2a_ffn_overlap_degree", "is_postscore", "batch_prioritized_routing", "normalize_gate",
               "is_gshard_loss", "parallel_type", "use_2dh",
               # moecomm's own
-              "dropless", "z_loss_weight", "algorithm", "inequivalent_tokens", "dtype", "device")
+              "dropless", "z_loss_weight", "algorithm", "inequivalent_tokens", "dtype", "device", "wire_dtype",
+              "grad_wire_dtype")
 """Arguments of :func:`moe_layer` (Tutel's, then moecomm's own)."""
 
 _PARALLEL = {"adaptive:1": "expert", "expert": "expert", "adaptive:0": "data", "data": "data", "auto": "auto"}
@@ -93,9 +94,10 @@ def moe_layer(
     ``'adaptive:1'``/``'expert'`` (expert-parallel), ``'adaptive:0'``/``'data'``
     (data-parallel), ``'auto'``. ``use_2dh=True`` means ``algorithm='2dh'``.
     moecomm's own keys: ``dropless``, ``z_loss_weight``, ``algorithm``, ``inequivalent_tokens``,
-    ``dtype``, ``device``.
+    ``dtype``, ``device``, ``wire_dtype``, ``grad_wire_dtype``.
     """
-    own = {"dropless", "z_loss_weight", "algorithm", "inequivalent_tokens", "dtype", "device"}
+    own = {"dropless", "z_loss_weight", "algorithm", "inequivalent_tokens", "dtype", "device", "wire_dtype",
+           "grad_wire_dtype"}
     unknown = sorted(set(kwargs) - own)
     if unknown:
         raise ValueError(f"moe_layer: unknown argument(s) {unknown}; known: {list(LAYER_KEYS)}")

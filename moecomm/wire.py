@@ -1,0 +1,120 @@
+"""``all_to_all_v(..., wire_dtype=)``: rows travel quantized to FP8 with per-block scales.
+
+Each row of the input is quantized and packed into one ``uint8`` row (its FP8 bytes and
+its float32 block scales, padded to 16 bytes: :func:`moecomm.quant.pack_rows`, one fused
+pass), the packed rows go through the ordinary exchange (same splits, any algorithm:
+flat, 2DH, ``"auto"``, peer memory, with every check of a plain exchange), and each
+received row is unpacked and dequantized to the input's dtype (one fused pass). The
+result is :func:`moecomm.quant.quantize_rows` followed by
+:func:`moecomm.quant.dequantize_rows`, bit for bit, whatever the path. Rows of ``D``
+elements cost ``packed_row_bytes(D)`` bytes on the wire (``D + 4 * ceil(D / 128)``,
+rounded up to 16) instead of ``D * element_size``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from . import quant
+from .errors import CountMismatchError
+from .splits import Splits
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+__all__ = ["WIRE_BLOCK", "start_all_to_all_v", "exchange_rows", "reverse_rows", "wire_bytes", "check_input"]
+
+WIRE_BLOCK = 128
+"""Elements per scale block of a ``wire_dtype`` exchange."""
+
+_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def check_input(comm: "Communicator", input: Any, wire_dtype: Any) -> torch.Tensor:
+    """The local checks of a ``wire_dtype`` exchange (``TypeError``/``ValueError``)."""
+    quant.check_wire_dtype(wire_dtype)
+    x = comm._check_tensor(input, "input", min_dim=1)
+    if x.dtype not in quant.INPUT_DTYPES:
+        raise TypeError(f"input must be float32, bfloat16 or float16 to be sent with wire_dtype={wire_dtype}, "
+                        f"got {x.dtype}")
+    return x
+
+
+def cross_check(comm: "Communicator", x: torch.Tensor, wire_dtype: torch.dtype, op: str) -> None:
+    """``validate=True``: every rank raises together when any rank's rows are not all finite
+    (``ValueError``) or the ranks disagree on the dtypes (``CountMismatchError``)."""
+    nonfinite = int(x.numel() > 0 and not bool(torch.isfinite(x).all()))
+    table = comm._gather_ints([nonfinite, _CODES[x.dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
+    bad = [r for r, row in enumerate(table) if row[0]]
+    if bad:
+        raise ValueError(f"moecomm: {op} (validate=True): input has non-finite values (inf or NaN) on rank(s) "
+                         f"{bad}, which wire_dtype={wire_dtype} cannot carry")
+    differ = [r for r, row in enumerate(table) if row[1:] != table[0][1:]]
+    if differ:
+        raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another input dtype or "
+                                 f"wire_dtype than rank 0 (rank {comm.rank}: {x.dtype} as {wire_dtype})")
+
+
+def start_all_to_all_v(
+    comm: "Communicator",
+    input: torch.Tensor,
+    send_splits: Splits,
+    recv_splits: Optional[Splits],
+    algorithm: str,
+    wire_dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[int], list[int], Any, Any]:
+    """Quantize, pack and issue the exchange: ``(output, send, recv, request, plan)``.
+
+    ``output`` (``[sum(recv), *row_shape]`` in the input's dtype) is filled when
+    ``request`` completes (its ``test()``/``join()`` dequantize into it); ``plan`` is the
+    inner exchange's 2DH plan (None for a flat one), for a reversed backward.
+    """
+    from .communicator import _ThenRequest
+
+    op = "all_to_all_v"
+    comm._check_open(op)
+    x = check_input(comm, input, wire_dtype)
+    if comm.validate:
+        cross_check(comm, x, wire_dtype, op)
+    row_shape = tuple(x.shape[1:])
+    packed = quant.pack_rows(x, wire_dtype, WIRE_BLOCK)
+    landing, send, recv, request = comm._start_all_to_all_v(packed, send_splits, recv_splits, algorithm=algorithm)
+    out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+
+    def unpack() -> None:
+        if out.numel():
+            quant.unpack_rows(landing, row_shape, x.dtype, wire_dtype, WIRE_BLOCK, out=out)
+
+    then = _ThenRequest(request, unpack, comm._backend.stream_ordered)
+    return out, send, recv, then, getattr(request, "plan", None)
+
+
+def wire_bytes(row_elems: int, rows: int) -> int:
+    """Bytes ``rows`` rows of ``row_elems`` elements take on the wire in a ``wire_dtype`` exchange."""
+    return rows * quant.packed_row_bytes(row_elems, WIRE_BLOCK)
+
+
+def exchange_rows(comm: "Communicator", x: torch.Tensor, send: list[int], recv: list[int], algorithm: str,
+                  wire_dtype: torch.dtype) -> torch.Tensor:
+    """A blocking ``wire_dtype`` exchange with both sides' counts known (autograd backward)."""
+    out, _, _, request, _ = start_all_to_all_v(comm, x, send, recv, algorithm, wire_dtype)
+    comm._complete(request, "all_to_all_v", None)
+    return out
+
+
+def reverse_rows(comm: "Communicator", plan: Any, g: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+    """The backward of a 2DH exchange (``plan``) with the gradient rows sent in ``wire_dtype``."""
+    from .hierarchical import reverse_all_to_all_v
+
+    x = check_input(comm, g.contiguous(), wire_dtype)
+    if comm.validate:
+        cross_check(comm, x, wire_dtype, "all_to_all_v (2dh backward)")
+    row_shape = tuple(x.shape[1:])
+    landing = reverse_all_to_all_v(comm, plan, quant.pack_rows(x, wire_dtype, WIRE_BLOCK))
+    out = torch.empty((landing.shape[0],) + row_shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        quant.unpack_rows(landing, row_shape, x.dtype, wire_dtype, WIRE_BLOCK, out=out)
+    return out
+

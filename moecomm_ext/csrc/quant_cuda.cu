@@ -1,0 +1,219 @@
+// CUDA kernels of moecomm.quant: FP8 row quantization with per-block float32 scales, fused
+// with the packing of a wire_dtype exchange (one pass over HBM each way).  Same functions,
+// arguments and results as quant_cpu.cpp (see there and moecomm/quant.py for the rule):
+//   quantize_rows, dequantize_rows, quantize_pack, unpack_dequantize.
+// The FP8 and bf16/fp16 conversions are c10's (round to nearest even, the ones torch's own
+// casts use); the scale is a true IEEE division (nvcc's default -prec-div=true, no fast
+// math), so results equal the CPU kernel's and the torch reference's bit for bit.
+//
+// Quantize: one warp per (row, block): the lanes stride over the block's elements, reduce
+// |x| with shuffles, then each lane encodes its own elements; the warp of a row's last block
+// also zeroes the packed row's padding.  Dequantize: one thread per element (rows along
+// the grid's y).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace moecomm_ext {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__host__ __device__ inline int64_t num_blocks(int64_t d, int64_t block) { return (d + block - 1) / block; }
+__host__ __device__ inline int64_t scale_offset(int64_t d) { return (d + 3) / 4 * 4; }
+
+template <typename fp8_t>
+struct Wire;
+template <>
+struct Wire<c10::Float8_e4m3fn> {
+  static constexpr float kMax = 448.0f;
+};
+template <>
+struct Wire<c10::Float8_e5m2> {
+  static constexpr float kMax = 57344.0f;
+};
+
+// q row r at q + r * q_stride; its scales (float32) at s + r * s_stride (bytes; 4-aligned).
+// pad_to > 0: packed rows of pad_to bytes whose gaps are zeroed.
+template <typename scalar_t, typename fp8_t>
+__global__ void __launch_bounds__(kThreads)
+quantize_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t d, int64_t block, uint8_t* __restrict__ q,
+                int64_t q_stride, uint8_t* __restrict__ s, int64_t s_stride, int64_t pad_to) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nb = num_blocks(d, block);
+  const int64_t total = n * nb;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); w < total; w += step) {
+    const int64_t r = w / nb, k = w - r * nb;
+    const int64_t b0 = k * block, b1 = min(d, b0 + block);
+    const scalar_t* xr = x + r * d;
+    float amax = 0.0f;
+    for (int64_t i = b0 + lane; i < b1; i += 32) amax = fmaxf(amax, fabsf(static_cast<float>(xr[i])));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float scale = amax == 0.0f ? 1.0f : amax / Wire<fp8_t>::kMax;
+    uint8_t* qr = q + r * q_stride;
+    for (int64_t i = b0 + lane; i < b1; i += 32) qr[i] = fp8_t(static_cast<float>(xr[i]) / scale).x;
+    if (lane == 0) reinterpret_cast<float*>(s + r * s_stride)[k] = scale;
+    if (pad_to > 0 && k == nb - 1) {
+      const int64_t soff = scale_offset(d), send = soff + 4 * nb;
+      for (int64_t i = d + lane; i < soff; i += 32) qr[i] = 0;
+      for (int64_t i = send + lane; i < pad_to; i += 32) qr[i] = 0;
+    }
+  }
+}
+
+template <typename scalar_t, typename fp8_t>
+__global__ void __launch_bounds__(kThreads)
+dequantize_kernel(const uint8_t* __restrict__ q, int64_t q_stride, const uint8_t* __restrict__ s, int64_t s_stride,
+                  int64_t n, int64_t d, int64_t block, scalar_t* __restrict__ out) {
+  // rows along y, a row's elements along x: no 64-bit division per element
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t r = blockIdx.y; r < n; r += gridDim.y) {
+    const float* sr = reinterpret_cast<const float*>(s + r * s_stride);
+    const uint8_t* qr = q + r * q_stride;
+    scalar_t* orow = out + r * d;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < d; i += step) {
+      const float v = static_cast<float>(fp8_t(qr[i], fp8_t::from_bits()));
+      orow[i] = static_cast<scalar_t>(v * sr[static_cast<int32_t>(i) / static_cast<int32_t>(block)]);
+    }
+  }
+}
+
+int grid_for(int64_t items, int per_block) {
+  const int64_t blocks = (items + per_block - 1) / per_block;
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(blocks, 1), 65535 * 8));
+}
+
+void check_x(const at::Tensor& x, const char* fn) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), fn, ": 'x' must be a contiguous 2-D CUDA tensor");
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, fn,
+              ": 'x' must be float32, bfloat16 or float16");
+}
+
+void check_wire_block(int64_t wire, int64_t block, const char* fn) {
+  TORCH_CHECK(wire == 0 || wire == 1, fn, ": 'wire' must be 0 (e4m3fn) or 1 (e5m2)");
+  TORCH_CHECK(block > 0 && block % 16 == 0, fn, ": 'block' must be a positive multiple of 16");
+}
+
+void launch_quantize(const at::Tensor& x, int64_t wire, int64_t block, uint8_t* q, int64_t q_stride, uint8_t* s,
+                     int64_t s_stride, int64_t pad_to) {
+  const int64_t n = x.size(0), d = x.size(1);
+  const int grid = grid_for(n * num_blocks(d, block), kWarps);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_cuda", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    if (wire == 0) {
+      quantize_kernel<scalar_t, c10::Float8_e4m3fn><<<grid, kThreads, 0, stream>>>(xp, n, d, block, q, q_stride, s,
+                                                                                  s_stride, pad_to);
+    } else {
+      quantize_kernel<scalar_t, c10::Float8_e5m2><<<grid, kThreads, 0, stream>>>(xp, n, d, block, q, q_stride, s,
+                                                                                s_stride, pad_to);
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_dequantize(const uint8_t* q, int64_t q_stride, const uint8_t* s, int64_t s_stride, int64_t n, int64_t d,
+                       int64_t wire, int64_t block, at::Tensor& out) {
+  TORCH_CHECK(d < (int64_t(1) << 31), "dequantize_rows: rows of 2^31 elements or more are not supported");
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((d + kThreads - 1) / kThreads, 1024)),
+                  static_cast<unsigned>(std::min<int64_t>(n, 65535)));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_rows_cuda", [&] {
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    if (wire == 0) {
+      dequantize_kernel<scalar_t, c10::Float8_e4m3fn><<<grid, kThreads, 0, stream>>>(q, q_stride, s, s_stride, n, d,
+                                                                                    block, op);
+    } else {
+      dequantize_kernel<scalar_t, c10::Float8_e5m2><<<grid, kThreads, 0, stream>>>(q, q_stride, s, s_stride, n, d,
+                                                                                  block, op);
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_cuda(const at::Tensor& x, int64_t wire, int64_t block) {
+  check_x(x, "quantize_rows");
+  check_wire_block(wire, block, "quantize_rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.size(0), d = x.size(1), nb = num_blocks(d, block);
+  at::Tensor q = at::empty({n, d}, x.options().dtype(at::kByte));
+  at::Tensor s = at::empty({n, nb}, x.options().dtype(at::kFloat));
+  if (n == 0 || d == 0) return {q, s};
+  launch_quantize(x, wire, block, q.mutable_data_ptr<uint8_t>(), d,
+                  reinterpret_cast<uint8_t*>(s.mutable_data_ptr<float>()), 4 * nb, 0);
+  return {q, s};
+}
+
+at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes) {
+  check_x(x, "quantize_pack");
+  check_wire_block(wire, block, "quantize_pack");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.size(0), d = x.size(1);
+  TORCH_CHECK(d == 0 ? row_bytes == 0 : (row_bytes >= scale_offset(d) + 4 * num_blocks(d, block) && row_bytes % 4 == 0),
+              "quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+  at::Tensor p = at::empty({n, row_bytes}, x.options().dtype(at::kByte));
+  if (n == 0 || d == 0) return p;
+  uint8_t* pp = p.mutable_data_ptr<uint8_t>();
+  launch_quantize(x, wire, block, pp, row_bytes, pp + scale_offset(d), row_bytes, row_bytes);
+  return p;
+}
+
+at::Tensor dequantize_rows_cuda(const at::Tensor& q, const at::Tensor& s, int64_t wire, int64_t block,
+                                at::ScalarType dtype) {
+  TORCH_CHECK(q.is_cuda() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte,
+              "dequantize_rows: 'q' must be a contiguous 2-D uint8 CUDA tensor");
+  check_wire_block(wire, block, "dequantize_rows");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t n = q.size(0), d = q.size(1), nb = num_blocks(d, block);
+  TORCH_CHECK(s.device() == q.device() && s.is_contiguous() && s.scalar_type() == at::kFloat && s.dim() == 2 &&
+                  s.size(0) == n && s.size(1) == nb,
+              "dequantize_rows: 'scales' must be contiguous float32 of shape [N, ceil(D / block)] on q's device");
+  at::Tensor out = at::empty({n, d}, q.options().dtype(dtype));
+  if (n == 0 || d == 0) return out;
+  launch_dequantize(q.const_data_ptr<uint8_t>(), d, reinterpret_cast<const uint8_t*>(s.const_data_ptr<float>()),
+                    4 * nb, n, d, wire, block, out);
+  return out;
+}
+
+at::Tensor unpack_dequantize_cuda(const at::Tensor& p, int64_t d, int64_t wire, int64_t block, at::ScalarType dtype,
+                                  const std::optional<at::Tensor>& out_opt) {
+  TORCH_CHECK(p.is_cuda() && p.dim() == 2 && p.is_contiguous() && p.scalar_type() == at::kByte,
+              "unpack_dequantize: 'packed' must be a contiguous 2-D uint8 CUDA tensor");
+  check_wire_block(wire, block, "unpack_dequantize");
+  const c10::cuda::CUDAGuard guard(p.device());
+  const int64_t n = p.size(0), row_bytes = p.size(1);
+  TORCH_CHECK(d >= 0 && (d == 0 || (row_bytes >= scale_offset(d) + 4 * num_blocks(d, block) && row_bytes % 4 == 0)),
+              "unpack_dequantize: rows of ", row_bytes, " bytes cannot hold ", d, " elements");
+  at::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    TORCH_CHECK(out.device() == p.device() && out.is_contiguous() && out.scalar_type() == dtype && out.dim() == 2 &&
+                    out.size(0) == n && out.size(1) == d,
+                "unpack_dequantize: 'out' must be a contiguous [N, D] tensor of dtype ", dtype, " on ", p.device());
+  } else {
+    out = at::empty({n, d}, p.options().dtype(dtype));
+  }
+  if (n == 0 || d == 0) return out;
+  const uint8_t* pp = p.const_data_ptr<uint8_t>();
+  launch_dequantize(pp, row_bytes, pp + scale_offset(d), row_bytes, n, d, wire, block, out);
+  return out;
+}
+
+}  // namespace moecomm_ext

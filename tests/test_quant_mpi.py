@@ -1,0 +1,24 @@
+"""``wire_dtype`` exchanges on real MPI ranks (K = 1, 2, 3, 4, 8): tests/ranks/quant_checks.py."""
+
+import pytest
+import torch
+
+from tests.mpi_util import run_ranks
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 8])
+def test_wire_dtype_exchanges(nprocs):
+    out = run_ranks(nprocs, "tests.ranks.quant_checks", timeout=240)
+    assert f"checks passed on {nprocs} ranks" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("mode", ["nccl", "nccl-p2p"])
+def test_wire_dtype_exchanges_on_gpus(mode):
+    """The same checks through NCCL and through peer memory (copy engines, and the one-round
+    exchange with counts on the GPU), plus a captured wire exchange replayed with new data."""
+    out = run_ranks(2, "tests.ranks.quant_checks", mode, timeout=300, env={"NCCL_NVLS_ENABLE": "0"})
+    assert "checks passed on 2 ranks" in out
