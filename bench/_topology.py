@@ -8,9 +8,9 @@ if __package__.startswith("moecomm."):
     from ..topology.plot import require_matplotlib, size_label  # noqa: F401
     from ..topology.rank_parser import RankZeroParser  # noqa: F401
 else:
-    from ._topology import *  # noqa: F401,F403
-    from ._topology import __all__ as _measure_all
-    from ._topology import require_matplotlib, size_label  # noqa: F401
-    from ._topology import RankZeroParser  # noqa: F401
+    from topology.measure import *  # noqa: F401,F403
+    from topology.measure import __all__ as _measure_all
+    from topology.plot import require_matplotlib, size_label  # noqa: F401
+    from topology.rank_parser import RankZeroParser  # noqa: F401
 
 __all__ = list(_measure_all) + ["require_matplotlib", "size_label", "RankZeroParser"]
