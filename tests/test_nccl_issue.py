@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from moecomm.backends import nccl
-from moecomm_ext._loader import load_nccl_issue
+from moecomm.backends._ext import load_nccl_issue
 
 
 def test_extension_names_a_library_that_is_not_loaded():

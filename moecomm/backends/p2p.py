@@ -25,7 +25,7 @@ call raises it, as after an NCCL timeout.
 Made by ``moecomm.init(p2p_bytes=...)`` (NCCL backend, one node, every GPU pair able to
 map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU tensor,
 ``recv_splits`` is not given and rows are a multiple of 16 bytes (kernels), and for every
-flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.cu`` for
+flat exchange with known counts (copy engines). See ``moecomm/backends/csrc/p2p_cuda.cu`` for
 the arena layout and why two buffers suffice. A plain ``all_to_all_v`` with known counts uses
 the copy engines only from a size on (``moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES``).
 
@@ -78,7 +78,7 @@ class PeerTransport:
     max_blocks: int = 256
 
     def __init__(self, comm: "Communicator", arena_bytes: int) -> None:
-        from moecomm_ext._loader import load_p2p
+        from ._ext import load_p2p
 
         backend: "NcclBackend" = comm._backend
         self._ext = load_p2p()
@@ -92,7 +92,7 @@ class PeerTransport:
             if r != self.rank and not self._ext.can_access_peer(dev.index, d):
                 raise ValueError(f"p2p_bytes: GPU {dev.index} (rank {self.rank}) cannot map the memory of GPU {d} "
                                  f"(rank {r}); the peer-memory transport needs every pair of GPUs linked")
-        # layout (moecomm_ext/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
+        # layout (moecomm/backends/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
         # headers and acks, then each protocol's data regions (two halves of W each)
         self.header_off = 0
         self.ce_header_off = 2 * W * _HEADER_BYTES
@@ -190,7 +190,7 @@ class PeerTransport:
         # copy on the second stream before its completion event, which is what frees them
         stream = b._begin(x, out)
         self._ce_half ^= 1
-        # the ready kernel (moecomm_ext/csrc/p2p_cuda.cu) only where the exchange before this one on
+        # the ready kernel (moecomm/backends/csrc/p2p_cuda.cu) only where the exchange before this one on
         # the device may have used the same half: the first of a capture; eager ones once captured
         capture = self._ext.capture_id(stream)
         ready = capture != self._ce_capture if capture else self._ce_captured
