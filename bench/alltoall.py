@@ -40,11 +40,11 @@ import numpy as np
 import torch
 
 import moecomm
+from ._common import DTYPES
 from ._topology import RankZeroParser, parse_bytes
 
 __all__ = ["main", "parse_size", "count_matrix", "plan_sizes", "build_parser"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def parse_size(text: str) -> int:
@@ -126,7 +126,7 @@ class Bench:
         self.comm = moecomm.init(backend=args.backend, timeout=args.timeout)
         self.device = self.comm.device
         self.cuda = self.device.type == "cuda"
-        self.dtype = _DTYPES[args.dtype]
+        self.dtype = DTYPES[args.dtype]
         self.pg = self._torch_group() if args.compare else None
         self.p2p = None
         if self.cuda and args.p2p_bytes:
@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=20, help="timed exchanges per size (20)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed exchanges first (3)")
     p.add_argument("-p", "--patterns", default="uniform,random,skewed", help="comma list of uniform, random, skewed")
-    p.add_argument("-d", "--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--row-elems", type=int, default=1024, help="elements per row (token); 1024")
     p.add_argument("--backend", default=None, help="moecomm backend (default: auto)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")

@@ -57,7 +57,7 @@ run_step() {
       step moe_ctas8 60 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --max-ctas 8 --json "$RES/moe_layer_ctas8.json" ;;
     copies) step layout_copies 60 python3 -m bench.layout_copies ;;
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
-    kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$RES/kernels.json" ;;
+    kernels) step kernels 150 python3 -m bench.kernels --json "$RES/kernels.json" ;;
     gputests) step pytest_gpu 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
     moe)
       step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import moecomm
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
+from ._common import DTYPES, FLOAT_DTYPES
 from ._topology import RankZeroParser
 
 from .alltoall import parse_size
@@ -58,7 +59,6 @@ from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parse_degrees(text: str) -> list:
@@ -102,7 +102,7 @@ class Layer:
         self.args, self.comm = args, comm
         self.device = comm.device
         self.cuda = self.device.type == "cuda"
-        dtype = _DTYPES[args.dtype]
+        dtype = DTYPES[args.dtype]
         W, R, E = comm.size, comm.rank, args.experts_per_rank
         rng = np.random.default_rng([args.seed, R])
         # rows for (destination rank, local expert), sorted that way
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dim", type=int, default=None, help="row width (GPU 4096, CPU 256)")
     p.add_argument("--hidden", type=int, default=None, help="expert hidden size (GPU 1024, CPU 256)")
     p.add_argument("--experts-per-rank", type=int, default=1, help="local experts per rank (1)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="GPU bfloat16, CPU float32")
+    p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None, help="GPU bfloat16, CPU float32")
     p.add_argument("--pattern", choices=("uniform", "random"), default="uniform", help="routing counts (uniform)")
     p.add_argument("--degrees", type=_parse_degrees, default=_parse_degrees("plain,1,2,4,8,auto"),
                    help="comma list of degrees, 'auto' and 'plain' (plain,1,2,4,8,auto)")
@@ -334,7 +334,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             _trace(args.trace, f"trace_{d}.json", step, timer, comm.rank == 0)
         label = str(d)
         if d == "auto" or str(d).startswith("oauto"):
-            row_bytes = args.model_dim * torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
+            row_bytes = args.model_dim * torch.empty((), dtype=DTYPES[args.dtype]).element_size()
             from moecomm.overlap import auto_pieces
             pieces = max(auto_pieces(comm, layer.send, row_bytes) + auto_pieces(comm, layer.recv, row_bytes))
             pieces = int(world.allreduce(pieces, op=MPI.MAX))
@@ -351,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 r["vs_1"] = r["median_ms"] / base
     if rank0:
         name = torch.cuda.get_device_name(comm.device) if cuda else "cpu"
-        esize = torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
+        esize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
         mib = sum(layer.send) * args.model_dim * esize / 2**20
         lines = [
             f"# moecomm overlap: {comm.size} ranks, backend {comm.backend}, {name}, {args.dtype}, "
