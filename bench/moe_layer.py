@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 import moecomm
+from moecomm.graphs import capture
 from moecomm.moe import MoELayer
 from ._common import DTYPES, FLOAT_DTYPES
 from ._topology import RankZeroParser
 
 from .alltoall import parse_size
-from .graphs import capture
 from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]

@@ -48,13 +48,13 @@ import torch
 import torch.nn.functional as F
 
 import moecomm
+from moecomm.graphs import capture
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
 from ._common import DTYPES, FLOAT_DTYPES
 from ._topology import RankZeroParser
 
 from .alltoall import parse_size
-from .graphs import capture
 from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
