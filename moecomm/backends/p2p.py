@@ -48,6 +48,7 @@ import torch
 from ..errors import CountMismatchError
 from ..splits import split_offsets
 from . import _cudart
+from ._p2p_limits import ROW_ALIGN
 from .base import DoneRequest, Request
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,10 +56,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .nccl import NcclBackend
 
 __all__ = ["PeerTransport", "ROW_ALIGN"]
-
-ROW_ALIGN = 16
-"""Rows must be a multiple of this many bytes (the kernels move 16-byte vectors)."""
-
 
 _HEADER_BYTES = 64
 

@@ -14,11 +14,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 import moecomm
+from moecomm.hierarchical import ALGORITHMS
 
 __all__ = ["resolve_comm", "a2a_accepts_algorithm", "has_scatter_compute_gather", "has_own_first", "AllToAll", "all_to_all",
            "allreduce_max", "allreduce_sum_", "ALGORITHMS"]
-
-ALGORITHMS = ("flat", "2dh", "auto")
 
 
 def resolve_comm(comm: Any) -> "moecomm.Communicator":
