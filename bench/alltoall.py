@@ -108,15 +108,6 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="size", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def _block_setting(text: str) -> tuple[int, int]:
-    """``"64K:256"``: (block_bytes, max_blocks) of the peer-memory kernels."""
-    size, _, most = text.partition(":")
-    try:
-        return parse_bytes(size), int(most)
-    except ValueError:
-        raise SystemExit(f"--p2p-blocks: expected BYTES:MAX (e.g. 64K:256), got {text!r}") from None
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         from mpi4py import MPI
@@ -131,9 +122,6 @@ class Bench:
         self.p2p = None
         if self.cuda and args.p2p_bytes:
             self.p2p = moecomm.init(backend="nccl", timeout=args.timeout, p2p_bytes=args.p2p_bytes, set_default=False)
-        # a tuning experiment: more moecomm-p2p methods, each with its kernels' thread blocks
-        # (PeerTransport.block_bytes:max_blocks), timed round-robin beside the rest
-        self.p2p_blocks = [_block_setting(b) for b in args.p2p_blocks.split(",")] if args.p2p_blocks else []
 
     def _torch_group(self):
         import socket
@@ -219,9 +207,6 @@ class Bench:
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
             methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]
-            for block_bytes, max_blocks in self.p2p_blocks:
-                methods[f"moecomm-p2p[{block_bytes >> 10}K:{max_blocks}]"] = \
-                    lambda b=block_bytes, m=max_blocks: self._p2p_with_blocks(x, counts_dev, b, m)
         if self.pg is not None:
             methods["torch"] = lambda: self._torch_pattern(x, counts_dev)
             methods["raw"] = self._raw_method(x, send, recv, pattern)
@@ -236,15 +221,6 @@ class Bench:
             if self.args.check_cost:  # every round's time, for ratios paired round by round
                 results[-1]["times_us"] = [t * 1e6 for t in times]
         return results
-
-    def _p2p_with_blocks(self, x: torch.Tensor, counts_dev: torch.Tensor, block_bytes: int,
-                         max_blocks: int) -> torch.Tensor:
-        t = self.p2p._p2p  # the instance's attributes shadow PeerTransport's defaults, for this call
-        t.block_bytes, t.max_blocks = block_bytes, max_blocks
-        try:
-            return self.p2p.all_to_all_v(x, counts_dev)[0]
-        finally:
-            del t.block_bytes, t.max_blocks
 
     def _checked(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         self.comm._records_beside = True  # private switch, for this measurement only
@@ -355,9 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "the JSON then holds every round's time (times_us)")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
-    p.add_argument("--p2p-blocks", metavar="BYTES:MAX,...", default=None,
-                   help="with --p2p-bytes: also time moecomm-p2p with its kernels using one thread block per BYTES "
-                        "moved, at most MAX in all (PeerTransport's default: 64K:256), one method per setting")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p

@@ -261,9 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ctas", type=int, default=None, help="NCCL: most CTAs per communication kernel (init(max_ctas=))")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs of one node: peer memory per rank (init(p2p_bytes=)); exchanges then move by copy engines")
-    p.add_argument("--peer-stream-priority", type=int, default=None,
-                   help="experiment: give own_first's peers' rows stream this CUDA priority (-1: high; default: "
-                        "the communicator's)")
     p.add_argument("--exchange-only", action="store_true",
                    help="also time each degree with an identity fn (the chunked exchange's own cost)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler chrome trace of a few steps per degree "
@@ -302,8 +299,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if not cuda:
         torch.set_num_threads(1)
     comm = moecomm.init(backend="nccl" if cuda else "mpi", timeout=args.timeout, max_ctas=args.max_ctas, p2p_bytes=args.p2p_bytes)
-    if args.peer_stream_priority is not None and cuda:  # an experiment on a private attribute
-        comm._peer_stream = torch.cuda.Stream(comm.device, priority=args.peer_stream_priority)
     layer = Layer(args, comm)
     timer = Timer(args, comm, world)
     rank0 = comm.rank == 0

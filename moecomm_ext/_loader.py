@@ -151,7 +151,7 @@ SpecFactory = Callable[..., _specs.Spec]
 def _build_spec(kind: str, factory: SpecFactory = _specs.spec, cuda: bool | None = None) -> _specs.Spec:
     """Sources and flags of the extension of ``kind`` for this torch and GPU."""
     capability = None
-    if (kind == _specs.CUDA if cuda is None else cuda) and torch.cuda.is_available():
+    if (kind in _specs.CUDA_KINDS if cuda is None else cuda) and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
     return factory(kind, openmp=torch.backends.openmp.is_available(), device_capability=capability)
 
@@ -369,8 +369,8 @@ def _jit(spec: _specs.Spec, cache_dir: Path, verbose: bool, why: str) -> _LoadOu
 def _attempt(kind: str, cache_dir: Path, verbose: bool, factory: SpecFactory = _specs.spec,
              cuda: bool | None = None) -> _LoadOutcome:
     """The installed module of ``kind`` (made by ``factory``) if usable, else a just-in-time
-    build. ``cuda``: whether it needs CUDA (default: ``kind == "cuda"``)."""
-    if kind == _specs.CUDA if cuda is None else cuda:
+    build. ``cuda``: whether it needs CUDA (default: ``kind in _specs.CUDA_KINDS``)."""
+    if kind in _specs.CUDA_KINDS if cuda is None else cuda:
         if torch.version.cuda is None or not torch.cuda.is_available():
             # No CUDA tensor can exist, so nothing can silently go wrong:
             # report unavailability without a warning.

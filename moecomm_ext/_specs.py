@@ -24,6 +24,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CPU = "cpu"
 CUDA = "cuda"
 KINDS = (CPU, CUDA)
+CUDA_KINDS = (CUDA,)  # need nvcc and a torch with CUDA
 
 HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
 
