@@ -16,9 +16,9 @@ stage of ``scatter_compute_gather``) move through the same arenas by *copy engin
 kernel writing the headers, a wait for the peers' headers (with a timeout, checking each
 count against what this rank expects), and copies out of the own regions; the rank's own
 rows are one device-local copy (on a second stream when large). No SM moves a byte, so an
-exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do; on 2 x H200
-a whole exchange so moved takes 0.92-1.07x NCCL's time from 64 MiB a rank
-(``bench/results/h200x2/alltoall_ce.json``, ``bench/copy_engine_probe.py``). A failure the wait reports (a peer silent past the
+exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do, while a
+whole exchange so moved takes about NCCL's time at large sizes (``bench/results/README.md``,
+``bench/copy_engine_probe.py``). A failure the wait reports (a peer silent past the
 timeout, a peer sending another count than expected) aborts the communicator; the next
 call raises it, as after an NCCL timeout.
 

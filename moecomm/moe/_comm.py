@@ -56,7 +56,7 @@ def _accepts(fn: Any, name: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _method_accepts(cls: type, method: str, name: str) -> bool:
-    """Cache: introspection costs tens of microseconds, and the layer asks on every exchange."""
+    """Cache: introspection costs more than issuing an exchange, and the layer asks on every one."""
     return _accepts(getattr(cls, method), name)
 
 
