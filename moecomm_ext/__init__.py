@@ -35,7 +35,7 @@ Environment variables (each only provides the default of an explicit argument):
     ``False`` in every op, so the pure-torch reference runs and nothing is built.
 
 Module-level state: the only mutable state is the cache of loaded extension
-modules in ``moecomm_ext._loader._LOADED`` (device type -> module or failure),
+modules in ``moecomm_ext._loader._LOADED`` (device type or extension kind -> module or failure),
 filled by the first load per device type and kept for the life of the process.
 """
 

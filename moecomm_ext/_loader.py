@@ -22,8 +22,9 @@ environments never rebuild each other's libraries.  Concurrent builders (MPI ran
 serialised by a lock file holding the builder's pid and host (:func:`_build_lock`); a lock
 whose holder has died, or older than :data:`LOCK_STALE_S`, is broken.
 
-Module-level mutable state: ``_LOADED`` (a dict, device type -> outcome of the first load
-attempt in this process: the module, or ``None`` plus the failure reason) and ``_LOCK``
+Module-level mutable state: ``_LOADED`` (a dict, device type or :func:`load_extension`'s
+kind -> outcome of the first load attempt in this process: the module, or ``None`` plus the
+failure reason) and ``_LOCK``
 (the lock that guards it).  Nothing else in the package is mutable at module level.  A
 failed attempt is cached too, so the :class:`NativeBuildWarning` is emitted once per
 device type and process.
