@@ -4,10 +4,13 @@ The extensions are compiled with torch's ``BuildExtension``, so torch must be im
 while building: install torch first, then this package with ``--no-build-isolation`` (an
 isolated build would have no torch, or fetch one). Built here:
 
-* ``moecomm_ext._rows_cpu``, ``moecomm_ext._quant_cpu`` and ``moecomm_ext._nccl_issue``
+* ``moecomm_ext._rows_cpu``, ``moecomm_ext._quant_cpu`` and ``moecomm.backends._nccl_issue``
   (C++, host only) always;
-* ``moecomm_ext._rows_cuda``, ``moecomm_ext._quant_cuda`` and ``moecomm_ext._p2p_cuda`` where torch has CUDA
+* ``moecomm_ext._rows_cuda``, ``moecomm_ext._quant_cuda`` and ``moecomm.backends._p2p_cuda`` where torch has CUDA
   (``torch.version.cuda``) and a CUDA toolkit is found.
+
+``moecomm_ext/_specs.py`` describes the row kernels, ``moecomm/backends/_ext_specs.py`` the
+transports' extensions (sources in ``moecomm/backends/csrc``).
 
 A build that cannot happen (no torch, no compiler, a compile error) does not fail the
 install: the package then loads the kernels just in time on first use, or, where that fails
@@ -32,14 +35,22 @@ def _note(msg: str) -> None:
     print(f"moecomm setup: {msg}", file=sys.stderr, flush=True)
 
 
-def _load_specs():
-    # By path: importing the package would import torch-dependent modules of it.
-    path = ROOT / "moecomm_ext" / "_specs.py"
-    spec = importlib.util.spec_from_file_location("_moecomm_ext_specs", path)
+def _load_by_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def _load_specs():
+    """(moecomm_ext._specs, moecomm.backends._ext_specs), loaded by path: importing the
+    packages would import their torch-dependent modules. The first is registered under its
+    own name, so the second's ``from moecomm_ext._specs import ...`` finds it without
+    importing the package."""
+    ext = _load_by_path("moecomm_ext._specs", ROOT / "moecomm_ext" / "_specs.py")
+    transports = _load_by_path("_moecomm_backends_ext_specs", ROOT / "moecomm" / "backends" / "_ext_specs.py")
+    return ext, transports
 
 
 def _native_build() -> dict:
@@ -55,20 +66,21 @@ def _native_build() -> dict:
               "(they are built on first use instead). Install torch first and this package "
               "with --no-build-isolation to build them now.")
         return {}
-    specs = _load_specs()
+    specs, transports = _load_specs()
     openmp = torch.backends.openmp.is_available()
-    kinds = [specs.CPU, specs.NCCL_ISSUE, specs.QUANT_CPU]
+    kinds = [(specs, specs.CPU), (specs, specs.QUANT_CPU), (transports, transports.NCCL_ISSUE)]
     if torch.version.cuda and cpp_extension.CUDA_HOME:
-        kinds += [specs.CUDA, specs.P2P, specs.QUANT_CUDA]
+        kinds += [(specs, specs.CUDA), (specs, specs.QUANT_CUDA), (transports, transports.P2P)]
     elif torch.version.cuda:
         _note("torch has CUDA but no CUDA toolkit was found (CUDA_HOME, nvcc): building the CPU kernels only")
     capability = torch.cuda.get_device_capability() if torch.version.cuda and torch.cuda.is_available() else None
     torch_version = torch.__version__
     extensions = []
-    for kind in kinds:
-        s = specs.spec(kind, openmp=openmp, device_capability=capability)
+    for module, kind in kinds:
+        s = module.spec(kind, openmp=openmp, device_capability=capability)
         define = f"-D{specs.HASH_MACRO}={specs.source_hash(s, torch_version)}"
         sources = [str(p.relative_to(ROOT)) for p in s.source_paths()]
+        include_dirs = [str(d) for d in s.include_dirs()]
         # -g0: Python's own CFLAGS (which setuptools passes first) carry -g, and debug info
         # for torch's templates triples the compile time and the library's size.
         args = {"cxx": [*s.cflags, define, "-g0"]}
@@ -77,7 +89,8 @@ def _native_build() -> dict:
             cls = cpp_extension.CUDAExtension
         else:
             cls = cpp_extension.CppExtension
-        extensions.append(cls(s.installed, sources, extra_compile_args=args, extra_link_args=list(s.ldflags)))
+        extensions.append(cls(s.installed, sources, include_dirs=include_dirs, extra_compile_args=args,
+                              extra_link_args=list(s.ldflags)))
 
     class OptionalBuildExtension(cpp_extension.BuildExtension):
         """A failed extension is reported and skipped; the install goes on."""

@@ -8,7 +8,7 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-_NOT_BENCHMARKS = frozenset({"__main__", "graphs", "host_profile"})  # helpers, not benchmarks
+_NOT_BENCHMARKS = frozenset({"__main__", "host_profile"})  # helpers, not benchmarks
 
 
 def benchmarks() -> list[str]:

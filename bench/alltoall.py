@@ -46,11 +46,11 @@ import numpy as np
 import torch
 
 import moecomm
+from ._common import DTYPES
 from ._topology import RankZeroParser, parse_bytes
 
 __all__ = ["main", "parse_size", "count_matrix", "plan_sizes", "build_parser"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 
 
 def parse_size(text: str) -> int:
@@ -114,15 +114,6 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="size", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def _block_setting(text: str) -> tuple[int, int]:
-    """``"64K:256"``: (block_bytes, max_blocks) of the peer-memory kernels."""
-    size, _, most = text.partition(":")
-    try:
-        return parse_bytes(size), int(most)
-    except ValueError:
-        raise SystemExit(f"--p2p-blocks: expected BYTES:MAX (e.g. 64K:256), got {text!r}") from None
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         from mpi4py import MPI
@@ -132,15 +123,12 @@ class Bench:
         self.comm = moecomm.init(backend=args.backend, timeout=args.timeout)
         self.device = self.comm.device
         self.cuda = self.device.type == "cuda"
-        self.dtype = _DTYPES[args.dtype]
+        self.dtype = DTYPES[args.dtype]
         self.wire = getattr(torch, args.wire_dtype) if args.wire_dtype else None
         self.pg = self._torch_group() if args.compare else None
         self.p2p = None
         if self.cuda and args.p2p_bytes:
             self.p2p = moecomm.init(backend="nccl", timeout=args.timeout, p2p_bytes=args.p2p_bytes, set_default=False)
-        # a tuning experiment: more moecomm-p2p methods, each with its kernels' thread blocks
-        # (PeerTransport.block_bytes:max_blocks), timed round-robin beside the rest
-        self.p2p_blocks = [_block_setting(b) for b in args.p2p_blocks.split(",")] if args.p2p_blocks else []
 
     def _torch_group(self):
         import socket
@@ -234,9 +222,6 @@ class Bench:
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
             methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]
-            for block_bytes, max_blocks in self.p2p_blocks:
-                methods[f"moecomm-p2p[{block_bytes >> 10}K:{max_blocks}]"] = \
-                    lambda b=block_bytes, m=max_blocks: self._p2p_with_blocks(x, counts_dev, b, m)
         if self.wire is not None:
             wire = self.wire
             methods["moecomm-fp8"] = lambda: self.comm.all_to_all_v(x, counts_dev, wire_dtype=wire)[0]
@@ -264,15 +249,6 @@ class Bench:
             if self.args.check_cost:  # every round's time, for ratios paired round by round
                 results[-1]["times_us"] = [t * 1e6 for t in times]
         return results
-
-    def _p2p_with_blocks(self, x: torch.Tensor, counts_dev: torch.Tensor, block_bytes: int,
-                         max_blocks: int) -> torch.Tensor:
-        t = self.p2p._p2p  # the instance's attributes shadow PeerTransport's defaults, for this call
-        t.block_bytes, t.max_blocks = block_bytes, max_blocks
-        try:
-            return self.p2p.all_to_all_v(x, counts_dev)[0]
-        finally:
-            del t.block_bytes, t.max_blocks
 
     def _checked(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         self.comm._records_beside = True  # private switch, for this measurement only
@@ -377,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=20, help="timed exchanges per size (20)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed exchanges first (3)")
     p.add_argument("-p", "--patterns", default="uniform,random,skewed", help="comma list of uniform, random, skewed")
-    p.add_argument("-d", "--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--row-elems", type=int, default=1024, help="elements per row (token); 1024")
     p.add_argument("--backend", default=None, help="moecomm backend (default: auto)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
@@ -387,9 +363,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "the JSON then holds every round's time (times_us)")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
-    p.add_argument("--p2p-blocks", metavar="BYTES:MAX,...", default=None,
-                   help="with --p2p-bytes: also time moecomm-p2p with its kernels using one thread block per BYTES "
-                        "moved, at most MAX in all (PeerTransport's default: 64K:256), one method per setting")
     p.add_argument("--wire-dtype", choices=["float8_e4m3fn", "float8_e5m2"], default=None,
                    help="also time the exchanges with rows sent in this FP8 dtype (all_to_all_v(wire_dtype=))")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 import moecomm
+from ._common import DTYPES, FLOAT_DTYPES
 
 __all__ = ["main", "build_parser"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _size(text: str) -> int:
@@ -59,7 +59,7 @@ def _size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.frameworks", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bfloat16 (cuda), float32 (cpu)")
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, default=None, help="default: bfloat16 (cuda), float32 (cpu)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     p.add_argument("--model-dim", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=2048, help="expert hidden size")
@@ -320,7 +320,7 @@ def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)

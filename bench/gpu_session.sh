@@ -4,7 +4,7 @@
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
-# moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl, p2pblocks
+# moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
 # perpeer, perpeerx3, deadlines and fp8 run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -57,7 +57,7 @@ run_step() {
       step moe_ctas8 60 "${MPI[@]}" python3 -m bench.moe_layer --overlap-degree 1,2 --max-ctas 8 --json "$RES/moe_layer_ctas8.json" ;;
     copies) step layout_copies 60 python3 -m bench.layout_copies ;;
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
-    kernels) step kernels 150 python3 -m moecomm_ext.bench_kernels --json "$RES/kernels.json" ;;
+    kernels) step kernels 150 python3 -m bench.kernels --json "$RES/kernels.json" ;;
     gputests) step pytest_gpu 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
     moe)
       step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
@@ -129,19 +129,10 @@ run_step() {
         --json "$RES/overlap_own.json" ;;
     overlapsplit)
       step overlap_split_ce 240 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G \
-        --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,o2:0.3,o4:0.5,4 --cuda-graph -n 15 --json "$RES/overlap_split_ce.json"
-      step overlap_split_ce_prio 240 "${MPI[@]}" python3 -m bench.overlap --p2p-bytes 2G --peer-stream-priority -1 \
-        --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,o2:0.3,o4:0.5 --cuda-graph -n 15 --json "$RES/overlap_split_ce_prio.json" ;;
+        --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,o2:0.3,o4:0.5,4 --cuda-graph -n 15 --json "$RES/overlap_split_ce.json" ;;
     overlapsplitnccl)
       step overlap_split 200 "${MPI[@]}" python3 -m bench.overlap --degrees 1,o1:1,o1:0.5,o2:1,o2:0.5,2 --cuda-graph \
         -n 15 --json "$RES/overlap_split.json" ;;
-    p2pblocks)  # thread blocks of the counts-on-the-GPU kernels: settings side by side in one process (64K:256: the
-                # default again, a control), twice
-      for run in 1 2; do
-        step "alltoall_p2p_blocks_$run" 150 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
-          -b 256K -e 16M -f 2 -p uniform,random,skewed --compare --p2p-bytes 2G --p2p-blocks 256K:128,64K:256,32K:512 \
-          -n 40 --no-progress --json "$RES/alltoall_p2p_blocks_$run.json"
-      done ;;
     fp8)  # issue 20: FP8 on the wire (kernels, exchanges over NCCL and peer memory, the benchmark)
       step quant_kernels 300 python3 -m pytest -q -p no:cacheprovider tests/test_quant.py
       step quant_checks 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.quant_checks nccl

@@ -34,16 +34,16 @@ import numpy as np
 import torch
 
 import moecomm
+from moecomm.graphs import capture
 from moecomm.moe import MoELayer
+from ._common import DTYPES, FLOAT_DTYPES
 from ._topology import RankZeroParser
 
 from .alltoall import parse_size
-from .graphs import capture
 from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _own_first(text: str) -> list:
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel-mode", default="expert", choices=("expert", "data", "auto"))
     p.add_argument("--gate", default="linear", choices=("linear", "cosine"))
     p.add_argument("--activation", default="relu", help="expert activation (relu, the layer's default)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="GPU bfloat16, CPU float32")
+    p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None, help="GPU bfloat16, CPU float32")
     p.add_argument("--autocast", action="store_true", help="fp32 parameters under torch.autocast(dtype)")
     p.add_argument("-n", "--iters", type=int, default=None, help="timed samples (GPU 20, CPU 5)")
     p.add_argument("--steps", type=int, default=None, help="steps per sample (GPU 10, CPU 2)")
@@ -114,7 +114,7 @@ def _defaults(a: argparse.Namespace, cuda: bool, world: int) -> None:
 class Bench:
     def __init__(self, args, comm):
         self.args, self.comm = args, comm
-        dt = _DTYPES[args.dtype]
+        dt = DTYPES[args.dtype]
         pdtype = torch.float32 if args.autocast else dt
         dev = comm.device
         self.layer = MoELayer(args.model_dim, args.hidden, args.experts, k=max(k for k in args.top_k),

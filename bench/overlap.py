@@ -48,17 +48,17 @@ import torch
 import torch.nn.functional as F
 
 import moecomm
+from moecomm.graphs import capture
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
+from ._common import DTYPES, FLOAT_DTYPES
 from ._topology import RankZeroParser
 
 from .alltoall import parse_size
-from .graphs import capture
 from .host_profile import host_profile, sync_report
 
 __all__ = ["main", "build_parser"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parse_degrees(text: str) -> list:
@@ -102,7 +102,7 @@ class Layer:
         self.args, self.comm = args, comm
         self.device = comm.device
         self.cuda = self.device.type == "cuda"
-        dtype = _DTYPES[args.dtype]
+        dtype = DTYPES[args.dtype]
         W, R, E = comm.size, comm.rank, args.experts_per_rank
         rng = np.random.default_rng([args.seed, R])
         # rows for (destination rank, local expert), sorted that way
@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dim", type=int, default=None, help="row width (GPU 4096, CPU 256)")
     p.add_argument("--hidden", type=int, default=None, help="expert hidden size (GPU 1024, CPU 256)")
     p.add_argument("--experts-per-rank", type=int, default=1, help="local experts per rank (1)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="GPU bfloat16, CPU float32")
+    p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None, help="GPU bfloat16, CPU float32")
     p.add_argument("--pattern", choices=("uniform", "random"), default="uniform", help="routing counts (uniform)")
     p.add_argument("--degrees", type=_parse_degrees, default=_parse_degrees("plain,1,2,4,8,auto"),
                    help="comma list of degrees, 'auto' and 'plain' (plain,1,2,4,8,auto)")
@@ -261,9 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ctas", type=int, default=None, help="NCCL: most CTAs per communication kernel (init(max_ctas=))")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs of one node: peer memory per rank (init(p2p_bytes=)); exchanges then move by copy engines")
-    p.add_argument("--peer-stream-priority", type=int, default=None,
-                   help="experiment: give own_first's peers' rows stream this CUDA priority (-1: high; default: "
-                        "the communicator's)")
     p.add_argument("--exchange-only", action="store_true",
                    help="also time each degree with an identity fn (the chunked exchange's own cost)")
     p.add_argument("--trace", metavar="DIR", help="write a torch.profiler chrome trace of a few steps per degree "
@@ -302,8 +299,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if not cuda:
         torch.set_num_threads(1)
     comm = moecomm.init(backend="nccl" if cuda else "mpi", timeout=args.timeout, max_ctas=args.max_ctas, p2p_bytes=args.p2p_bytes)
-    if args.peer_stream_priority is not None and cuda:  # an experiment on a private attribute
-        comm._peer_stream = torch.cuda.Stream(comm.device, priority=args.peer_stream_priority)
     layer = Layer(args, comm)
     timer = Timer(args, comm, world)
     rank0 = comm.rank == 0
@@ -334,7 +329,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             _trace(args.trace, f"trace_{d}.json", step, timer, comm.rank == 0)
         label = str(d)
         if d == "auto" or str(d).startswith("oauto"):
-            row_bytes = args.model_dim * torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
+            row_bytes = args.model_dim * torch.empty((), dtype=DTYPES[args.dtype]).element_size()
             from moecomm.overlap import auto_pieces
             pieces = max(auto_pieces(comm, layer.send, row_bytes) + auto_pieces(comm, layer.recv, row_bytes))
             pieces = int(world.allreduce(pieces, op=MPI.MAX))
@@ -351,7 +346,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 r["vs_1"] = r["median_ms"] / base
     if rank0:
         name = torch.cuda.get_device_name(comm.device) if cuda else "cpu"
-        esize = torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
+        esize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
         mib = sum(layer.send) * args.model_dim * esize / 2**20
         lines = [
             f"# moecomm overlap: {comm.size} ranks, backend {comm.backend}, {name}, {args.dtype}, "

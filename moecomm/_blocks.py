@@ -10,11 +10,10 @@ kernels (native where built, else their torch references; rows move bit for bit,
 * :func:`reorder_blocks` -- any block order (for node layouts whose ranks are not
   numbered node by node).
 
-Up to :data:`CAT_MAX_BLOCKS` blocks both are one ``torch.cat`` of block views (one copy
+Up to :data:`_CAT_MAX_BLOCKS` blocks both are one ``torch.cat`` of block views (one copy
 kernel, no index to build); with more blocks, one ``moecomm_ext.gather_rows`` whose row
-index is built on the device from the host-known block table (``moecomm_ext.permute_blocks``
-would validate a device tensor of counts with host synchronisations; the counts here are
-host ints already checked).
+index is built on the device from the host-known block table (the counts here are host ints
+already checked, so nothing is validated again and the host never waits).
 
 Both return ``x`` itself when the order does not change, and never build an autograd
 graph (the hierarchical all-to-all has its own backward).
@@ -33,7 +32,7 @@ import moecomm_ext
 
 from ._device_tables import int64_table
 
-__all__ = ["permute_blocks", "reorder_blocks", "block_order_index", "CAT_MAX_BLOCKS"]
+__all__ = ["permute_blocks", "reorder_blocks", "block_order_index"]
 
 
 def block_order_index(counts: Sequence[int], order: Sequence[int]) -> np.ndarray:
@@ -86,18 +85,19 @@ def permute_blocks(x: torch.Tensor, counts: Sequence[Sequence[int]], inverse: bo
     return reorder_blocks(x, stored, order)
 
 
-CAT_MAX_BLOCKS = 64
+_CAT_MAX_BLOCKS = 64
 """Up to this many blocks a reorder is one ``torch.cat`` of block views; above, one
-``moecomm_ext.gather_rows`` with a row index built on the device."""
+``moecomm_ext.gather_rows`` with a row index built on the device (where a cat's per-block
+host work exceeds building the index: ``bench/layout_copies.py``)."""
 
 
 def reorder_blocks(x: torch.Tensor, counts: Sequence[int], order: Sequence[int]) -> torch.Tensor:
     """Output block ``i`` is input block ``order[i]`` (``counts`` in input block order)."""
     if list(order) == list(range(len(order))):
         return x
-    if len(order) <= CAT_MAX_BLOCKS:
-        # One copy kernel and no index: building one costs ~0.1 ms of host time a call on
-        # an H200 host (bench/layout_copies.py), more than moving 16 MiB.
+    if len(order) <= _CAT_MAX_BLOCKS:
+        # One copy kernel and no index: building one costs more host time a call than the
+        # copy of several MiB takes on a GPU (bench/layout_copies.py).
         starts = [0, *accumulate(counts)]
         with torch.no_grad():
             return torch.cat([x[starts[k]:starts[k + 1]] for k in order])

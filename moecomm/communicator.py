@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ._peer_check import PeerCheck
+from .backends._p2p_limits import ROW_ALIGN as _P2P_ROW_ALIGN
 from .backends.base import REDUCE_OPS, Backend, DoneRequest, Request
 from .errors import CommunicatorClosedError, CountMismatchError
 from .layout import Layout
@@ -36,7 +37,6 @@ SUPPORTED_DTYPES: frozenset = frozenset(
 """Dtypes every collective moves (as raw bytes, so bit for bit)."""
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate(sorted(SUPPORTED_DTYPES, key=str))}
-_P2P_ROW_ALIGN = 16  # moecomm.backends.p2p.ROW_ALIGN (not imported: that module needs CUDA)
 # With peer memory (init(p2p_bytes=)), a plain all_to_all_v with known counts moves by copy
 # engines when a rank sends or receives at least this many bytes; below, NCCL's grouped
 # send/recv is as fast or faster (2 x H200: bench/results/h200x2/alltoall_ce.json). The

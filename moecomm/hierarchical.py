@@ -13,11 +13,11 @@ row count rank ``(n, l)`` sends to rank ``(m, k)``.
 Phases (forward)
 ----------------
 0. *pack* (copy): the input, grouped by destination rank, is regrouped by destination
-   local index: blocks ``[k][m]`` (``moecomm_ext.permute_blocks``).
+   local index: blocks ``[k][m]`` (``moecomm._blocks.permute_blocks``).
 1. *intra* (all-to-all inside the node): local rank ``k`` of my node gets every row I send
    to any rank ``(m, k)``. Now each rank ``(n, k)`` holds the rows of its whole node for
    the ranks of its own rail, grouped ``[source l][destination node m]``.
-2. *regroup* (copy): ``[l][m]`` -> ``[m][l]`` (``moecomm_ext.permute_blocks``).
+2. *regroup* (copy): ``[l][m]`` -> ``[m][l]`` (``moecomm._blocks.permute_blocks``).
 3. *rail* (all-to-all along the rail, across nodes): rank ``(m, k)`` gets one message per
    node: all rows its node's ranks send it. They arrive grouped ``[source node n][source
    local l]``, which is source-rank order when ranks are numbered node by node, so this

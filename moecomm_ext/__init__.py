@@ -15,8 +15,8 @@ An index entry of ``-1`` always means "no row".  Arithmetic is done in float32
 
 Autograd wrappers built only from those kernels: :func:`dispatch` and
 :func:`combine` (with the slot maps of :func:`invert_slots` /
-:func:`slot_positions`), and :func:`permute_blocks`, the block reordering of a
-2D hierarchical all-to-all.
+:func:`slot_positions`). The 2D hierarchical all-to-all's block reordering is
+``moecomm``'s own (``moecomm/_blocks.py``, on :func:`gather_rows`).
 
 Every op has a pure-torch reference in :mod:`moecomm_ext.reference`.  When the
 native extension is neither installed nor can be built (no compiler, failed build) one
@@ -35,7 +35,7 @@ Environment variables (each only provides the default of an explicit argument):
     ``False`` in every op, so the pure-torch reference runs and nothing is built.
 
 Module-level state: the only mutable state is the cache of loaded extension
-modules in ``moecomm_ext._loader._LOADED`` (device type -> module or failure),
+modules in ``moecomm_ext._loader._LOADED`` (device type or extension kind -> module or failure),
 filled by the first load per device type and kept for the life of the process.
 """
 
@@ -59,7 +59,6 @@ from ._ops import (
     gather_rowdot,
     gather_rows,
     invert_slots,
-    permute_blocks,
     slot_positions,
 )
 
@@ -71,7 +70,6 @@ __all__ = [
     "combine",
     "invert_slots",
     "slot_positions",
-    "permute_blocks",
     "native_available",
     "implementation",
     "load_native",

@@ -1,13 +1,13 @@
-"""Loading of the native row-gather extensions: the modules built at install, else a
-just-in-time build.
+"""Loading of native extensions: the modules built at install, else a just-in-time build.
 
-Four extensions exist (:mod:`moecomm_ext._specs` lists their sources and flags):
+This package's two extensions (:mod:`moecomm_ext._specs` lists their sources and flags):
 
 * ``"cpu"``  -> ``csrc/rows_cpu.cpp`` (C++, ``at::parallel_for``);
 * ``"cuda"`` -> ``csrc/rows_cuda.cu`` + ``csrc/rows_cuda_bind.cpp`` (nvcc, sm_90 plus
-  compute_90 PTX, plus the current GPU's own architecture when it is older than Hopper);
-* ``"cuda-p2p"`` and ``"nccl-issue"``: the peer-memory transport's and the NCCL backend's
-  own extensions (no reference fallback: their callers report the failure).
+  compute_90 PTX, plus the current GPU's own architecture when it is older than Hopper).
+
+The same machinery loads the transports' extensions for ``moecomm.backends`` through
+:func:`load_extension` (no reference fallback there: the caller reports the failure).
 
 ``pip install`` builds them (``setup.py``, torch's ``BuildExtension``) as
 ``moecomm_ext._rows_cpu`` etc.; loading imports those and never compiles, as long as the
@@ -22,8 +22,9 @@ environments never rebuild each other's libraries.  Concurrent builders (MPI ran
 serialised by a lock file holding the builder's pid and host (:func:`_build_lock`); a lock
 whose holder has died, or older than :data:`LOCK_STALE_S`, is broken.
 
-Module-level mutable state: ``_LOADED`` (a dict, device type -> outcome of the first load
-attempt in this process: the module, or ``None`` plus the failure reason) and ``_LOCK``
+Module-level mutable state: ``_LOADED`` (a dict, device type or :func:`load_extension`'s
+kind -> outcome of the first load attempt in this process: the module, or ``None`` plus the
+failure reason) and ``_LOCK``
 (the lock that guards it).  Nothing else in the package is mutable at module level.  A
 failed attempt is cached too, so the :class:`NativeBuildWarning` is emitted once per
 device type and process.
@@ -45,12 +46,12 @@ import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from . import _specs
-from ._specs import NCCL_ISSUE, P2P, QUANT_CPU, QUANT_CUDA
+from ._specs import QUANT_CPU, QUANT_CUDA
 
 __all__ = [
     "NativeBuildWarning",
@@ -59,7 +60,7 @@ __all__ = [
     "default_cache_dir",
     "default_use_native",
     "load_native",
-    "load_p2p",
+    "load_extension",
     "native_available",
     "implementation",
 ]
@@ -72,8 +73,6 @@ ENV_DISABLE = "MOECOMM_EXT_DISABLE"
 DEVICE_TYPES = ("cpu", "cuda")
 LOCK_NAME = "moecomm-build.lock"
 LOCK_STALE_S = 1800.0  # a build lock this old is broken even if its holder still runs
-# Rough first-build times on one free core, for the progress line.
-_BUILD_SECONDS = {"cpu": 30, "cuda": 120, P2P: 90, NCCL_ISSUE: 15, QUANT_CPU: 30, QUANT_CUDA: 90}
 
 _CSRC = _specs.CSRC
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on"})
@@ -147,12 +146,16 @@ def _check_device_type(device_type: str) -> None:
         )
 
 
-def _build_spec(kind: str) -> _specs.Spec:
+SpecFactory = Callable[..., _specs.Spec]
+"""``factory(kind, *, openmp, device_capability) -> Spec``, as :func:`moecomm_ext._specs.spec`."""
+
+
+def _build_spec(kind: str, factory: SpecFactory = _specs.spec, cuda: bool | None = None) -> _specs.Spec:
     """Sources and flags of the extension of ``kind`` for this torch and GPU."""
     capability = None
-    if kind in _specs.CUDA_KINDS and torch.cuda.is_available():
+    if (kind in _specs.CUDA_KINDS if cuda is None else cuda) and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
-    return _specs.spec(kind, openmp=torch.backends.openmp.is_available(), device_capability=capability)
+    return factory(kind, openmp=torch.backends.openmp.is_available(), device_capability=capability)
 
 
 def _spec_hash(spec: _specs.Spec) -> str:
@@ -303,7 +306,7 @@ def _torch_load(**kwargs) -> types.ModuleType:
     return load(**kwargs)
 
 
-def _jit(spec: _specs.Spec, kind: str, cache_dir: Path, verbose: bool, why: str) -> _LoadOutcome:
+def _jit(spec: _specs.Spec, cache_dir: Path, verbose: bool, why: str) -> _LoadOutcome:
     """Build (under the lock, unless already built) and load ``spec`` just in time."""
     start = time.perf_counter()
     try:
@@ -325,7 +328,7 @@ def _jit(spec: _specs.Spec, kind: str, cache_dir: Path, verbose: bool, why: str)
         with _build_lock(build_dir / LOCK_NAME):
             building = not (build_dir / f"{spec.base}.so").exists()
             if building:
-                print(f"moecomm_ext: building {spec.base} (first use, about {_BUILD_SECONDS[kind]} s; "
+                print(f"moecomm_ext: building {spec.base} (first use, about {spec.build_seconds} s; "
                       f"{why}) in {build_dir}", file=sys.stderr, flush=True)
             # torch's own baton; one left by a builder killed mid-build would block forever,
             # and while this process holds the lock above no other builder is running.
@@ -340,6 +343,7 @@ def _jit(spec: _specs.Spec, kind: str, cache_dir: Path, verbose: bool, why: str)
                     extra_cflags=[*spec.cflags, f"-D{_specs.HASH_MACRO}={digest}"],
                     extra_cuda_cflags=[*spec.cuda_cflags, f"-D{_specs.HASH_MACRO}={digest}"] if spec.with_cuda else None,
                     extra_ldflags=list(spec.ldflags),
+                    extra_include_paths=[str(d) for d in spec.include_dirs()] or None,
                     build_directory=str(build_dir),
                     with_cuda=spec.with_cuda,
                     verbose=verbose,
@@ -364,9 +368,11 @@ def _jit(spec: _specs.Spec, kind: str, cache_dir: Path, verbose: bool, why: str)
     return _LoadOutcome(module, None, str(build_dir), seconds, "jit")
 
 
-def _attempt(kind: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
-    """The installed module of ``kind`` if usable, else a just-in-time build."""
-    if kind in _specs.CUDA_KINDS:
+def _attempt(kind: str, cache_dir: Path, verbose: bool, factory: SpecFactory = _specs.spec,
+             cuda: bool | None = None) -> _LoadOutcome:
+    """The installed module of ``kind`` (made by ``factory``) if usable, else a just-in-time
+    build. ``cuda``: whether it needs CUDA (default: ``kind in _specs.CUDA_KINDS``)."""
+    if kind in _specs.CUDA_KINDS if cuda is None else cuda:
         if torch.version.cuda is None or not torch.cuda.is_available():
             # No CUDA tensor can exist, so nothing can silently go wrong:
             # report unavailability without a warning.
@@ -377,7 +383,7 @@ def _attempt(kind: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
             )
             return _LoadOutcome(None, why, None, 0.0)
     try:
-        spec = _build_spec(kind)
+        spec = _build_spec(kind, factory, cuda)
     except Exception as exc:  # pragma: no cover - defensive
         return _LoadOutcome(None, _summarise(exc, []), None, 0.0)
     start = time.perf_counter()
@@ -385,7 +391,7 @@ def _attempt(kind: str, cache_dir: Path, verbose: bool) -> _LoadOutcome:
     if module is not None:
         logger.info("moecomm_ext: loaded %s (built at install)", spec.installed)
         return _LoadOutcome(module, None, None, time.perf_counter() - start, "installed")
-    return _jit(spec, kind, cache_dir, verbose, why)
+    return _jit(spec, cache_dir, verbose, why)
 
 
 def load_native(
@@ -439,33 +445,31 @@ def load_native(
     return outcome.module
 
 
-def _load_required(kind: str, what: str) -> types.ModuleType:
-    """Build (if needed) and load the extension of ``kind``; ``RuntimeError`` naming ``what``
-    and the reason when it cannot be built or loaded."""
+def load_extension(kind: str, factory: SpecFactory, *, cuda: bool, what: str) -> types.ModuleType:
+    """Build (if needed) and load the extension ``factory(kind, openmp=..., device_capability=...)``
+    describes, once per process (the outcome is cached under ``kind``, which must differ from
+    ``"cpu"``/``"cuda"``): the module built at install when it matches its sources, else a
+    just-in-time build in :func:`default_cache_dir`.
+
+    Args:
+        kind: the extension's key, passed on to ``factory``.
+        factory: returns the :class:`moecomm_ext._specs.Spec` (sources, flags, names).
+        cuda: the extension needs a CUDA torch and device (and nvcc to build).
+        what: the extension's name in the error message.
+
+    Raises:
+        ValueError: ``kind`` is one of this package's own device types.
+        RuntimeError: it cannot be built or loaded (the message names ``what`` and the reason).
+    """
+    if kind in DEVICE_TYPES:
+        raise ValueError(f"argument 'kind' must not be one of {DEVICE_TYPES} (load_native's); got {kind!r}")
     with _LOCK:
         outcome = _LOADED.get(kind)
         if outcome is None:
-            outcome = _LOADED[kind] = _attempt(kind, default_cache_dir(), False)
+            outcome = _LOADED[kind] = _attempt(kind, default_cache_dir(), False, factory, cuda)
     if outcome.module is None:
-        raise RuntimeError(f"moecomm_ext: the {what} extension is unavailable: {outcome.reason}")
+        raise RuntimeError(f"moecomm: the {what} extension is unavailable: {outcome.reason}")
     return outcome.module
-
-
-def load_p2p() -> types.ModuleType:
-    """Build (if needed) and load the peer-memory transport's CUDA extension.
-
-    Unlike the row kernels it has no reference fallback (it is what an explicit
-    ``moecomm.init(p2p_bytes=...)`` asked for): raises ``RuntimeError`` with the reason
-    when it cannot be built or loaded.
-    """
-    return _load_required(P2P, "peer-memory (p2p) CUDA")
-
-
-def load_nccl_issue() -> types.ModuleType:
-    """Build (if needed) and load the extension that issues the NCCL backend's grouped
-    send/recv natively. Raises ``RuntimeError`` with the reason when it cannot; the backend
-    then issues them through nccl4py's raw bindings (correct, about 1 us per call slower)."""
-    return _load_required(NCCL_ISSUE, "NCCL issue")
 
 
 def module_for(device_type: str, use_native: bool | None) -> types.ModuleType | None:

@@ -3,6 +3,8 @@
 Shared by ``setup.py`` (the build at install, which loads this file by path, so it must
 import nothing from the package) and by :mod:`moecomm_ext._loader` (which imports the
 installed modules and, for a checkout that was never installed, builds just in time).
+The transports' own extensions (:mod:`moecomm.backends._ext_specs`) are described with the
+same :class:`Spec`, their sources beside them.
 
 An installed module carries the hash of the sources and torch version it was built from
 (``MOECOMM_EXT_SOURCE_HASH``, exposed as its ``source_hash`` attribute); the loader uses
@@ -17,15 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+"""This package's sources, and ``source_hash.h``, which every extension includes."""
 
 CPU = "cpu"
 CUDA = "cuda"
-P2P = "cuda-p2p"  # the peer-memory transport's own extension (moecomm/backends/p2p.py)
-NCCL_ISSUE = "nccl-issue"  # the NCCL backend's grouped send/recv, issued natively (moecomm/backends/nccl.py)
 QUANT_CPU = "quant-cpu"  # moecomm.quant's FP8 kernels (moecomm_ext/_quant.py), CPU
 QUANT_CUDA = "quant-cuda"  # and CUDA
-KINDS = (CPU, CUDA, P2P, NCCL_ISSUE, QUANT_CPU, QUANT_CUDA)
-CUDA_KINDS = (CUDA, P2P, QUANT_CUDA)  # need nvcc and a torch with CUDA
+KINDS = (CPU, CUDA, QUANT_CPU, QUANT_CUDA)
+CUDA_KINDS = (CUDA, QUANT_CUDA)  # need nvcc and a torch with CUDA
 
 HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
 _QUANT_FUNCTIONS = ("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize")
@@ -42,13 +43,23 @@ class Spec:
     ldflags: tuple[str, ...]
     tag: str  # part of the just-in-time build directory's name
     functions: tuple[str, ...] = field(default=())
+    csrc: Path = CSRC  # the directory of ``sources``
+    build_seconds: int = 60  # rough first build on one free core, for the progress line
 
     @property
     def with_cuda(self) -> bool:
         return self.cuda_cflags is not None
 
     def source_paths(self) -> list[Path]:
-        return [CSRC / s for s in self.sources]
+        return [self.csrc / s for s in self.sources]
+
+    def include_dirs(self) -> list[Path]:
+        """Include directories besides ``csrc``: this package's (``source_hash.h``) for
+        sources elsewhere."""
+        return [] if self.csrc == CSRC else [CSRC]
+
+    def header_paths(self) -> list[Path]:
+        return [h for d in [self.csrc, *self.include_dirs()] for h in sorted(d.glob("*.h"))]
 
 
 def cuda_arch_flags(device_capability: tuple[int, int] | None) -> tuple[list[str], str]:
@@ -73,41 +84,35 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
     """
     omp = ("-fopenmp",) if openmp else ()
     if kind == CPU:
-        # -O3 against -O2 or -O0 changes the compile time by under 10 %: parsing torch's
-        # headers is most of it.
+        # -O3 against -O2 or -O0 barely changes the compile time: parsing torch's headers is
+        # most of it.
         return Spec(CPU, "moecomm_ext_rows_cpu", "moecomm_ext._rows_cpu", ("rows_cpu.cpp",),
                     ("-O3", "-DNDEBUG", *omp), None, omp, "cpu",
-                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"))
+                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"), build_seconds=30)
     if kind == QUANT_CPU:
         # -fno-trapping-math lets the selects of the FP8 codec vectorize (no result changes)
         return Spec(QUANT_CPU, "moecomm_ext_quant_cpu", "moecomm_ext._quant_cpu", ("quant_cpu.cpp",),
-                    ("-O3", "-DNDEBUG", "-fno-trapping-math", *omp), None, omp, "cpu", _QUANT_FUNCTIONS)
-    if kind == NCCL_ISSUE:
-        return Spec(NCCL_ISSUE, "moecomm_ext_nccl_issue", "moecomm_ext._nccl_issue", ("nccl_issue.cpp",),
-                    ("-O2", "-DNDEBUG"), None, ("-ldl",), "host", ("NcclCalls",))
-    arch_flags, tag = cuda_arch_flags(device_capability)
-    if kind == P2P:
-        return Spec(P2P, "moecomm_ext_p2p_cuda", "moecomm_ext._p2p_cuda", ("p2p_cuda.cu",),
-                    ("-O3", "-DNDEBUG"), ("-O3", "-lineinfo", *arch_flags), (), tag,
-                    ("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "gpu_counts_exchange",
-                     "launch_copy_out", "ce_exchange", "new_event", "destroy_event",
-                     "max_copy_engine_ranks", "can_access_peer"))
+                    ("-O3", "-DNDEBUG", "-fno-trapping-math", *omp), None, omp, "cpu", _QUANT_FUNCTIONS,
+                    build_seconds=30)
     if kind == QUANT_CUDA:
+        arch_flags, tag = cuda_arch_flags(device_capability)
         return Spec(QUANT_CUDA, "moecomm_ext_quant_cuda", "moecomm_ext._quant_cuda",
                     ("quant_cuda.cu", "quant_cuda_bind.cpp"), ("-O3", "-DNDEBUG"),
-                    ("-O3", "-lineinfo", *arch_flags), (), tag, _QUANT_FUNCTIONS)
+                    ("-O3", "-lineinfo", *arch_flags), (), tag, _QUANT_FUNCTIONS, build_seconds=90)
     if kind == CUDA:
+        arch_flags, tag = cuda_arch_flags(device_capability)
         # No --use_fast_math: the kernels accumulate in fp32 and must match the reference closely.
         return Spec(CUDA, "moecomm_ext_rows_cuda", "moecomm_ext._rows_cuda", ("rows_cuda.cu", "rows_cuda_bind.cpp"),
                     ("-O3", "-DNDEBUG"), ("-O3", "-lineinfo", *arch_flags), (), tag,
-                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"))
+                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"), build_seconds=120)
     raise ValueError(f"unknown extension kind {kind!r}; expected one of {KINDS}")
 
 
 def source_hash(s: Spec, torch_version: str) -> str:
-    """12 hex digits over the sources, the headers in csrc/ and torch's version."""
+    """12 hex digits over the sources, the headers of their include directories and torch's
+    version."""
     h = hashlib.sha256()
-    for path in [*s.source_paths(), *sorted(CSRC.glob("*.h"))]:
+    for path in [*s.source_paths(), *s.header_paths()]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(torch_version.encode())

@@ -28,8 +28,6 @@ __all__ = [
     "combine",
     "invert_slots",
     "slot_positions",
-    "permute_blocks_index",
-    "permute_blocks",
 ]
 
 
@@ -126,26 +124,3 @@ def slot_positions(token_slots: Tensor, num_slots: int) -> Tensor:
     valid = flat >= 0
     out[flat[valid]] = torch.arange(flat.numel(), device=token_slots.device)[valid]
     return out
-
-
-def permute_blocks_index(counts: Tensor, total: int | None = None) -> Tensor:
-    """Row index that moves the blocks of an ``[A, B]`` block grid from a-major
-    to b-major order: ``out = x[index]`` puts block (a, b), ``counts[a, b]``
-    rows long, at block position ``b * A + a``.  counts: int64 ``[A, B]`` >= 0
-    on the target device; ``total`` = ``counts.sum()`` when known (saves a
-    host sync).  Returns int64 ``[counts.sum()]``."""
-    flat_a = counts.reshape(-1)
-    in_start = (torch.cumsum(flat_a, 0) - flat_a).reshape(counts.shape)
-    in_start_b = in_start.t().reshape(-1)  # input offset of each block, listed b-major
-    cnt_b = counts.t().reshape(-1)
-    out_start = torch.cumsum(cnt_b, 0) - cnt_b
-    if total is None:
-        total = int(flat_a.sum())
-    shift = torch.repeat_interleave(in_start_b - out_start, cnt_b, output_size=total)
-    return shift + torch.arange(total, dtype=torch.int64, device=counts.device)
-
-
-def permute_blocks(x: Tensor, counts: Tensor, inverse: bool = False) -> Tensor:
-    """Reference of :func:`moecomm_ext.permute_blocks` (counts: int64 ``[A, B]``)."""
-    index = permute_blocks_index(counts.t() if inverse else counts)
-    return x.index_select(0, index)

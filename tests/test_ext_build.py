@@ -218,7 +218,7 @@ from moecomm_ext import _loader, _specs
 tiny = _specs.Spec("cpu", "moecomm_ext_tiny", "moecomm_ext._tiny_not_installed", (sys.argv[2],),
                    ("-O0",), None, (), "cpu", ("answer",))
 t = time.perf_counter()
-out = _loader._jit(tiny, "cpu", Path(sys.argv[1]), False, "not built at install")
+out = _loader._jit(tiny, Path(sys.argv[1]), False, "not built at install")
 print(json.dumps(dict(origin=out.origin, reason=out.reason, ok=out.module is not None and out.module.answer() == 42,
                       s=time.perf_counter() - t)))
 """
@@ -261,7 +261,7 @@ def test_concurrent_jit_builds_share_one_build_and_survive_a_dead_builder(tmp_pa
                        ("-O0",), None, (), "cpu", ("answer",))
     start = time.perf_counter()
     with caplog.at_level("WARNING", logger="moecomm_ext"):
-        out = _loader._jit(tiny, "cpu", cache, False, "not built at install")
+        out = _loader._jit(tiny, cache, False, "not built at install")
     assert "broke the stale build lock" in caplog.text
     assert out.origin == "jit" and out.module.answer() == 42, out.reason
     assert time.perf_counter() - start < 60 and so.stat().st_mtime_ns == mtime, "the warm load rebuilt the library"

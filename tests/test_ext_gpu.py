@@ -145,16 +145,6 @@ def test_dispatch_combine_cuda_gradcheck_and_vs_reference():
         torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2 * 45)
 
 
-def test_permute_blocks_cuda():
-    counts = torch.randint(0, 300, (4, 8))
-    counts[0, 3] = 0
-    n = int(counts.sum())
-    x = torch.randn(n, 2048, device="cuda").to(torch.bfloat16)
-    out = me.permute_blocks(x, counts.cuda())
-    assert torch.equal(out, ref.permute_blocks(x, counts.cuda()))
-    assert torch.equal(me.permute_blocks(out, counts, inverse=True), x)
-
-
 def test_out_of_range_raises_on_host():
     x = torch.randn(5, 3, device="cuda")
     with pytest.raises(ValueError, match="'index'"):

@@ -1,8 +1,8 @@
 """The few CUDA runtime calls on the NCCL backend's hot path, through cuda-bindings.
 
-torch's ``Stream``/``Event`` objects cost several microseconds of Python per call (device
-lookups, object construction, stream context managers); the calls here take raw handles
-(ints) and cost about one. cuda-bindings is a dependency of nccl4py, so it is present
+torch's ``Stream``/``Event`` objects cost Python work per call (device lookups, object
+construction, stream context managers) that shows on a hot path issuing microsecond-scale
+exchanges; the calls here take raw handles (ints) and do none of it. cuda-bindings is a dependency of nccl4py, so it is present
 wherever the NCCL backend can run; this module is imported only by that backend.
 """
 

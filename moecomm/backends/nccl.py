@@ -2,11 +2,11 @@
 
 Every operation runs on a dedicated high-priority stream that first waits for the caller's
 current stream; tensors used there are protected with ``record_stream``. The grouped
-send/recv of an all-to-all are issued from native code (``moecomm_ext/csrc/nccl_issue.cpp``:
+send/recv of an all-to-all are issued from native code (``moecomm/backends/csrc/nccl_issue.cpp``:
 one call for the whole group, through the libnccl nccl4py loaded); where that extension
-cannot be built, through nccl4py's raw Cython bindings (``nccl.bindings.nccl``, about a
-microsecond per send or recv, with one warning), never through its Python layer, which
-costs several microseconds per call. A watchdog thread aborts the NCCL communicator when an
+cannot be built, through nccl4py's raw Cython bindings (``nccl.bindings.nccl``, one Python
+call per send or recv, with one warning), never through its Python layer, which costs
+several times more per call (``bench/results/README.md``). A watchdog thread aborts the NCCL communicator when an
 operation outlives the timeout, so that no GPU wait hangs forever.
 """
 
@@ -191,14 +191,14 @@ def _native_calls() -> Optional[Any]:
     if cached is None:
         if library:
             try:
-                from moecomm_ext._loader import load_nccl_issue
+                from ._ext import load_nccl_issue
 
                 cached = load_nccl_issue().NcclCalls(library)
             except Exception as exc:  # noqa: BLE001 - any failure: the raw bindings do the same work
                 reason = str(exc)
         if cached is None:
             warnings.warn(f"moecomm: the NCCL backend issues its send/recv through nccl4py's raw bindings "
-                          f"(about 1 us each) because native issuing is unavailable: {reason}",
+                          f"(one Python call each, slower) because native issuing is unavailable: {reason}",
                           RuntimeWarning, stacklevel=3)
             cached = reason
         _NATIVE_CALLS[library] = cached

@@ -16,16 +16,16 @@ stage of ``scatter_compute_gather``) move through the same arenas by *copy engin
 kernel writing the headers, a wait for the peers' headers (with a timeout, checking each
 count against what this rank expects), and copies out of the own regions; the rank's own
 rows are one device-local copy (on a second stream when large). No SM moves a byte, so an
-exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do; on 2 x H200
-a whole exchange so moved takes 0.92-1.07x NCCL's time from 64 MiB a rank
-(``bench/results/h200x2/alltoall_ce.json``, ``bench/copy_engine_probe.py``). A failure the wait reports (a peer silent past the
+exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do, while a
+whole exchange so moved takes about NCCL's time at large sizes (``bench/results/README.md``,
+``bench/copy_engine_probe.py``). A failure the wait reports (a peer silent past the
 timeout, a peer sending another count than expected) aborts the communicator; the next
 call raises it, as after an NCCL timeout.
 
 Made by ``moecomm.init(p2p_bytes=...)`` (NCCL backend, one node, every GPU pair able to
 map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU tensor,
 ``recv_splits`` is not given and rows are a multiple of 16 bytes (kernels), and for every
-flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.cu`` for
+flat exchange with known counts (copy engines). See ``moecomm/backends/csrc/p2p_cuda.cu`` for
 the arena layout and why two buffers suffice. A plain ``all_to_all_v`` with known counts uses
 the copy engines only from a size on (``moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES``).
 
@@ -48,6 +48,7 @@ import torch
 from ..errors import CountMismatchError
 from ..splits import split_offsets
 from . import _cudart
+from ._p2p_limits import ROW_ALIGN
 from .base import DoneRequest, Request
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,10 +56,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .nccl import NcclBackend
 
 __all__ = ["PeerTransport", "ROW_ALIGN"]
-
-ROW_ALIGN = 16
-"""Rows must be a multiple of this many bytes (the kernels move 16-byte vectors)."""
-
 
 _HEADER_BYTES = 64
 
@@ -78,7 +75,7 @@ class PeerTransport:
     max_blocks: int = 256
 
     def __init__(self, comm: "Communicator", arena_bytes: int) -> None:
-        from moecomm_ext._loader import load_p2p
+        from ._ext import load_p2p
 
         backend: "NcclBackend" = comm._backend
         self._ext = load_p2p()
@@ -92,7 +89,7 @@ class PeerTransport:
             if r != self.rank and not self._ext.can_access_peer(dev.index, d):
                 raise ValueError(f"p2p_bytes: GPU {dev.index} (rank {self.rank}) cannot map the memory of GPU {d} "
                                  f"(rank {r}); the peer-memory transport needs every pair of GPUs linked")
-        # layout (moecomm_ext/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
+        # layout (moecomm/backends/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
         # headers and acks, then each protocol's data regions (two halves of W each)
         self.header_off = 0
         self.ce_header_off = 2 * W * _HEADER_BYTES
@@ -190,7 +187,7 @@ class PeerTransport:
         # copy on the second stream before its completion event, which is what frees them
         stream = b._begin(x, out)
         self._ce_half ^= 1
-        # the ready kernel (moecomm_ext/csrc/p2p_cuda.cu) only where the exchange before this one on
+        # the ready kernel (moecomm/backends/csrc/p2p_cuda.cu) only where the exchange before this one on
         # the device may have used the same half: the first of a capture; eager ones once captured
         capture = self._ext.capture_id(stream)
         ready = capture != self._ce_capture if capture else self._ce_captured

@@ -14,11 +14,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 import moecomm
+from moecomm.hierarchical import ALGORITHMS
 
 __all__ = ["resolve_comm", "a2a_accepts_algorithm", "has_scatter_compute_gather", "has_own_first", "AllToAll", "all_to_all",
            "allreduce_max", "allreduce_sum_", "ALGORITHMS"]
-
-ALGORITHMS = ("flat", "2dh", "auto")
 
 
 def resolve_comm(comm: Any) -> "moecomm.Communicator":
@@ -57,7 +56,7 @@ def _accepts(fn: Any, name: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _method_accepts(cls: type, method: str, name: str) -> bool:
-    """Cache: introspection costs tens of microseconds, and the layer asks on every exchange."""
+    """Cache: introspection costs more than issuing an exchange, and the layer asks on every one."""
     return _accepts(getattr(cls, method), name)
 
 

@@ -244,8 +244,8 @@ class WeightGradSum:
 
     Each stage of ``scatter_compute_gather`` runs the experts on its own rows, so autograd
     would receive one gradient per weight and stage and add them up: one more pass over
-    every weight gradient per extra stage (8 experts of 2048 x 2048 in bf16: 64 MiB a
-    weight, read twice and written once, some 50 us on an H200). Stages whose :class:`Segments` share one ``WeightGradSum`` instead
+    every weight gradient per extra stage (each weight read twice and written once; its
+    cost is in ``bench/results/README.md``). Stages whose :class:`Segments` share one ``WeightGradSum`` instead
     accumulate their weight gradients into one tensor per weight inside the GEMMs, and only
     the stage whose backward runs last hands the sums to autograd (the others hand none).
     On a GPU a stage whose backward runs on another stream than the stage before it waits

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import moecomm
-from bench.graphs import capture
+from moecomm.graphs import capture
 from moecomm.moe import MoELayer
 from tests.mpi_util import collective_assert, rank_main
 from tests.ranks.moe_reference import RefParams, random_params, reference

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moecomm
-from bench.graphs import capture
+from moecomm.graphs import capture
 from moecomm import overlap
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk

@@ -1,6 +1,6 @@
 """Benchmark of the moecomm_ext kernels against torch equivalents and a plain copy.
 
-Run ``python -m moecomm_ext.bench_kernels [--json PATH]``.  On the current
+Run ``python -m bench.kernels [--json PATH]``.  On the current
 device (CUDA when available) it times, for a top-k MoE layer (default 8192
 tokens, model_dim 2048, k=2, 16 experts, capacity 1024 per expert, bf16):
 
@@ -36,7 +36,7 @@ import torch
 import moecomm_ext as me
 from moecomm_ext.testing import random_routing
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from ._common import DTYPES, FLOAT_DTYPES
 
 
 @dataclass
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--capacity", type=int, default=1024)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default="bfloat16")
     p.add_argument("--iters", type=int, default=None, help="timed runs (default 100 on CUDA, 10 on CPU)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
