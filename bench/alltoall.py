@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 import moecomm
-from ._common import DTYPES
+from ._common import DTYPES, prog
 from ._topology import RankZeroParser, parse_bytes
 
 __all__ = ["main", "parse_size", "count_matrix", "plan_sizes", "build_parser"]
@@ -344,7 +344,7 @@ def format_table(results: list[dict], header: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(prog="python -m bench.alltoall", description=__doc__.split("\n\n")[0],
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0],
                        epilog="Methods and columns: see the module docstring and the README's Benchmarks section.")
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"),
                    help="smallest size per rank (1K); below one row it is one row")

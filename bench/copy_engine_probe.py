@@ -24,6 +24,7 @@ import torch
 
 import moecomm
 from moecomm.backends import _cudart
+from ._common import prog
 from ._topology import RankZeroParser
 
 __all__ = ["main"]
@@ -48,7 +49,7 @@ def _median_ms(fn: Callable[[], None], iters: int, world) -> float:
 def main(argv=None) -> None:
     from mpi4py import MPI
 
-    p = RankZeroParser(description=__doc__.splitlines()[0])
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__.splitlines()[0])
     p.add_argument("--sizes-mib", default="16,64,128")
     p.add_argument("--rows", type=int, default=16384, help="FFN rows (model 4096, hidden 1024)")
     p.add_argument("-n", "--iters", type=int, default=20)

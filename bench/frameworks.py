@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import moecomm
-from ._common import DTYPES, FLOAT_DTYPES
+from ._common import DTYPES, FLOAT_DTYPES, prog
 
 __all__ = ["main", "build_parser"]
 
@@ -57,7 +57,7 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.frameworks", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__spec__.name), description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--dtype", choices=FLOAT_DTYPES, default=None, help="default: bfloat16 (cuda), float32 (cpu)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per rank")

@@ -28,13 +28,14 @@ import torch
 
 import moecomm
 from moecomm import _blocks
+from ._common import prog
 from ._topology import RankZeroParser, alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
 
 __all__ = ["main"]
 
 
 def main(argv=None) -> int:
-    p = RankZeroParser(prog="python -m bench.hierarchical", description=__doc__,
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1M,16M,256M", help="bytes per rank (default 1M,16M,256M)")
     p.add_argument("--local-size", type=int, default=None, help="ranks per node (default: from host names)")

@@ -36,7 +36,7 @@ import torch
 import moecomm_ext as me
 from moecomm_ext.testing import random_routing
 
-from ._common import DTYPES, FLOAT_DTYPES
+from ._common import DTYPES, FLOAT_DTYPES, prog
 
 
 @dataclass
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Result]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--k", type=int, default=2)

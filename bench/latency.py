@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .alltoall import Bench, build_parser, count_matrix, parse_size
+from ._common import prog
 from ._topology import RankZeroParser
 
 __all__ = ["main"]
@@ -246,7 +247,7 @@ def _per_peer(bench: Bench, iters: int, blocks=(1, 2, 4, 8, 16, 32, 64)) -> dict
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    p = RankZeroParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="256K,1M,16M", help="bytes per rank, comma list (256K,1M,16M)")
     p.add_argument("--row-elems", type=int, default=2048)
     p.add_argument("-n", "--iters", type=int, default=200)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from moecomm import _blocks
+from ._common import prog
 from ._topology import RankZeroParser, format_bytes, parse_bytes
 
 __all__ = ["main"]
@@ -45,7 +46,7 @@ def _time(fn, dev: torch.device, iters: int) -> tuple[float, float]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = RankZeroParser(prog="python -m bench.layout_copies", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1M,16M,256M")
     p.add_argument("--grid", default="2x2", help="A x B blocks (2x2)")
     p.add_argument("--row-bytes", type=int, default=4096)

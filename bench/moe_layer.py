@@ -36,7 +36,7 @@ import torch
 import moecomm
 from moecomm.graphs import capture
 from moecomm.moe import MoELayer
-from ._common import DTYPES, FLOAT_DTYPES
+from ._common import DTYPES, FLOAT_DTYPES, prog
 from ._topology import RankZeroParser
 
 from .alltoall import parse_size
@@ -63,7 +63,7 @@ def _ints(text: str) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(prog="python -m bench.moe_layer", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--backend", default=None, help="moecomm backend (default: nccl on GPUs, mpi on CPUs)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (GPU 8192, CPU 256)")

@@ -51,7 +51,7 @@ import moecomm
 from moecomm.graphs import capture
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk, auto_stages
-from ._common import DTYPES, FLOAT_DTYPES
+from ._common import DTYPES, FLOAT_DTYPES, prog
 from ._topology import RankZeroParser
 
 from .alltoall import parse_size
@@ -240,7 +240,7 @@ def _trace(directory: str, name: str, step: Callable[[], torch.Tensor], timer: "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (NCCL backend) or cpu (MPI backend); default: cuda when available")
     p.add_argument("--small", action="store_true", help="small sizes for a quick run (CPU defaults)")

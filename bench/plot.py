@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from ._common import prog
 from ._topology import RankZeroParser, require_matplotlib, size_label
 
 __all__ = ["main", "plot_results", "load_results"]
@@ -78,7 +79,7 @@ def plot_results(results: Sequence[dict], path: str, title: str = "") -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = RankZeroParser(prog="python -m bench.plot", description=__doc__.split("\n\n")[0])
+    p = RankZeroParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="a JSON file written by python -m bench.alltoall --json")
     p.add_argument("-o", "--output", default="plot.png", help="image to write (default plot.png)")
     args = p.parse_args(argv)

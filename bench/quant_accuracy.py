@@ -15,13 +15,15 @@ import argparse
 
 import torch
 
+from ._common import prog
+
 import moecomm
 from moecomm import quant
 from moecomm.moe import MoELayer
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m bench.quant_accuracy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dim", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8)

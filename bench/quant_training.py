@@ -12,6 +12,8 @@ import json
 
 import torch
 
+from ._common import prog
+
 import moecomm
 from moecomm.moe import MoELayer
 
@@ -47,7 +49,7 @@ def train(comm, args, wire_dtype) -> list[float]:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m bench.quant_training", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--model-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256)

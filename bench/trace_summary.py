@@ -20,6 +20,8 @@ import json
 from collections import defaultdict
 from typing import Iterable, Optional
 
+from ._common import prog
+
 __all__ = ["main", "summarize", "summarize_host", "union_length", "intersection_length"]
 
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -124,7 +126,7 @@ def summarize_host(trace: dict, top: int = 25) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.trace_summary", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="chrome trace JSON files (torch.profiler export_chrome_trace)")
     p.add_argument("--top", type=int, default=25, help="kernels (and host calls) to list (25)")
     p.add_argument("--host", action="store_true", help="also summarise the host threads' calls")

@@ -299,7 +299,7 @@ def _error_text(prof, concurrent, override) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = RankZeroParser(prog="python -m topology", description=(
+    p = RankZeroParser(prog="moecomm-topology" if __package__.startswith("moecomm.") else "python -m topology", description=(
         "Measure links, tune flat vs 2D-hierarchical all-to-all per cluster, show profiles, and model "
         "larger clusters. probe and tune are collective: run them under mpirun/mpiexec or torchrun."))
     sub = p.add_subparsers(dest="command", required=True)
