@@ -24,6 +24,7 @@ import torch
 
 import moecomm
 from moecomm.backends import _cudart
+
 from ._common import prog
 from ._topology import RankZeroParser
 
