@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One device call (2 x H200): the GPU test suites and the benchmarks, logged under $OUT.
+# One device call (2 x H200; NRANKS=1 on one GPU): the GPU test suites and the benchmarks,
+# logged under $OUT.
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines and fp8 run when named)
+# perpeer, perpeerx3, deadlines, fp8, build and faults run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -13,7 +14,8 @@ RES=$OUT/files   # JSON and PNG outputs; packed into $OUT/results.tgz at the end
 rm -rf "$RES"; mkdir -p "$RES"  # only this call's files come back
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 MOECOMM_TIMEOUT=120 OMP_NUM_THREADS=4
-MPI=(mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS)
+NRANKS=${NRANKS:-2}  # ranks (one GPU each) of the mpirun and torchrun steps
+MPI=(mpirun --allow-run-as-root -n $NRANKS -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS)
 LOG=$OUT/session.log
 SUMMARY=()
 
@@ -33,7 +35,7 @@ run_step() {
     core)
       step core_mpirun 90 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives nccl -check_timeout
       step core_timeout 50 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 -x NCCL_DEBUG=WARN python3 -m tests.ranks.core_collectives nccl check_timeout ;;
-    torchrun) step core_torchrun 120 torchrun --standalone --nproc-per-node 2 -m tests.ranks.core_collectives nccl ;;
+    torchrun) step core_torchrun 120 torchrun --standalone --nproc-per-node $NRANKS -m tests.ranks.core_collectives nccl ;;
     a2a)
       step alltoall_uniform 150 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 \
         -b 256K -e 512M -f 2 -p uniform --compare --p2p-bytes 2G -n 30 --no-progress --json "$RES/alltoall_uniform.json"
@@ -139,6 +141,13 @@ run_step() {
       step quant_checks_p2p 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.quant_checks nccl-p2p
       step alltoall_fp8 200 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 1M -e 256M -f 4 \
         -p uniform,random --wire-dtype float8_e4m3fn --p2p-bytes 2G -n 30 --no-progress --json "$RES/alltoall_fp8.json" ;;
+    build)  # the native kernels as the install builds them (setup.py), then where each one loads from
+      step build_ext 400 env MAX_JOBS=16 python3 setup.py -q build_ext --inplace
+      step ext_origins 200 python3 -c "import moecomm_ext as me, moecomm_ext._loader as L, moecomm.backends._ext as T, \
+moecomm_ext._quant as Q; me.load_native('cuda', strict=True); me.load_native('cpu', strict=True); T.load_p2p(); \
+T.load_nccl_issue(); Q.quant_module('cuda', None); Q.quant_module('cpu', None); \
+print({k: v.origin for k, v in L._LOADED.items()})" ;;
+    faults) step faults 300 python3 -m tests.faults --subset --launcher "mpirun --allow-run-as-root" ;;
     perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;
     deadlines) step nccl_deadlines 90 "${MPI[@]}" python3 -m tests.ranks.nccl_init_timeout ;;
     perpeerx3)  # the same, three runs
