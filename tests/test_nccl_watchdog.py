@@ -11,6 +11,7 @@ import pytest
 
 import moecomm
 from moecomm.backends import nccl
+from moecomm.backends._deadline import call_before_deadline
 
 
 class _Request:
@@ -105,21 +106,22 @@ def test_a_captured_operation_cannot_be_polled():
 
 
 def test_call_before_deadline_returns_and_reraises():
-    assert nccl._call_before_deadline(lambda: 42, 5.0, "ncclCommInitRank", 0) == 42
-    assert nccl._call_before_deadline(lambda: 43, float("inf"), "ncclCommInitRank", 0) == 43  # timeout=inf
+    assert call_before_deadline(lambda: 42, 5.0, "ncclCommInitRank", 0, afterwards="end this process") == 42
+    assert call_before_deadline(lambda: 43, float("inf"), "ncclCommInitRank", 0, afterwards="end this process") == 43  # timeout=inf
 
     def fails():
         raise ValueError("bad unique id")
 
     with pytest.raises(ValueError, match="bad unique id"):
-        nccl._call_before_deadline(fails, 5.0, "ncclCommInitRank", 0)
+        call_before_deadline(fails, 5.0, "ncclCommInitRank", 0, afterwards="end this process")
 
 
 def test_call_before_deadline_times_out_naming_the_call():
     release = threading.Event()
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        nccl._call_before_deadline(lambda: release.wait(30), 0.2, "ncclCommSplit", 5)
+        call_before_deadline(lambda: release.wait(30), 0.2, "ncclCommSplit", 5, afterwards="end this process")
     assert time.monotonic() - start < 10
     assert str(info.value).startswith("moecomm: ncclCommSplit did not complete within 0.2 s on rank 5")
+    assert str(info.value).endswith("end this process)")
     release.set()

@@ -8,9 +8,7 @@ and every torch dtype (bfloat16, float8, bool) moves bit for bit.
 from __future__ import annotations
 
 import functools
-import threading
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +16,7 @@ import torch
 from .._exit import note_abort
 from ..launch import mpi_wait
 from ..splits import split_offsets
+from ._deadline import call_before_deadline
 from .base import Backend, Request
 
 __all__ = ["MpiBackend", "MpiRequest", "byte_view"]
@@ -26,30 +25,6 @@ __all__ = ["MpiBackend", "MpiRequest", "byte_view"]
 def byte_view(t: torch.Tensor) -> np.ndarray:
     """A writable uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
     return t.detach().reshape(-1).view(torch.uint8).numpy()
-
-
-def _call_before_deadline(fn: Callable[[], Any], timeout_s: float, what: str, rank: int) -> Any:
-    """``fn()`` (a blocking MPI call) on a daemon thread; ``TimeoutError`` naming ``what`` if it
-    has not returned within ``timeout_s`` (the thread stays behind, blocked)."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name=f"moecomm-{what}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while thread.is_alive() and time.monotonic() < deadline:
-        thread.join(min(deadline - time.monotonic(), 3600.0))
-    if thread.is_alive():
-        raise TimeoutError(f"moecomm: {what} did not complete within {timeout_s:g} s on rank {rank}: some rank "
-                           f"has not called it (the call cannot be cancelled; the communicator was aborted)")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 class MpiRequest(Request):
@@ -180,7 +155,8 @@ class MpiBackend(Backend):
         split = functools.partial(self._comm.Split, MPI.UNDEFINED if color is None else color, key)
         if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             try:
-                sub = _call_before_deadline(split, self.timeout_s, "MPI_Comm_split", self.rank)
+                sub = call_before_deadline(split, self.timeout_s, "MPI_Comm_split", self.rank,
+                                        afterwards="the communicator was aborted")
             except TimeoutError as exc:
                 self._failure = exc
                 note_abort(stuck=True)

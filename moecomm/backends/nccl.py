@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..errors import MoeCommError
+from ._deadline import call_before_deadline
 from .base import Backend, Request
 
 try:
@@ -136,35 +137,6 @@ class _Watchdog:
             self._thread.join(timeout=5)
 
 
-def _call_before_deadline(fn: Callable[[], Any], timeout_s: float, what: str, rank: int) -> Any:
-    """``fn()`` (a blocking NCCL call that returns once every rank has made it: communicator
-    creation, split), run on a thread of its own so that the caller can give up on it.
-
-    Returns ``fn``'s result or raises its exception; raises ``TimeoutError`` naming ``what``
-    when it has not returned within ``timeout_s``. NCCL's blocking calls cannot be cancelled:
-    the thread stays behind, blocked (a daemon thread: it does not keep the process alive).
-    """
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name=f"moecomm-{what}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while thread.is_alive() and time.monotonic() < deadline:
-        thread.join(min(deadline - time.monotonic(), 3600.0))  # (join rejects timeouts past time_t)
-    if thread.is_alive():
-        raise TimeoutError(f"moecomm: {what} did not complete within {timeout_s:g} s on rank {rank}: some rank "
-                           f"has not called it (the call cannot be cancelled; end this process)")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
 _NATIVE_CALLS: dict = {}
 """Cache: libnccl path -> the native issue object (or the reason it is unavailable)."""
 
@@ -244,7 +216,8 @@ class NcclBackend(Backend):
             _cudart.set_device(device.index)  # the current device is per thread
             return nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(unique_id), config)
 
-        comm = _call_before_deadline(init, timeout_s, "ncclCommInitRank", rank)
+        comm = call_before_deadline(init, timeout_s, "ncclCommInitRank", rank,
+                                        afterwards="end this process")
         backend = cls(comm, device, timeout_s)
         backend.connect_peers()
         return backend
@@ -426,7 +399,8 @@ class NcclBackend(Backend):
             return self._comm.split(color, key)
 
         try:
-            sub = _call_before_deadline(split, self.timeout_s, "ncclCommSplit", self.rank)
+            sub = call_before_deadline(split, self.timeout_s, "ncclCommSplit", self.rank,
+                                        afterwards="end this process")
         except TimeoutError as exc:
             # The split still runs on this communicator in the abandoned thread: nothing else may
             # use it, and neither destroying nor aborting it under that call is safe.
