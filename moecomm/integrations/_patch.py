@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["Patch"]
+__all__ = ["Patch", "patch_all_to_all"]
 
 
 class Patch:
@@ -29,3 +29,18 @@ class Patch:
 
     def disable(self) -> None:
         self.cls.forward = self.original
+
+
+def patch_all_to_all(module: Any, forward: Callable[..., Any], what: str, framework: str) -> Patch:
+    """Enable a :class:`Patch` of ``module._AllToAll.forward`` (``what`` names it in errors).
+
+    Raises:
+        RuntimeError: the class or its own ``forward`` is missing (an unsupported version of
+            ``framework``).
+    """
+    cls = getattr(module, "_AllToAll", None)
+    if cls is None or "forward" not in getattr(cls, "__dict__", {}):
+        raise RuntimeError(f"{what} not found: this {framework} version is not supported by moecomm.integrations")
+    patch = Patch(cls, forward)
+    patch.enable()
+    return patch

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ._groups import communicator_for_group
-from ._patch import Patch
+from ._patch import Patch, patch_all_to_all
 
 __all__ = ["enable", "disable", "is_enabled", "tutel_kernels_enabled"]
 
@@ -68,13 +68,8 @@ def enable(tutel_kernels: bool = False, *, exchange: bool = True) -> None:
     """
     sharded_moe = _sharded_moe()
     if exchange and "all_to_all" not in _state:
-        cls = getattr(sharded_moe, "_AllToAll", None)
-        if cls is None or "forward" not in getattr(cls, "__dict__", {}):
-            raise RuntimeError("deepspeed.moe.sharded_moe._AllToAll.forward not found: this DeepSpeed version "
-                               "is not supported by moecomm.integrations.deepspeed")
-        patch = Patch(cls, _forward)
-        patch.enable()
-        _state["all_to_all"] = patch
+        _state["all_to_all"] = patch_all_to_all(sharded_moe, _forward, "deepspeed.moe.sharded_moe._AllToAll.forward",
+                                                "DeepSpeed")
     if tutel_kernels and "tutel" not in _state:
         from ..moe import tutel_functional
 

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from ._groups import communicator_for_group
-from ._patch import Patch
+from ._patch import Patch, patch_all_to_all
 
 __all__ = ["enable", "disable", "is_enabled"]
 
@@ -92,13 +92,8 @@ def enable() -> None:
     if "all_to_all" in _state:
         return
     mappings = _mappings()
-    cls = getattr(mappings, "_AllToAll", None)
-    if cls is None or "forward" not in getattr(cls, "__dict__", {}):
-        raise RuntimeError("megatron.core.tensor_parallel.mappings._AllToAll.forward not found: "
-                           "this megatron-core version is not supported by moecomm.integrations.megatron")
-    patch = Patch(cls, _forward)
-    patch.enable()
-    _state["all_to_all"] = patch
+    _state["all_to_all"] = patch_all_to_all(
+        mappings, _forward, "megatron.core.tensor_parallel.mappings._AllToAll.forward", "megatron-core")
 
 
 def disable() -> None:
