@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ._groups import communicator_for_group
-from ._patch import Patch, patch_all_to_all
+from ._patch import patch_all_to_all
 
 __all__ = ["enable", "disable", "is_enabled", "tutel_kernels_enabled"]
 
