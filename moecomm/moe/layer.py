@@ -14,6 +14,7 @@ import moecomm_ext
 from . import _comm
 from ._args import float_arg, int_arg
 from ._gather import gather_expert_params
+from ._graphed import StepGraphs
 from .experts import BatchedExperts, ExpertList, FFNExperts, Segments, WeightGradSum
 from .gates import GATE_TYPES, TopKGate, make_gate
 from .losses import BALANCE_LOSSES, gshard_loss, load_importance_loss, router_z_loss
@@ -75,6 +76,21 @@ class MoELayer(nn.Module):
     2 x H200 (``bench/results/README.md``): captured, own rows first shortens the step by
     5-8%; eagerly the step is bound by the host, whose cost of issuing the pipelined stages
     made it longer.
+
+    ``cuda_graph=True``: a capacity-mode training step (``capacity_factor > 0``, not dropless,
+    expert-parallel, autograd on, no autocast) is captured on first use per input shape and
+    per-call options (two CUDA graphs: forward, and backward for the output and the aux loss)
+    and replayed inside a normal eager ``forward``/``backward``: ``aux_loss`` and the
+    gradients flow as usual, and the host issues a handful of operations instead of the
+    whole step. The first call of each shape runs the step eagerly three times (the warm-up)
+    and captures it. Costs and limits: each captured shape keeps its activations and the
+    inputs' gradients in a memory pool of the layer; a call while an earlier replayed call
+    of this layer still awaits its backward runs eagerly (their saved activations would
+    collide), as does every call the graph does not cover; a retained graph
+    (``retain_graph=True``) must be backpropagated before the layer's next call; gradients
+    returned by ``torch.autograd.grad`` for the layer's inputs are the graph's buffers,
+    overwritten by the next backward (``.grad`` fields are not). With more than one rank the
+    token-count agreement (``inequivalent_tokens=True``) stays eager, one ``allreduce`` per call.
     """
 
     def __init__(
@@ -106,6 +122,7 @@ class MoELayer(nn.Module):
         own_first: Union[bool, str] = "auto",
         algorithm: Optional[str] = None,
         inequivalent_tokens: bool = True,
+        cuda_graph: bool = False,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -145,6 +162,7 @@ class MoELayer(nn.Module):
         self.is_postscore = _bool_arg("is_postscore", is_postscore)
         self.dropless = _bool_arg("dropless", dropless)
         self.inequivalent_tokens = _bool_arg("inequivalent_tokens", inequivalent_tokens)
+        self.cuda_graph = _bool_arg("cuda_graph", cuda_graph)
         if balance_loss not in BALANCE_LOSSES:
             raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {balance_loss!r}")
         self.balance_loss_type = balance_loss
@@ -245,6 +263,7 @@ class MoELayer(nn.Module):
         self._auto: dict = {}
         self.auto_trials = 3
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
+        self._graphed = StepGraphs()  # cuda_graph=True: the captured steps, per input shape and options
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -355,6 +374,7 @@ class MoELayer(nn.Module):
         deg = overlap_degree if overlap_degree is not None else a2a_ffn_overlap_degree
         deg = self.overlap_degree if deg is None else self._check_degree(deg)
         own = self.own_first if own_first is None else self._check_own_first(own_first)
+        own_captured = True if own == "auto" else own  # what "auto" means in a captured step
         if own == "auto":
             own = x.is_cuda and torch.cuda.is_current_stream_capturing()
         cf = gate.capacity_factor if capacity_factor is None else float_arg("capacity_factor", capacity_factor)
@@ -368,6 +388,34 @@ class MoELayer(nn.Module):
         if mode != "expert" and not isinstance(self.experts, FFNExperts):
             raise ValueError(f"parallel_mode={mode!r} needs the built-in FFN experts")
 
+        if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
+            y = self._graphed.run(self, x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode)
+        else:
+            y = self._run(x, gate, kk, cf, deg, own, algo, drop_less, ineq, mode)
+        aux = self.aux_loss
+        if self.result_func is not None:
+            y = self.result_func(y)
+        try:
+            y.l_aux = aux
+        except Exception:  # noqa: BLE001 - result_func may return a non-tensor
+            pass
+        return y
+
+    def _graphable(self, x: Tensor, cf: float, drop_less: bool, mode: str) -> bool:
+        """Whether this call can replay a per-shape CUDA graph (``cuda_graph=True``): a capacity
+        step (``capacity_factor > 0``, not dropless) on a GPU, expert-parallel, with autograd
+        on and no autocast, not itself inside a capture, and no replayed step of this layer
+        still waiting for its backward (the graph's saved activations are shared)."""
+        if not (x.is_cuda and cf > 0 and not drop_less and mode == "expert" and torch.is_grad_enabled()):
+            return False
+        if torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
+            return False
+        return not self._graphed.busy()
+
+    def _run(self, x: Tensor, gate: TopKGate, kk: int, cf: float, deg, own, algo, drop_less: bool, ineq: bool,
+             mode: str) -> Tensor:
+        """The eager step: routing, losses, dispatch, experts, combine; ``[..., output_dim]``."""
+        E = self.num_experts
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.model_dim)
         T = x2.shape[0]
@@ -422,14 +470,7 @@ class MoELayer(nn.Module):
         else:  # a timed trial of both paths in auto mode
             y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype)
         self.last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
-        y = y.reshape(*lead, self.output_dim)
-        if self.result_func is not None:
-            y = self.result_func(y)
-        try:
-            y.l_aux = aux
-        except Exception:  # noqa: BLE001 - result_func may return a non-tensor
-            pass
-        return y
+        return y.reshape(*lead, self.output_dim)
 
     def _capacity(self, r: Routing, T: int, k: int, cf: float, ineq: bool) -> int:
         E = self.num_experts

@@ -1,0 +1,207 @@
+"""``MoELayer(cuda_graph=True)``: the capacity step captured per input shape and replayed.
+
+The first call of each shape and set of per-call options warms the step up eagerly on a side
+stream (three forward + backward passes, as torch's ``make_graphed_callables`` does), then
+captures two CUDA graphs in one memory pool of the layer: the forward (from a static copy of
+the input to the output, the aux loss and the losses it is made of) and the backward (from
+static gradients of those outputs to the gradients of the input and of every parameter).
+Later calls copy the input in, replay the forward, and return copies of the outputs through
+one autograd node, whose backward copies the incoming gradients in and replays the backward.
+
+The graphs' saved activations are shared by every replay of the layer, so a call while an
+earlier replay still awaits its backward runs eagerly (a token held by that autograd node
+tells: alive and not yet backpropagated).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepGraphs"]
+
+_WARMUP = 3
+_MAX_GRAPHS = 8
+
+
+class _Token:
+    """Held only by the autograd node of one replay: alive while that node may still run."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class _Step:
+    """One captured forward + backward of the layer at one shape and set of options."""
+
+    def __init__(self, layer: Any, x: Tensor, call: Callable[[Tensor], Tensor], pool: Any) -> None:
+        dev = x.device
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.x = x.detach().clone().requires_grad_(x.requires_grad)
+        self.x_grad = x.requires_grad
+        inputs = ([self.x] if x.requires_grad else []) + self.params
+
+        def outputs(y: Tensor) -> list:
+            """y, then the distinct loss tensors of the call (aux, balance, z), None where absent."""
+            aux, bal, z = layer.aux_loss, layer.balance_loss, layer._z_loss
+            return [y, aux, None if bal is aux else bal, None if (z is aux or z is bal) else z]
+
+        def backward(outs: list, grads: Optional[list]) -> Optional[tuple]:
+            need = [o for o in outs if o is not None and o.requires_grad]
+            if not need:
+                return None
+            g = grads if grads is not None else [torch.zeros_like(o) for o in need]
+            return torch.autograd.grad(need, inputs, g, allow_unused=True)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP):
+                backward(outputs(call(self.x)), None)
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+        self.fwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd, pool=pool):
+            outs = outputs(call(self.x))
+        self.outs = [o for o in outs if o is not None]
+        self.slots = []  # where aux, balance, z are in self.outs (-1: absent; -2: same as aux)
+        idx = 1
+        for o in outs[1:]:
+            if o is None:
+                self.slots.append(-1)
+            else:
+                self.slots.append(idx)
+                idx += 1
+        self.balance_is_aux = layer.balance_loss is layer.aux_loss and layer.aux_loss is not None
+        self.z_is_aux = layer._z_loss is not None and layer._z_loss is layer.aux_loss
+        self.z_logits = layer._z_logits
+        self.routing = layer.last_routing
+        self.grad_idx = [i for i, o in enumerate(self.outs) if o.requires_grad]
+        self.nograd_idx = [i for i, o in enumerate(self.outs) if not o.requires_grad]
+        self.grad_bufs = [torch.zeros_like(self.outs[i]) for i in self.grad_idx]
+        self.buf_zero = [True] * len(self.grad_bufs)
+        self.bwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd, pool=pool):
+            grads = backward(self.outs, self.grad_bufs)
+        grads = list(grads) if grads is not None else [None] * len(inputs)
+        self.gx = grads.pop(0) if self.x_grad else None
+        self.gparams = grads
+
+    def load_grads(self, grads: tuple) -> None:
+        for j, i in enumerate(self.grad_idx):
+            g = grads[i]
+            buf = self.grad_bufs[j]
+            if g is None:
+                if not self.buf_zero[j]:
+                    buf.zero_()
+                    self.buf_zero[j] = True
+            else:
+                buf.copy_(g)
+                self.buf_zero[j] = False
+
+    def unalias(self, x: Optional[Tensor]) -> None:
+        """A ``.grad`` that autograd took over from this graph's buffers (it does when the field
+        was empty) would be overwritten by the replay: give it its own copy first."""
+        for p, g in zip(self.params, self.gparams):
+            if g is not None and p.grad is not None and _same_storage(p.grad, g):
+                p.grad = p.grad.clone()
+        if x is not None and self.gx is not None and x.grad is not None and _same_storage(x.grad, self.gx):
+            x.grad = x.grad.clone()
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: _Step, token: _Token, x: Tensor, *params: Tensor):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        if step.x.data_ptr() != x.data_ptr():
+            step.x.copy_(x)
+        step.fwd.replay()
+        outs = tuple(o.detach().clone() for o in step.outs)
+        ctx.step, ctx.token = step, token
+        ctx.leaf = x if x.grad_fn is None and x.requires_grad else None
+        nd = [outs[i] for i in step.nograd_idx]
+        if nd:
+            ctx.mark_non_differentiable(*nd)
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # type: ignore[override]
+        step: _Step = ctx.step
+        ctx.token.done = True
+        step.load_grads(grads)
+        step.unalias(ctx.leaf)
+        ctx.leaf = None
+        step.bwd.replay()
+        gp = tuple(None if g is None else g.detach() for g in step.gparams)
+        return (None, None, None if step.gx is None else step.gx.detach()) + gp
+
+
+class StepGraphs:
+    """The layer's captured steps (an explicit cache, at most ``_MAX_GRAPHS``, oldest dropped)."""
+
+    def __init__(self) -> None:
+        self._steps: "OrderedDict[tuple, _Step]" = OrderedDict()
+        self._pool: Any = None
+        self._last: Optional["weakref.ref[_Token]"] = None
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def clear(self) -> None:
+        self._steps.clear()
+        self._pool = None
+        self._last = None
+
+    def busy(self) -> bool:
+        """An earlier replay's backward may still run (its saved activations are in use)."""
+        token = self._last() if self._last is not None else None
+        return token is not None and not token.done
+
+    def run(self, layer: Any, x: Tensor, gate_index: int, k: int, cf: float, degree: Any, own: Any,
+            algo: Optional[str], ineq: bool, mode: str) -> Tensor:
+        gate = layer.gates[gate_index]
+        T = x.numel() // layer.model_dim
+        agreed = layer._agreed_tokens(T, x.device) if ineq else T  # eager: the one host step left
+        params = [p for p in layer.parameters() if p.requires_grad]
+        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, k, cf, degree, own, algo, gate_index,
+               layer.training, agreed, tuple(p.data_ptr() for p in params), layer.is_postscore,
+               layer.normalize_gate, layer.batch_prioritized_routing)
+        step = self._steps.get(key)
+        if step is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+
+            def call(xs: Tensor) -> Tensor:
+                return layer._run(xs, gate, k, cf, degree, own, algo, False, ineq, mode)
+
+            step = _Step(layer, x, call, self._pool)
+            while len(self._steps) >= _MAX_GRAPHS:
+                self._steps.popitem(last=False)
+            self._steps[key] = step
+        else:
+            self._steps.move_to_end(key)
+        token = _Token()
+        outs = _Replay.apply(step, token, x, *step.params)
+        self._last = weakref.ref(token)
+        if layer.comm.size > 1 and hasattr(layer.comm, "watch_stream"):
+            layer.comm.watch_stream("MoELayer cuda_graph replay")
+        y = outs[0]
+        aux_i, bal_i, z_i = step.slots
+        layer.aux_loss = outs[aux_i] if aux_i >= 0 else None
+        layer.balance_loss = outs[aux_i] if step.balance_is_aux else (outs[bal_i] if bal_i >= 0 else None)
+        layer._z_loss = outs[aux_i] if step.z_is_aux else (outs[z_i] if z_i >= 0 else None)
+        layer._z_logits = step.z_logits
+        layer.last_routing = step.routing
+        layer.last_parallel_mode = "expert"
+        return y
