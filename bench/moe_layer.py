@@ -14,6 +14,8 @@ over ``--iters`` samples. ``host_ms`` is the time the host took to issue a step 
 close to the step time means the step is bound by the host, not the GPU. ``--cuda-graph``
 also times each configuration captured once into a CUDA graph and replayed (mode
 ``graph``, beside ``eager``): the step's GPU work without the host's cost of issuing it.
+``--layer-cuda-graph`` builds the layer with ``cuda_graph=True`` (rows ``"cuda_graph": true``,
+mode ``eager``): the layer replays its own per-shape graphs inside each eager step.
 
 TFLOP/s counts the expert matmuls actually run per rank (``12 * rows * model_dim * hidden``
 for forward + backward, rows = the slots this rank's experts process, padding included);

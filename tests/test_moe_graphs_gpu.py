@@ -194,3 +194,31 @@ def test_torch_compile_of_a_model_with_the_layer(comm):
         _compare_grads(_grads(comp), _grads(ref), 1e-4)
         ref.zero_grad(set_to_none=True)
         comp.zero_grad(set_to_none=True)
+
+
+def test_cuda_graph_option_shapes_interleave_and_retained_graph_raises(comm):
+    """Two shapes (two graphs, separate memory) forward A, forward B, backward B, backward A;
+    then a graph retained across a later call of the same shape raises instead of misleading."""
+    ref, lay = _layer(comm, 2), _layer(comm, 2, cuda_graph=True)
+    xa, xb = _inputs(1, seed=8)[0], _inputs(1, seed=9)[0][: T // 2]
+    for m in (ref, lay):  # captures both shapes
+        for x in (xa, xb):
+            m(x).sum().backward()
+        m.zero_grad(set_to_none=True)
+    got = []
+    for m in (ref, lay):
+        a, b = xa.clone().requires_grad_(True), xb.clone().requires_grad_(True)
+        la = m(a).square().mean() + m.aux_loss
+        lb = m(b).square().mean() + m.aux_loss
+        lb.backward()
+        la.backward()
+        got.append((a.grad, b.grad, _grads(m)))
+    assert len(lay._graphed) == 2
+    _close(got[1][0], got[0][0], "a.grad", 1e-5)
+    _close(got[1][1], got[0][1], "b.grad", 1e-5)
+    _compare_grads(got[1][2], got[0][2], 1e-5)
+    loss = lay(xa.clone().requires_grad_(True)).sum()
+    loss.backward(retain_graph=True)
+    lay(xa.clone().requires_grad_(True)).sum().backward()
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()

@@ -2,15 +2,17 @@
 
 The first call of each shape and set of per-call options warms the step up eagerly on a side
 stream (three forward + backward passes, as torch's ``make_graphed_callables`` does), then
-captures two CUDA graphs in one memory pool of the layer: the forward (from a static copy of
+captures two CUDA graphs, each in a memory pool of its own: the forward (from a static copy of
 the input to the output, the aux loss and the losses it is made of) and the backward (from
 static gradients of those outputs to the gradients of the input and of every parameter).
 Later calls copy the input in, replay the forward, and return copies of the outputs through
 one autograd node, whose backward copies the incoming gradients in and replays the backward.
 
-The graphs' saved activations are shared by every replay of the layer, so a call while an
-earlier replay still awaits its backward runs eagerly (a token held by that autograd node
-tells: alive and not yet backpropagated).
+A graph's saved activations are shared by all replays of that graph, so a call while an
+earlier replay of the same graph still awaits its backward runs eagerly (a token held by
+that autograd node tells: alive and not yet backpropagated), and the backward of a replay
+whose activations a later replay overwrote (a retained graph) raises instead of computing
+wrong gradients. Graphs of different shapes use different memory, so they interleave freely.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 class _Step:
     """One captured forward + backward of the layer at one shape and set of options."""
 
-    def __init__(self, layer: Any, x: Tensor, call: Callable[[Tensor], Tensor], pool: Any) -> None:
+    def __init__(self, layer: Any, x: Tensor, call: Callable[[Tensor], Tensor]) -> None:
         dev = x.device
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.x = x.detach().clone().requires_grad_(x.requires_grad)
@@ -69,9 +71,14 @@ class _Step:
             for _ in range(_WARMUP):
                 backward(outputs(call(self.x)), None)
         torch.cuda.current_stream(dev).wait_stream(side)
+        # let the warm-up's autograd graph go: it holds the parameters' AccumulateGrad nodes,
+        # made on the side stream, which later backward passes would otherwise keep using
+        layer.aux_loss = layer.balance_loss = layer._z_loss = None
 
+        # two pools: the backward graph's outputs (the gradients, which autograd may keep as
+        # .grad) must not lie in memory that the forward graph's temporaries reuse
         self.fwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd, pool=pool):
+        with torch.cuda.graph(self.fwd, pool=torch.cuda.graph_pool_handle()):
             outs = outputs(call(self.x))
         self.outs = [o for o in outs if o is not None]
         self.slots = []  # where aux, balance, z are in self.outs (-1: absent; -2: same as aux)
@@ -91,11 +98,21 @@ class _Step:
         self.grad_bufs = [torch.zeros_like(self.outs[i]) for i in self.grad_idx]
         self.buf_zero = [True] * len(self.grad_bufs)
         self.bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd, pool=pool):
+        with torch.cuda.graph(self.bwd, pool=torch.cuda.graph_pool_handle()):
             grads = backward(self.outs, self.grad_bufs)
+        self.outs = [o.detach() for o in self.outs]  # the captured autograd graph is not needed
+        layer.aux_loss = layer.balance_loss = layer._z_loss = None
         grads = list(grads) if grads is not None else [None] * len(inputs)
         self.gx = grads.pop(0) if self.x_grad else None
         self.gparams = grads
+        self.generation = 0  # forward replays so far
+        self.local: tuple = ()  # the cache key less the agreed token count
+        self.last: Optional["weakref.ref[_Token]"] = None
+
+    def busy(self) -> bool:
+        """An earlier replay's backward may still run (its saved activations are in use)."""
+        token = self.last() if self.last is not None else None
+        return token is not None and not token.done
 
     def load_grads(self, grads: tuple) -> None:
         for j, i in enumerate(self.grad_idx):
@@ -126,8 +143,9 @@ class _Replay(torch.autograd.Function):
         if step.x.data_ptr() != x.data_ptr():
             step.x.copy_(x)
         step.fwd.replay()
+        step.generation += 1
         outs = tuple(o.detach().clone() for o in step.outs)
-        ctx.step, ctx.token = step, token
+        ctx.step, ctx.token, ctx.generation = step, token, step.generation
         ctx.leaf = x if x.grad_fn is None and x.requires_grad else None
         nd = [outs[i] for i in step.nograd_idx]
         if nd:
@@ -138,6 +156,11 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):  # type: ignore[override]
         step: _Step = ctx.step
+        if ctx.generation != step.generation:
+            raise RuntimeError(
+                "MoELayer(cuda_graph=True): backward of a call whose saved activations a later call of the layer "
+                "(same shape) has overwritten: a graph kept with retain_graph=True must be backpropagated before "
+                "the layer's next call, or use cuda_graph=False")
         ctx.token.done = True
         step.load_grads(grads)
         step.unalias(ctx.leaf)
@@ -152,40 +175,35 @@ class StepGraphs:
 
     def __init__(self) -> None:
         self._steps: "OrderedDict[tuple, _Step]" = OrderedDict()
-        self._pool: Any = None
-        self._last: Optional["weakref.ref[_Token]"] = None
 
     def __len__(self) -> int:
         return len(self._steps)
 
     def clear(self) -> None:
         self._steps.clear()
-        self._pool = None
-        self._last = None
-
-    def busy(self) -> bool:
-        """An earlier replay's backward may still run (its saved activations are in use)."""
-        token = self._last() if self._last is not None else None
-        return token is not None and not token.done
 
     def run(self, layer: Any, x: Tensor, gate_index: int, k: int, cf: float, degree: Any, own: Any,
-            algo: Optional[str], ineq: bool, mode: str) -> Tensor:
+            algo: Optional[str], ineq: bool, mode: str) -> Optional[Tensor]:
+        """The replayed step's output, or None where this call must run eagerly (its graph's
+        previous replay still awaits its backward)."""
         gate = layer.gates[gate_index]
         T = x.numel() // layer.model_dim
-        agreed = layer._agreed_tokens(T, x.device) if ineq else T  # eager: the one host step left
         params = [p for p in layer.parameters() if p.requires_grad]
-        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, k, cf, degree, own, algo, gate_index,
-               layer.training, agreed, tuple(p.data_ptr() for p in params), layer.is_postscore,
-               layer.normalize_gate, layer.batch_prioritized_routing)
+        local = (tuple(x.shape), x.dtype, x.device, x.requires_grad, k, cf, degree, own, algo, gate_index,
+                 layer.training, tuple(p.data_ptr() for p in params), layer.is_postscore,
+                 layer.normalize_gate, layer.batch_prioritized_routing)
+        # decided before the agreement below, so that an eager fallback agrees only once
+        if any(s.local == local and s.busy() for s in self._steps.values()):
+            return None
+        agreed = layer._agreed_tokens(T, x.device) if ineq else T  # eager: the one host step left
+        key = local + (agreed,)
         step = self._steps.get(key)
         if step is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-
             def call(xs: Tensor) -> Tensor:
                 return layer._run(xs, gate, k, cf, degree, own, algo, False, ineq, mode)
 
-            step = _Step(layer, x, call, self._pool)
+            step = _Step(layer, x, call)
+            step.local = local
             while len(self._steps) >= _MAX_GRAPHS:
                 self._steps.popitem(last=False)
             self._steps[key] = step
@@ -193,7 +211,7 @@ class StepGraphs:
             self._steps.move_to_end(key)
         token = _Token()
         outs = _Replay.apply(step, token, x, *step.params)
-        self._last = weakref.ref(token)
+        step.last = weakref.ref(token)
         if layer.comm.size > 1 and hasattr(layer.comm, "watch_stream"):
             layer.comm.watch_stream("MoELayer cuda_graph replay")
         y = outs[0]

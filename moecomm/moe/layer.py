@@ -83,14 +83,16 @@ class MoELayer(nn.Module):
     and replayed inside a normal eager ``forward``/``backward``: ``aux_loss`` and the
     gradients flow as usual, and the host issues a handful of operations instead of the
     whole step. The first call of each shape runs the step eagerly three times (the warm-up)
-    and captures it. Costs and limits: each captured shape keeps its activations and the
-    inputs' gradients in a memory pool of the layer; a call while an earlier replayed call
-    of this layer still awaits its backward runs eagerly (their saved activations would
-    collide), as does every call the graph does not cover; a retained graph
-    (``retain_graph=True``) must be backpropagated before the layer's next call; gradients
-    returned by ``torch.autograd.grad`` for the layer's inputs are the graph's buffers,
-    overwritten by the next backward (``.grad`` fields are not). With more than one rank the
-    token-count agreement (``inequivalent_tokens=True``) stays eager, one ``allreduce`` per call.
+    and captures it (at most 8 shapes are kept, the least recently used dropped). Costs and
+    limits: each captured shape keeps its activations and the gradients of the input and the
+    parameters in memory pools of its own; a call while the previous replay of the same graph
+    still awaits its backward runs eagerly (their saved activations would collide), as does
+    every call the graphs do not cover; the backward of a replay whose activations a later
+    call overwrote (a graph kept with ``retain_graph=True``) raises ``RuntimeError``; gradients
+    returned by ``torch.autograd.grad`` for the layer's input and parameters are the graph's
+    buffers, overwritten by that graph's next backward (``.grad`` fields are safe: a field
+    that shares them gets its own copy first). With more than one rank the token-count
+    agreement (``inequivalent_tokens=True``) stays eager, one ``allreduce`` per call.
     """
 
     def __init__(
@@ -388,9 +390,10 @@ class MoELayer(nn.Module):
         if mode != "expert" and not isinstance(self.experts, FFNExperts):
             raise ValueError(f"parallel_mode={mode!r} needs the built-in FFN experts")
 
+        y = None
         if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
             y = self._graphed.run(self, x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode)
-        else:
+        if y is None:
             y = self._run(x, gate, kk, cf, deg, own, algo, drop_less, ineq, mode)
         aux = self.aux_loss
         if self.result_func is not None:
@@ -404,13 +407,10 @@ class MoELayer(nn.Module):
     def _graphable(self, x: Tensor, cf: float, drop_less: bool, mode: str) -> bool:
         """Whether this call can replay a per-shape CUDA graph (``cuda_graph=True``): a capacity
         step (``capacity_factor > 0``, not dropless) on a GPU, expert-parallel, with autograd
-        on and no autocast, not itself inside a capture, and no replayed step of this layer
-        still waiting for its backward (the graph's saved activations are shared)."""
+        on and no autocast, not itself inside a capture."""
         if not (x.is_cuda and cf > 0 and not drop_less and mode == "expert" and torch.is_grad_enabled()):
             return False
-        if torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
-            return False
-        return not self._graphed.busy()
+        return not (torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing())
 
     def _run(self, x: Tensor, gate: TopKGate, kk: int, cf: float, deg, own, algo, drop_less: bool, ineq: bool,
              mode: str) -> Tensor:
