@@ -17,6 +17,7 @@ wrong gradients. Graphs of different shapes use different memory, so they interl
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -175,12 +176,15 @@ class StepGraphs:
 
     def __init__(self) -> None:
         self._steps: "OrderedDict[tuple, _Step]" = OrderedDict()
+        self.failed: dict = {}
+        """Keys whose capture failed -> the reason (those calls run eagerly)."""
 
     def __len__(self) -> int:
         return len(self._steps)
 
     def clear(self) -> None:
         self._steps.clear()
+        self.failed.clear()
 
     def run(self, layer: Any, x: Tensor, gate_index: int, k: int, cf: float, degree: Any, own: Any,
             algo: Optional[str], ineq: bool, mode: str) -> Optional[Tensor]:
@@ -199,10 +203,27 @@ class StepGraphs:
         key = local + (agreed,)
         step = self._steps.get(key)
         if step is None:
+            if key in self.failed:
+                return None
+
             def call(xs: Tensor) -> Tensor:
                 return layer._run(xs, gate, k, cf, degree, own, algo, False, ineq, mode)
 
-            step = _Step(layer, x, call)
+            try:
+                step = _Step(layer, x, call)
+            except RuntimeError as exc:
+                # the capture failed (cudaErrorStreamCaptureInvalidated, say): what it made was never
+                # computed, so nothing of it may be used; this key runs eagerly from now on
+                layer.aux_loss = layer.balance_loss = layer._z_loss = layer._z_logits = None
+                layer.last_routing = None
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                if len(self.failed) >= 64:
+                    self.failed.pop(next(iter(self.failed)))
+                self.failed[key] = reason
+                warnings.warn(f"MoELayer(cuda_graph=True): capturing the step for input shape {tuple(x.shape)} "
+                              f"failed ({reason}); calls of that shape and options run eagerly",
+                              RuntimeWarning, stacklevel=4)
+                return None
             step.local = local
             while len(self._steps) >= _MAX_GRAPHS:
                 self._steps.popitem(last=False)
