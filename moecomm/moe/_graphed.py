@@ -29,6 +29,10 @@ __all__ = ["StepGraphs"]
 
 _WARMUP = 3
 _MAX_GRAPHS = 8
+_CAPTURE_MODE = "thread_local"
+"""The captures protect themselves only from this thread's unsafe CUDA calls: under torch's
+default ("global") any thread's call (a data loader pinning memory, a library's watchdog
+querying an event) invalidates a capture that happens to be under way on first use."""
 
 
 class _Token:
@@ -79,10 +83,10 @@ class _Step:
         # two pools: the backward graph's outputs (the gradients, which autograd may keep as
         # .grad) must not lie in memory that the forward graph's temporaries reuse
         self.fwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd, pool=torch.cuda.graph_pool_handle()):
+        with torch.cuda.graph(self.fwd, pool=torch.cuda.graph_pool_handle(), capture_error_mode=_CAPTURE_MODE):
             outs = outputs(call(self.x))
         self.outs = [o for o in outs if o is not None]
-        self.slots = []  # where aux, balance, z are in self.outs (-1: absent; -2: same as aux)
+        self.slots = []  # where aux, balance, z are in self.outs (-1: absent)
         idx = 1
         for o in outs[1:]:
             if o is None:
@@ -99,7 +103,7 @@ class _Step:
         self.grad_bufs = [torch.zeros_like(self.outs[i]) for i in self.grad_idx]
         self.buf_zero = [True] * len(self.grad_bufs)
         self.bwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.bwd, pool=torch.cuda.graph_pool_handle()):
+        with torch.cuda.graph(self.bwd, pool=torch.cuda.graph_pool_handle(), capture_error_mode=_CAPTURE_MODE):
             grads = backward(self.outs, self.grad_bufs)
         self.outs = [o.detach() for o in self.outs]  # the captured autograd graph is not needed
         layer.aux_loss = layer.balance_loss = layer._z_loss = None
