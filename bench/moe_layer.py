@@ -14,6 +14,8 @@ over ``--iters`` samples. ``host_ms`` is the time the host took to issue a step 
 close to the step time means the step is bound by the host, not the GPU. ``--cuda-graph``
 also times each configuration captured once into a CUDA graph and replayed (mode
 ``graph``, beside ``eager``): the step's GPU work without the host's cost of issuing it.
+``--layer-cuda-graph`` builds the layer with ``cuda_graph=True`` (rows ``"cuda_graph": true``,
+mode ``eager``): the layer replays its own per-shape graphs inside each eager step.
 
 TFLOP/s counts the expert matmuls actually run per rank (``12 * rows * model_dim * hidden``
 for forward + backward, rows = the slots this rank's experts process, padding included);
@@ -92,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ctas", type=int, default=None, help="NCCL: most CTAs per communication kernel (init(max_ctas=))")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs of one node: peer memory per rank (init(p2p_bytes=)); exchanges then move by copy engines")
+    p.add_argument("--layer-cuda-graph", action="store_true",
+                   help="MoELayer(cuda_graph=True): the layer replays per-shape graphs of its capacity step "
+                        "inside each eager step (rows say cuda_graph: true)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU: time every configuration also as a captured CUDA graph (mode 'graph')")
     p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
@@ -121,7 +126,7 @@ class Bench:
                               capacity_factor=args.capacity_factor, dropless=args.dropless, gate=args.gate,
                               activation=args.activation, parallel_mode=args.parallel_mode,
                               algorithm=args.algorithm, seed=args.seed, comm=comm, dtype=pdtype, device=dev,
-                              inequivalent_tokens=not args.equal_tokens)
+                              inequivalent_tokens=not args.equal_tokens, cuda_graph=args.layer_cuda_graph)
         g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + comm.rank)
         self.x = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt).requires_grad_(True)
         self.gy = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt)
@@ -227,7 +232,8 @@ def main(argv: Optional[list] = None) -> list:
         sec = t["median_ms"] / 1e3
         peak = int(b.slowest([float(_peak_bytes(comm))])[0])
         results.append({"k": k, "overlap_degree": deg, "own_first": own if own == "auto" else int(own),
-                        "mode": mode, "capacity": r.capacity, **t,
+                        "mode": mode, "dropless": args.dropless, "cuda_graph": args.layer_cuda_graph,
+                        "capacity": r.capacity, **t,
                         "tokens_per_s": args.tokens * comm.size / sec,
                         "tflops_per_rank": flops / sec / 1e12, "useful_tflops_per_rank": useful / sec / 1e12,
                         "peak_mem_gib": peak / 2 ** 30, "parallel_mode": L.last_parallel_mode})
@@ -238,7 +244,8 @@ def main(argv: Optional[list] = None) -> list:
         head = (f"# moecomm.moe layer: {comm.size} ranks, backend {comm.backend}, {name}, {args.dtype}"
                 f"{' (autocast)' if args.autocast else ''}, {args.tokens} tokens/rank, model_dim {args.model_dim}, "
                 f"hidden {args.hidden}, {args.experts} experts, "
-                f"{'dropless' if args.dropless else f'capacity_factor {args.capacity_factor}'}, "
+                f"{'dropless' if args.dropless else f'capacity_factor {args.capacity_factor}'}"
+                f"{', layer cuda_graph=True' if args.layer_cuda_graph else ''}, "
                 f"gate {args.gate}, {args.parallel_mode}-parallel, max_ctas {args.max_ctas or 'NCCL default'}, p2p_bytes {args.p2p_bytes or 'none'}, "
                 f"torch {torch.__version__}")
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "

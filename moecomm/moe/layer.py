@@ -14,6 +14,7 @@ import moecomm_ext
 from . import _comm, _wire
 from ._args import float_arg, int_arg
 from ._gather import gather_expert_params
+from ._graphed import StepGraphs
 from .experts import BatchedExperts, ExpertList, FFNExperts, Segments, WeightGradSum
 from .gates import GATE_TYPES, TopKGate, make_gate
 from .losses import BALANCE_LOSSES, gshard_loss, load_importance_loss, router_z_loss
@@ -86,6 +87,23 @@ class MoELayer(nn.Module):
     ``overlap_degree`` > 1 or ``own_first`` the pipelined exchange sends the tokens in FP8
     too, and the dispatch gradient in the activation dtype (``grad_wire_dtype`` must then be
     None or that dtype). On one rank nothing travels and nothing is quantized.
+
+    ``cuda_graph=True``: a capacity-mode training step (``capacity_factor > 0``, not dropless,
+    expert-parallel, autograd on, no autocast) is captured on first use per input shape and
+    per-call options (two CUDA graphs: forward, and backward for the output and the aux loss)
+    and replayed inside a normal eager ``forward``/``backward``: ``aux_loss`` and the
+    gradients flow as usual, and the host issues a handful of operations instead of the
+    whole step. The first call of each shape runs the step eagerly three times (the warm-up)
+    and captures it (at most 8 shapes are kept, the least recently used dropped). Costs and
+    limits: each captured shape keeps its activations and the gradients of the input and the
+    parameters in memory pools of its own; a call while the previous replay of the same graph
+    still awaits its backward runs eagerly (their saved activations would collide), as does
+    every call the graphs do not cover; the backward of a replay whose activations a later
+    call overwrote (a graph kept with ``retain_graph=True``) raises ``RuntimeError``; gradients
+    returned by ``torch.autograd.grad`` for the layer's input and parameters are the graph's
+    buffers, overwritten by that graph's next backward (``.grad`` fields are safe: a field
+    that shares them gets its own copy first). With more than one rank the token-count
+    agreement (``inequivalent_tokens=True``) stays eager, one ``allreduce`` per call.
     """
 
     def __init__(
@@ -119,6 +137,7 @@ class MoELayer(nn.Module):
         inequivalent_tokens: bool = True,
         wire_dtype: Optional[torch.dtype] = None,
         grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16,
+        cuda_graph: bool = False,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -158,6 +177,7 @@ class MoELayer(nn.Module):
         self.is_postscore = _bool_arg("is_postscore", is_postscore)
         self.dropless = _bool_arg("dropless", dropless)
         self.inequivalent_tokens = _bool_arg("inequivalent_tokens", inequivalent_tokens)
+        self.cuda_graph = _bool_arg("cuda_graph", cuda_graph)
         if balance_loss not in BALANCE_LOSSES:
             raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {balance_loss!r}")
         self.balance_loss_type = balance_loss
@@ -260,6 +280,7 @@ class MoELayer(nn.Module):
         self._auto: dict = {}
         self.auto_trials = 3
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
+        self._graphed = StepGraphs()  # cuda_graph=True: the captured steps, per input shape and options
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -373,6 +394,7 @@ class MoELayer(nn.Module):
         own = self.own_first if own_first is None else self._check_own_first(own_first)
         wire = self.wire_dtype if wire_dtype is None else wire_dtype
         _wire.check_wire_args(wire, None)
+        own_captured = True if own == "auto" else own  # what "auto" means in a captured step
         if own == "auto":
             own = x.is_cuda and torch.cuda.is_current_stream_capturing()
         cf = gate.capacity_factor if capacity_factor is None else float_arg("capacity_factor", capacity_factor)
@@ -386,6 +408,32 @@ class MoELayer(nn.Module):
         if mode != "expert" and not isinstance(self.experts, FFNExperts):
             raise ValueError(f"parallel_mode={mode!r} needs the built-in FFN experts")
 
+        y = None
+        if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
+            y = self._graphed.run(self, x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode, wire)
+        if y is None:
+            y = self._run(x, gate, kk, cf, deg, own, algo, drop_less, ineq, mode, wire)
+        aux = self.aux_loss
+        if self.result_func is not None:
+            y = self.result_func(y)
+        try:
+            y.l_aux = aux
+        except Exception:  # noqa: BLE001 - result_func may return a non-tensor
+            pass
+        return y
+
+    def _graphable(self, x: Tensor, cf: float, drop_less: bool, mode: str) -> bool:
+        """Whether this call can replay a per-shape CUDA graph (``cuda_graph=True``): a capacity
+        step (``capacity_factor > 0``, not dropless) on a GPU, expert-parallel, with autograd
+        on and no autocast, not itself inside a capture."""
+        if not (x.is_cuda and cf > 0 and not drop_less and mode == "expert" and torch.is_grad_enabled()):
+            return False
+        return not (torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing())
+
+    def _run(self, x: Tensor, gate: TopKGate, kk: int, cf: float, deg, own, algo, drop_less: bool, ineq: bool,
+             mode: str, wire: Optional[torch.dtype] = None) -> Tensor:
+        """The eager step: routing, losses, dispatch, experts, combine; ``[..., output_dim]``."""
+        E = self.num_experts
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.model_dim)
         T = x2.shape[0]
@@ -440,14 +488,7 @@ class MoELayer(nn.Module):
         else:  # a timed trial of both paths in auto mode
             y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype, wire)
         self.last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
-        y = y.reshape(*lead, self.output_dim)
-        if self.result_func is not None:
-            y = self.result_func(y)
-        try:
-            y.l_aux = aux
-        except Exception:  # noqa: BLE001 - result_func may return a non-tensor
-            pass
-        return y
+        return y.reshape(*lead, self.output_dim)
 
     def _capacity(self, r: Routing, T: int, k: int, cf: float, ineq: bool) -> int:
         E = self.num_experts
