@@ -60,7 +60,7 @@ run_step() {
     copies) step layout_copies 60 python3 -m bench.layout_copies ;;
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
     kernels) step kernels 150 python3 -m bench.kernels --json "$RES/kernels.json" ;;
-    gputests) step pytest_gpu 150 python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    gputests) step pytest_gpu 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE ;;
     moe)
       step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
       step moe_dropless 60 "${MPI[@]}" python3 -m bench.moe_layer --dropless --top-k 2 ;;
