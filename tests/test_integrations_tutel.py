@@ -159,5 +159,6 @@ def test_cuda_matches_reference(dtype, postscore):
     torch.testing.assert_close(dec.cpu(), rdec, **tol)
     torch.testing.assert_close(cx.grad.cpu(), rx.grad, **tol)
     torch.testing.assert_close(cy.grad.cpu(), ry.grad, **tol)
-    for a, b in zip(cg, rg):
-        torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=5e-2, atol=5e-2)
+    for a, b in zip(cg, rg):  # a gate none of whose routes fit has no gradient in the reference: zero
+        want = b.grad if b.grad is not None else torch.zeros_like(b)
+        torch.testing.assert_close(a.grad.cpu(), want, rtol=5e-2, atol=5e-2)
