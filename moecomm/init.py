@@ -7,7 +7,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _exit, env
+from . import _exit, _topology, env
+from ._engine import COPY_ENGINE_MIN_BYTES, Engine
 from .communicator import Communicator
 from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
@@ -80,6 +81,7 @@ def init(
     profile: Any = None,
     max_ctas: Optional[int] = None,
     p2p_bytes: Optional[int] = None,
+    p2p_min_bytes: Optional[int] = None,
 ) -> Communicator:
     """Create a communicator over every rank of this launch (or of ``process_group``).
 
@@ -126,6 +128,11 @@ def init(
             source gets ``p2p_bytes / (4 * size)`` of it per exchange; rows beyond go
             through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
             peer access); otherwise ValueError. Default: None (off).
+        p2p_min_bytes: with ``p2p_bytes``: a plain ``all_to_all_v`` (or ``all_to_all_single``,
+            ``all_to_all``) with known counts moves by copy engines when this rank sends or
+            receives at least this many bytes, through NCCL below (the stages of
+            ``scatter_compute_gather`` always use the copy engines). An int >= 0; 0: always.
+            Default (None): 16 MiB.
 
     Collective: every rank of the launch (or of ``process_group``) must call it. Under an MPI
     launcher it also registers, once per process, the exit hook of :mod:`moecomm._exit`
@@ -163,6 +170,9 @@ def init(
             raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
         if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
             raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
+        if p2p_min_bytes is not None and (isinstance(p2p_min_bytes, bool) or not isinstance(p2p_min_bytes, int)
+                                          or p2p_min_bytes < 0):
+            raise ValueError(f"p2p_min_bytes must be an int >= 0 (bytes) or None, got {p2p_min_bytes!r}")
         if hierarchy is not None and not isinstance(hierarchy, bool):
             raise TypeError(f"hierarchy must be True, False or None, got {hierarchy!r}")
         if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int)
@@ -181,16 +191,18 @@ def init(
         Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
         else Layout.from_hosts(rank, hosts)
     )
-    comm = Communicator(backend_obj, layout, timeout=timeout_s, validate=validate, pool=pool)
-    from .hierarchical import attach
-
+    engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate)
     try:
-        attach(comm, hierarchy=hierarchy, profile=profile, hosts=hosts, local_size_given=local_size is not None)
         if p2p_bytes is not None:
-            _attach_peer_transport(comm, p2p_bytes, hosts)
+            min_bytes = COPY_ENGINE_MIN_BYTES if p2p_min_bytes is None else p2p_min_bytes
+            engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate,
+                            peer=_peer_transport(engine, p2p_bytes, hosts), copy_engine_min_bytes=min_bytes)
+        topology = _topology.build(engine, layout, sub_communicator=Communicator, hierarchy=hierarchy,
+                                   profile=profile, hosts=hosts, local_size_given=local_size is not None)
     except BaseException:
-        comm.abort()
+        engine.abort()
         raise
+    comm = Communicator(engine, layout, topology=topology)
     if set_default:
         set_default_communicator(comm)
     return comm
@@ -206,13 +218,14 @@ def _fallback_seconds(timeout: Any) -> float:
     return 600.0
 
 
-def _attach_peer_transport(comm: Communicator, p2p_bytes: int, hosts: list) -> None:
+def _peer_transport(engine: Engine, p2p_bytes: int, hosts: list) -> Any:
+    """The peer-memory transport, set up through ``engine`` (which has none)."""
     if len(set(hosts)) != 1:
         raise ValueError(f"p2p_bytes needs every rank on one host (peer memory), but the ranks run on "
                          f"{len(set(hosts))} hosts")
     from .backends.p2p import PeerTransport
 
-    comm._p2p = PeerTransport(comm, p2p_bytes)
+    return PeerTransport(engine, p2p_bytes)
 
 
 def _cuda_device(device: Union[None, int, str, torch.device], local_rank: int) -> torch.device:

@@ -56,6 +56,11 @@ class Backend(abc.ABC):
     supports_displacements: bool = False
     """True where :meth:`alltoallv` takes ``send_displs``/``recv_displs``."""
 
+    timeout_s: float = 600.0
+    """Seconds any wait of this backend may last: the communicator's ``timeout``, kept here
+    only (the engine reads and sets it), so that the backend's own waits (NCCL's watchdog,
+    blocking splits) use the same value."""
+
     @abc.abstractmethod
     def alltoallv(
         self,

@@ -16,9 +16,8 @@ stage of ``scatter_compute_gather``) move through the same arenas by *copy engin
 kernel writing the headers, a wait for the peers' headers (with a timeout, checking each
 count against what this rank expects), and copies out of the own regions; the rank's own
 rows are one device-local copy (on a second stream when large). No SM moves a byte, so an
-exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do; on 2 x H200
-a whole exchange so moved takes 0.92-1.07x NCCL's time from 64 MiB a rank
-(``bench/results/h200x2/alltoall_ce.json``, ``bench/copy_engine_probe.py``). A failure the wait reports (a peer silent past the
+exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do (measured
+against NCCL: bench/results/README.md). A failure the wait reports (a peer silent past the
 timeout, a peer sending another count than expected) aborts the communicator; the next
 call raises it, as after an NCCL timeout.
 
@@ -27,7 +26,7 @@ map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU 
 ``recv_splits`` is not given and rows are a multiple of 16 bytes (kernels), and for every
 flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.cu`` for
 the arena layout and why two buffers suffice. A plain ``all_to_all_v`` with known counts uses
-the copy engines only from a size on (``moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES``).
+the copy engines only from a size on (``init(p2p_min_bytes=)``).
 
 The copy-engine exchanges keep their sequence numbers on the GPU and check, before
 writing into a peer's buffer half, that the peer has copied out the last exchange that used
@@ -38,9 +37,7 @@ needs the host between its two kernels and cannot be captured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,7 +48,7 @@ from . import _cudart
 from .base import DoneRequest, Request
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..communicator import Communicator
+    from .._engine import Engine
     from .nccl import NcclBackend
 
 __all__ = ["PeerTransport", "ROW_ALIGN"]
@@ -77,17 +74,24 @@ class PeerTransport:
     per this many bytes they move, at least 16 and at most :attr:`max_blocks` in all."""
     max_blocks: int = 256
 
-    def __init__(self, comm: "Communicator", arena_bytes: int) -> None:
+    def __init__(self, engine: "Engine", arena_bytes: int) -> None:
+        """Collective: allocate this rank's arena and map every peer's, through ``engine``
+        (an engine of the NCCL backend without a peer transport).
+
+        Raises:
+            ValueError: a GPU pair that cannot map each other's memory, too many ranks, or
+                ``arena_bytes`` too small for one row region per peer.
+        """
         from moecomm_ext._loader import load_p2p
 
-        backend: "NcclBackend" = comm._backend
+        backend: "NcclBackend" = engine.backend
         self._ext = load_p2p()
         self._backend = backend
         self.size, self.rank = backend.size, backend.rank
         self._device = backend.device.index
         W = self.size
         dev = backend.device
-        devices = [row[0] for row in comm._gather_ints([dev.index], "p2p setup")]
+        devices = [row[0] for row in engine.gather_ints([dev.index], "p2p setup")]
         for r, d in enumerate(devices):
             if r != self.rank and not self._ext.can_access_peer(dev.index, d):
                 raise ValueError(f"p2p_bytes: GPU {dev.index} (rank {self.rank}) cannot map the memory of GPU {d} "
@@ -110,15 +114,13 @@ class PeerTransport:
         self._base = self._ext.alloc(dev.index, arena_bytes)
         self._opened: list[int] = []
         try:
-            handle = torch.frombuffer(bytearray(self._ext.ipc_handle(self._base)), dtype=torch.uint8).to(dev)
-            table, _ = comm.all_gather_v(handle)
-            table = table.cpu().reshape(W, -1)
+            table = engine.gather_ints(list(self._ext.ipc_handle(self._base)), "p2p setup (IPC handles)")
             bases = []
             for r in range(W):
                 if r == self.rank:
                     bases.append(self._base)
                 else:
-                    ptr = self._ext.ipc_open(dev.index, bytes(table[r].tolist()))
+                    ptr = self._ext.ipc_open(dev.index, bytes(table[r]))
                     self._opened.append(ptr)
                     bases.append(ptr)
         except BaseException:
@@ -136,7 +138,7 @@ class PeerTransport:
         self._ce_half = 0
         self._ce_capture = 0  # the capture the last exchange was issued into (0: none)
         self._ce_captured = False  # once captured, a replay may run between any two eager exchanges
-        self._timeout_ns = int(backend.timeout_s * 1e9)
+        self._timeout_ns = int(engine.timeout * 1e9)
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         # the copy-engine path: peers' bases on the host, a stream for the own block, a
         # status the wait kernel writes into host memory (code, count sent, count expected per source)
@@ -147,7 +149,7 @@ class PeerTransport:
         self._order = self._ext.new_event(dev.index)  # the counts-on-the-GPU path: after the backend's stream
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
-        comm.barrier()  # every rank has mapped every arena before any exchange writes to one
+        engine.barrier()  # every rank has mapped every arena before any exchange writes to one
 
     def _blocks(self, nbytes: int) -> int:
         return _copy_blocks(nbytes, self.size, self.block_bytes, self.max_blocks)
@@ -267,7 +269,7 @@ class PeerTransport:
             self._ext.free(self._base)
             self._base = 0
 
-    def close(self, comm: "Communicator") -> None:
+    def close(self, engine: "Engine") -> None:
         """Collective: unmap the peers' arenas, then (after a barrier, so that no peer still
         maps it) free this rank's. After an abort nothing is freed: a kernel may still
         run, and the memory goes with the process."""
@@ -277,7 +279,7 @@ class PeerTransport:
         for ptr in self._opened:
             self._ext.ipc_close(ptr)
         self._opened = []
-        comm.barrier()
+        engine.barrier()
         self._ext.free(self._base)
         self._base = 0
         self._destroy_events()
