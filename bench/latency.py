@@ -65,7 +65,7 @@ def _grouped_send_recv(backend, x: torch.Tensor, out: torch.Tensor, send: list[i
 
 def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callable[[], object]]:
     comm = bench.comm
-    backend = comm._backend
+    backend = comm.engine.backend
     raw, handle = backend._raw, backend._handle
     W, dev = comm.size, comm.device
     row_bytes = row_elems * 2
@@ -95,7 +95,7 @@ def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callabl
     methods: dict[str, Callable[[], object]] = {
         "nccl-tiny": nccl_tiny,
         "nccl-tiny-d2h": nccl_tiny_d2h,
-        "counts": lambda: comm._exchange_counts(counts_dev, "send_splits"),
+        "counts": lambda: comm.engine.exchange_counts(counts_dev, "send_splits"),
         "grouped-known": grouped_known,
         "known": lambda: comm.all_to_all_v(x, send, recv)[0],
         "gpu-counts": lambda: comm.all_to_all_v(x, counts_dev)[0],
@@ -124,10 +124,10 @@ def _phases(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[s
     for _ in range(iters):
         bench.world.Barrier()
         t0 = time.perf_counter()
-        send, recv = comm._exchange_counts(counts_dev, "send_splits")
+        send, recv = comm.engine.exchange_counts(counts_dev, "send_splits")
         t1 = time.perf_counter()
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
-        request = comm._alltoallv(x, send, out, recv)
+        request = comm.engine.alltoallv(x, send, out, recv)
         request.join()
         t2 = time.perf_counter()
         torch.cuda.synchronize(dev)
@@ -142,7 +142,7 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
     through the raw bindings (taken apart), and of the native call the backend makes
     instead (the same group in one call): medians in microseconds."""
     comm = bench.comm
-    b = comm._backend
+    b = comm.engine.backend
     dev = comm.device
     row_bytes = row_elems * 2
     send, recv, x, _ = _case(comm, size_bytes, row_elems)
@@ -182,7 +182,7 @@ def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dic
     GPU time from the send kernel's start to the counts' arrival in host memory (CUDA
     events): medians in microseconds."""
     comm = bench.p2p
-    t = comm._p2p
+    t = comm.engine.peer
     dev = comm.device
     row_bytes = row_elems * 2
     _, _, x, counts_dev = _case(comm, size_bytes, row_elems)
@@ -196,7 +196,7 @@ def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dic
         request = t.start(x, counts_dev, row_bytes)
         ev1.record()
         stamps.append(time.perf_counter())
-        comm._wait_host(request, "p2p", None)
+        comm.engine.wait_host(request, "p2p", None)
         stamps.append(time.perf_counter())
         send, recv, _ = t.counts()
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
@@ -216,7 +216,7 @@ def _per_peer(bench: Bench, iters: int, blocks=(1, 2, 4, 8, 16, 32, 64)) -> dict
     """Host time of the native grouped issue with ``n`` send/recv pairs per peer (microseconds,
     medians), and the least-squares slope: microseconds per extra pair."""
     comm = bench.comm
-    b = comm._backend
+    b = comm.engine.backend
     if b._native is None:
         return {}
     W, me = comm.size, comm.rank

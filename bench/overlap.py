@@ -303,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         torch.set_num_threads(1)
     comm = moecomm.init(backend="nccl" if cuda else "mpi", timeout=args.timeout, max_ctas=args.max_ctas, p2p_bytes=args.p2p_bytes)
     if args.peer_stream_priority is not None and cuda:  # an experiment on a private attribute
-        comm._peer_stream = torch.cuda.Stream(comm.device, priority=args.peer_stream_priority)
+        comm.engine.peer_rows_stream = torch.cuda.Stream(comm.device, priority=args.peer_stream_priority)
     layer = Layer(args, comm)
     timer = Timer(args, comm, world)
     rank0 = comm.rank == 0

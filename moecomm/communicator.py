@@ -407,19 +407,20 @@ class Communicator:
 
         Ranks are ordered by ``key``, then by rank here. ``color=None`` joins no group and
         returns None. The sub-communicator keeps this one's timeout, validation and pool.
+
+        Raises:
+            TypeError, ValueError: a bad ``color`` or ``key``, before anything is sent.
+            TimeoutError: a rank did not join within the timeout (the communicator is aborted).
         """
         self._engine.check_open("split")
         if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
             raise ValueError(f"color must be a non-negative int or None, got {color!r}")
         if isinstance(key, bool) or not isinstance(key, int):
             raise TypeError(f"key must be an int, got {key!r}")
-        table = self._engine.gather_ints([-1 if color is None else color, key], "split")
-        sub_backend = self._engine.backend.split(color, key, table)
-        if color is None:
+        sub, members = self._engine.split(color, key)
+        if sub is None:
             return None
-        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
-        layout = self.layout.subset(members.index(self.rank), members)
-        return Communicator(sub_backend, layout, timeout=self.timeout, validate=self.validate, pool=self._pool)
+        return Communicator(sub, self.layout.subset(members.index(self.rank), members))
 
     # -- lifecycle --------------------------------------------------------------------------
 
