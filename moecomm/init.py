@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -14,7 +15,7 @@ from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
 from .pool import StagingPool
 
-__all__ = ["init", "default_communicator", "set_default_communicator", "BACKENDS"]
+__all__ = ["init", "default_communicator", "set_default_communicator", "communicator_for", "BACKENDS"]
 
 BACKENDS = ("auto", "mpi", "nccl", "torch", "self")
 
@@ -36,11 +37,38 @@ def default_communicator() -> Communicator:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from .distributed import communicator_for
-
         return communicator_for(dist.group.WORLD)
     raise RuntimeError("moecomm: no default communicator: call moecomm.init() first, or pass group= "
                        "(a moecomm.Communicator or a torch ProcessGroup)")
+
+
+_bound: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
+"""Explicit cache: the communicator made for each torch ProcessGroup."""
+
+
+def communicator_for(group: Any = None) -> Communicator:
+    """The communicator that ``group`` means: None the default communicator (see
+    :func:`default_communicator`), a :class:`Communicator` itself, a torch ``ProcessGroup``
+    the communicator bound to it (made on first use, a collective call, and kept).
+
+    Raises:
+        RuntimeError: ``group`` is None and there is neither a default communicator nor an
+            initialized torch.distributed.
+        TypeError: ``group`` is of another type.
+    """
+    if group is None:
+        return default_communicator()
+    if isinstance(group, Communicator):
+        return group
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        comm = _bound.get(group)
+        if comm is None or comm.closed:
+            comm = init(process_group=group, set_default=False)
+            _bound[group] = comm
+        return comm
+    raise TypeError(f"group must be None, a moecomm.Communicator or a torch ProcessGroup, got {type(group).__name__}")
 
 
 def set_default_communicator(comm: Optional[Communicator]) -> None:
