@@ -33,6 +33,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+import moecomm._flat as flat
+
 from .alltoall import Bench, build_parser, count_matrix, parse_size
 from ._topology import RankZeroParser
 
@@ -127,7 +129,7 @@ def _phases(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[s
         send, recv = comm.engine.exchange_counts(counts_dev, "send_splits")
         t1 = time.perf_counter()
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
-        request = comm.engine.alltoallv(x, send, out, recv)
+        request = flat.alltoallv(comm.engine, x, send, out, recv)
         request.join()
         t2 = time.perf_counter()
         torch.cuda.synchronize(dev)

@@ -1,6 +1,7 @@
 """The engine under a :class:`moecomm.Communicator`: one backend, its staging pool, its
-timeout, its count buffers, and the waits, count exchanges and flat row exchange that every
-collective, the 2DH exchange (:mod:`moecomm.hierarchical`), the overlap pipeline
+timeout, its count buffers, and the waits and count exchanges that every
+collective, the flat exchange (:mod:`moecomm._flat`), the 2DH exchange
+(:mod:`moecomm.hierarchical`), the overlap pipeline
 (:mod:`moecomm.overlap`) and the FP8 wire (:mod:`moecomm.wire`) are built from.
 
 Internal: the communicator holds one engine (``comm.engine``) and hands it to those modules;
@@ -18,41 +19,25 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES
-from ._peer_check import PeerCheck
-from ._requests import CheckedRequest, RaiseAfter, ThenRequest, Work
-from .backends.base import Backend, DoneRequest, Request
+from ._requests import ThenRequest, Work
+from .backends.base import Backend, Request
 from .errors import CommunicatorClosedError, CountMismatchError
 from .pool import StagingPool
-from .splits import Splits, check_own_block, check_split_total, normalize_splits
+from .splits import Splits, normalize_splits
 
-__all__ = ["Engine", "PEER_ROW_ALIGN", "COPY_ENGINE_MIN_BYTES"]
-
-PEER_ROW_ALIGN = 16
-"""moecomm.backends.p2p.ROW_ALIGN (not imported: that module needs CUDA)."""
-
-COPY_ENGINE_MIN_BYTES = 16 << 20
-"""Default of ``init(p2p_min_bytes=)``: with peer memory, a plain ``all_to_all_v`` with known
-counts moves by copy engines when a rank sends or receives at least this many bytes; below,
-NCCL's grouped send/recv is as fast or faster (bench/results/README.md). The stages of
-``scatter_compute_gather`` always use the copy engines: there, leaving the SMs to the
-experts matters more."""
-
-
-def _on_gpu(splits: Any) -> bool:
-    return isinstance(splits, torch.Tensor) and splits.device.type != "cpu"
-
+__all__ = ["Engine"]
 
 class Engine:
     """One backend with its pool, timeout and count buffers, and the primitives built on them.
 
     ``peer``: the peer-memory transport (:class:`moecomm.backends.p2p.PeerTransport`), made
     beforehand over an engine of the same backend without one; ``copy_engine_min_bytes``:
-    see :data:`COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
+    see :data:`moecomm._flat.COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
     (the hierarchy groups) are closed and aborted with this one.
     """
 
     def __init__(self, backend: Backend, pool: StagingPool, *, timeout: float, validate: bool,
-                 peer: Any = None, copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES) -> None:
+                 peer: Any = None, copy_engine_min_bytes: int = 16 << 20) -> None:
         self.backend = backend
         self.pool = pool
         self.timeout = timeout
@@ -221,22 +206,6 @@ class Engine:
                              f"(2**62 bytes) an output can hold: {recv}")
         return recv
 
-    def check_exchanged_counts(self, send: list[int], recv: list[int], rows: int, sent: str) -> Optional[str]:
-        """Counts from a GPU tensor, checked once they reach the host, after ``sent`` went out.
-        A bad count aborts the engine (its peers have what was sent) and raises, unless
-        ``validate``, where it is returned for the cross-check to raise on every rank."""
-        try:
-            check_split_total(send, rows, "send_splits", "input")
-            for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
-                if any(v < 0 for v in vals):
-                    raise ValueError(f"{name} must be >= 0, got {vals}")
-        except ValueError as exc:
-            if not self.validate:
-                self.abort()
-                raise ValueError(f"{exc} (the communicator was aborted: peers had received {sent})") from None
-            return str(exc)
-        return None
-
     # -- small exchanges of ints (block the host) ---------------------------------------------
 
     def exchange_ints(self, values: Union[torch.Tensor, Sequence[int]], per_peer: int, op: str) -> tuple[list[int], list[int]]:
@@ -328,157 +297,6 @@ class Engine:
         if issues:
             shown = "; ".join(issues[:8]) + (f"; and {len(issues) - 8} more" if len(issues) > 8 else "")
             raise CountMismatchError(f"moecomm: {op} (validate=True) found ranks that disagree: {shown}")
-
-    # -- the flat variable-length exchange ----------------------------------------------------
-
-    def start_all_to_all_v(
-        self, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits]
-    ) -> tuple[torch.Tensor, list[int], list[int], Request]:
-        """The flat ``all_to_all_v``: validate, learn the counts and issue the exchange.
-        Returns (output, send, recv, request); see ``Communicator.all_to_all_v``."""
-        op = "all_to_all_v"
-        self.check_open(op)
-        x = self.check_tensor(input, "input", min_dim=1)
-        rows, row_shape = x.shape[0], tuple(x.shape[1:])
-        problem: Optional[str] = None
-        records: Optional[tuple] = None
-        if (recv_splits is None or _on_gpu(send_splits) or _on_gpu(recv_splits)) and self.capturing():
-            raise RuntimeError(f"{op}: recv_splits must be given, and both splits on the host (ints, numpy or "
-                               f"CPU tensors), while a CUDA graph is captured: reading counts from the GPU or "
-                               f"exchanging them needs the host, which a captured graph cannot involve")
-        device_counts = (
-            recv_splits is None and isinstance(send_splits, torch.Tensor) and send_splits.device.type != "cpu"
-        )
-        row_bytes = math.prod(row_shape) * x.element_size()
-        if device_counts and self.peer is not None and row_bytes > 0 and row_bytes % PEER_ROW_ALIGN == 0:
-            return self._start_peer_exchange(x, send_splits, row_bytes)
-        if device_counts:
-            self.check_count_tensor(send_splits, "send_splits")
-            check = PeerCheck(op, self.rank, [[0]] * self.size, None, x.dtype, row_shape)
-            send, recv, issues, stuck = self.exchange_records(check, send_splits)
-            problem = self.check_exchanged_counts(send, recv, rows, "the counts")
-        else:
-            send = normalize_splits(send_splits, "send_splits", self.size)
-            check_split_total(send, rows, "send_splits", "input")
-            if recv_splits is None:
-                check = PeerCheck(op, self.rank, [[c] for c in send], None, x.dtype, row_shape)
-                send, recv, issues, stuck = self.exchange_records(check)
-            else:
-                recv = self.check_recv_splits(recv_splits, x)
-                check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
-                issues, stuck = None, False
-                records = self.start_records(check)  # (validate=True) compared beside the rows
-        try:
-            if self.validate:
-                self.cross_check(op, send, recv, x.dtype, row_shape, problem)
-            out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
-            request = self.alltoallv(x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
-        except BaseException:
-            self.settle(records)
-            raise
-        return out, send, recv, request
-
-    def start_records(self, check: PeerCheck) -> Optional[tuple]:
-        """With ``validate``: send ``check``'s records (counts were given, so no count exchange
-        carried them), before anything else of the call, as a call without ``recv_splits``
-        exchanges its counts first. Host backends: non-blocking, ``(request, mine, theirs)``;
-        NCCL: exchanged at once (validate=True blocks the host anyway). None: not sent."""
-        if self.size == 1 or not (self.validate or self.records_beside):
-            return None
-        if self.backend.stream_ordered:
-            _, got = self.exchange_ints(check.record(), check.per_peer, f"{check.op} (count records)")
-            return DoneRequest(), None, torch.tensor(got, dtype=torch.int64)
-        mine = torch.tensor(check.record(), dtype=torch.int64)
-        theirs = torch.empty_like(mine)
-        return self.backend.alltoall(mine, theirs), mine, theirs
-
-    def settle(self, records: Optional[tuple]) -> None:
-        """Records from :meth:`start_records` that no request took over (the call failed
-        after sending them): wait for them, as every rank sends its records first, so that
-        MPI never writes into freed memory; past the timeout they are kept referenced."""
-        if records is None:
-            return
-        try:
-            self.wait_host(records[0], "count records (of a call that failed)", None)
-        except BaseException:  # noqa: BLE001 - the caller's error is the one to report
-            self.keep(records)
-
-    def exchange_records(self, check: PeerCheck, counts: Optional[torch.Tensor] = None
-                         ) -> tuple[list[int], list[int], list[str], bool]:
-        """The count exchange of a call without ``recv_splits``: every rank's records
-        (:mod:`moecomm._peer_check`), blocking. Returns (send, recv, disagreements) with one
-        count per peer, and whether some rows could never arrive; ``counts`` (a count tensor, any
-        device) replaces ``check.sent``."""
-        values: Any = check.record() if counts is None else check.record_tensor(counts)
-        mine, got = self.exchange_ints(values, check.per_peer, f"{check.op} (count exchange)")
-        n = check.per_peer
-        if counts is not None:
-            check.sent = [[mine[p * n]] for p in range(self.size)]
-        theirs, issues, stuck = check.compare(got)
-        return [s[0] for s in check.sent], [t[0] for t in theirs], issues, stuck
-
-    def _start_peer_exchange(self, x: torch.Tensor, counts: torch.Tensor,
-                             row_bytes: int) -> tuple[torch.Tensor, list[int], list[int], Request]:
-        """``all_to_all_v`` with the counts on the GPU through peer memory (``init(p2p_bytes=)``):
-        the rows move with the counts, in one round (see :mod:`moecomm.backends.p2p`)."""
-        op = "all_to_all_v"
-        self.check_count_tensor(counts, "send_splits")
-        c = counts.to(device=self.device, dtype=torch.int64).contiguous()  # the kernels read them on this GPU
-        if x.data_ptr() % PEER_ROW_ALIGN:
-            x = x.clone()  # the kernels move 16-byte vectors
-        request = self.peer.start(x, c, row_bytes)
-        self.wait_host(request, f"{op} (peer memory)", None)
-        send, recv, timed_out = self.peer.counts()
-        if timed_out:
-            self.abort()
-            raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
-                               f"{self.timeout:g} s on rank {self.rank}; the communicator was aborted")
-        problem = self.check_exchanged_counts(send, recv, x.shape[0], "the rows")
-        if self.validate:
-            self.cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
-        out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        request.join()  # (the kernels ran on the caller's stream: nothing to order)
-        return out, send, recv, self.peer.finish(x, out, send, recv, row_bytes)
-
-    def alltoallv(self, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],
-                  check: Optional[PeerCheck] = None, issues: Optional[list[str]] = None,
-                  records: Optional[tuple] = None, stuck: bool = False) -> Request:
-        """Issue the rows. ``check``: the records of this exchange; ``issues``: what the count
-        exchange that carried them found, or ``records``: the records in flight from
-        :meth:`start_records`, compared once they and the rows complete (before the rows where
-        the backend cannot complete disagreeing rows). Neither: the counts are not checked."""
-        check_own_block(send, recv, self.rank)  # before anything moves
-        row_bytes = math.prod(x.shape[1:]) * x.element_size()
-        host = not self.backend.stream_ordered
-        complete = self.backend.mismatched_rows_complete
-        beside = records
-        if beside is not None and not complete:
-            # gloo aborts the process on rows of another size than expected: compare first.
-            self.wait_host(beside[0], f"{check.op} (count records)", None)
-            _, issues, stuck = check.compare(beside[2].tolist())
-            beside = None
-        if issues and (stuck or not complete):
-            # Rows that could never arrive (a side that sends or expects none posts nothing),
-            # or a backend that cannot complete rows of disagreeing sizes (gloo, NCCL): raise
-            # before the rows and abort; peers waiting for this rank's rows time out.
-            self.abort()
-            raise check.error(issues, moved=False, aborted=True)
-        if row_bytes == 0:
-            # Host backends still run the row exchange (empty), so that every rank issues the
-            # same collectives whatever the others' rows; NCCL has no matching to keep.
-            if host and self.size > 1:
-                request = self.backend.alltoallv(x, [0] * self.size, out, [0] * self.size, 1)
-            else:
-                request = self.backend.barrier() if self.size > 1 else DoneRequest()
-        elif self.peer is not None and max(sum(send), sum(recv)) * row_bytes >= self.copy_engine_min_bytes:
-            request = self.peer.exchange(x, send, None, out, recv, None, row_bytes)
-        else:
-            request = self.backend.alltoallv(x, send, out, recv, row_bytes)
-        if beside is not None:
-            return CheckedRequest(self, request, check, *beside)
-        if issues:
-            return RaiseAfter(request, check.error(issues, moved=True))
-        return request
 
     # -- completion ---------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from . import hierarchical, overlap, wire
+from . import _flat, hierarchical, overlap, wire
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES, float8_dtypes
 from ._engine import Engine
 from ._peer_check import PeerCheck
@@ -263,13 +263,13 @@ class Communicator:
                 f"output_split_sizes{'=None: equal blocks' if output_split_sizes is None else ''} gives block {r} "
                 f"{recv[r]} rows")
         check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
-        records = self._engine.start_records(check)
+        records = _flat.start_records(self._engine, check)
         try:
             if self.validate:
                 self._engine.cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
-            request = self._engine.alltoallv(x, send, y, recv, check=check, records=records)
+            request = _flat.alltoallv(self._engine, x, send, y, recv, check=check, records=records)
         except BaseException:
-            self._engine.settle(records)
+            _flat.settle(self._engine, records)
             raise
         return self._engine.finish(request, op, True, async_op) if async_op else self._engine.finish(request, op, None, False)
 
@@ -307,16 +307,16 @@ class Communicator:
         send = [t.numel() * esize for t in ins]
         recv = [t.numel() * esize for t in outs]
         check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], dtype, (), unit="bytes")
-        records = self._engine.start_records(check)
+        records = _flat.start_records(self._engine, check)
         try:
             if self.validate:
                 self._engine.cross_check(op, send, recv, torch.uint8, (1,), None)
             packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
                 torch.empty(0, dtype=torch.uint8, device=self.device)
             landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
-            request = self._engine.alltoallv(packed, send, landing, recv, check=check, records=records)
+            request = _flat.alltoallv(self._engine, packed, send, landing, recv, check=check, records=records)
         except BaseException:
-            self._engine.settle(records)
+            _flat.settle(self._engine, records)
             raise
 
         def unpack() -> None:

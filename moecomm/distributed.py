@@ -18,7 +18,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .communicator import Communicator
 from .communicator import Work as _Work  # not ``Work``: that name is torch.distributed's here
 from .init import communicator_for
 from .splits import Splits

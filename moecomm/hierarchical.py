@@ -92,7 +92,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import _blocks
+from . import _blocks, _flat
 from ._engine import Engine
 from ._peer_check import PeerCheck
 from ._requests import CheckedRequest, RaiseAfter
@@ -193,10 +193,10 @@ def _make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]], dtype: 
         rgrid = [[recv[h.members[n][l]] for l in range(L)] for n in range(N)]
         if N > 1:
             # validate=True: sent now, before any rows, where a rank without recv_splits
-            # exchanges them (None otherwise: see Engine.start_records).
+            # exchanges them (None otherwise: see moecomm._flat.start_records).
             found.rail_check = PeerCheck(f"{op}, rail", h.rail.rank, rail_sent, rgrid, dtype, row_shape,
                                          unit="rows (one count per source rank of its node)")
-            found.rail_records = h.rail.engine.start_records(found.rail_check)
+            found.rail_records = _flat.start_records(h.rail.engine, found.rail_check)
     plan = Plan(tuple(send), tuple(recv), tuple(map(tuple, sgrid)), tuple(map(tuple, r1)), tuple(map(tuple, rgrid)))
     return plan, found
 
@@ -211,7 +211,7 @@ class _Exchange:
     recv: list[int]
     name: str
     check: Optional[PeerCheck] = None  # records beside the rows (recv_splits given)
-    records: Optional[tuple] = None  # ... already sent (Engine.start_records)
+    records: Optional[tuple] = None  # ... already sent (moecomm._flat.start_records)
 
 
 @dataclass(frozen=True)
@@ -339,10 +339,10 @@ class _Chain(Request):
         last = self._i == len(self._steps) - 1
         recv = self._recv_buffer(sum(step.recv), last)
         if step.check is not None and step.records is not None:
-            request = step.sub.alltoallv(self._buf, step.send, recv, step.recv, check=step.check,
-                                          records=step.records)
+            request = _flat.alltoallv(step.sub, self._buf, step.send, recv, step.recv, check=step.check,
+                                      records=step.records)
         else:
-            request = step.sub.alltoallv(self._buf, step.send, recv, step.recv)
+            request = _flat.alltoallv(step.sub, self._buf, step.send, recv, step.recv)
         self._buf = recv
         self._i += 1
         return request
@@ -472,7 +472,7 @@ def start_all_to_all_v(
         TypeError, ValueError, CountMismatchError, TimeoutError: as ``Communicator.all_to_all_v``.
     """
     if algorithm == "flat":
-        return engine.start_all_to_all_v(input, send_splits, recv_splits)
+        return _flat.start_all_to_all_v(engine, input, send_splits, recv_splits)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     op = "all_to_all_v"
@@ -481,7 +481,7 @@ def start_all_to_all_v(
     if algorithm == "auto":
         algorithm = choose(engine, topology, x)
     if algorithm == "flat":
-        return engine.start_all_to_all_v(x, send_splits, recv_splits)
+        return _flat.start_all_to_all_v(engine, x, send_splits, recv_splits)
     h = require_hierarchy(topology)
     rows, row_shape = x.shape[0], tuple(x.shape[1:])
     send = normalize_splits(send_splits, "send_splits", engine.size)
@@ -501,7 +501,7 @@ def start_all_to_all_v(
         # the sub-communicator holds every rank in rank order. Run the one phase as its flat
         # exchange (no plan: the backward is the flat reverse, the same exchange).
         sub = h.intra if h.num_nodes == 1 else h.rail
-        return sub.engine.start_all_to_all_v(x, send, recv)
+        return _flat.start_all_to_all_v(sub.engine, x, send, recv)
     plan, counts = _make_plan(h, send, recv, x.dtype, row_shape, op + " (2dh)")
     if counts.issues and (counts.stuck or not engine.backend.mismatched_rows_complete):
         engine.abort()  # rows that could never arrive, or NCCL (pairs of different sizes): none move
@@ -510,7 +510,7 @@ def start_all_to_all_v(
         try:
             engine.cross_check(op, list(plan.send), list(plan.recv), x.dtype, row_shape, None)
         except BaseException:
-            h.rail.engine.settle(counts.rail_records)
+            _flat.settle(h.rail.engine, counts.rail_records)
             raise
     out = torch.empty((sum(plan.recv),) + row_shape, dtype=x.dtype, device=x.device)
     request: Request

@@ -9,7 +9,8 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _exit, _topology, env
-from ._engine import COPY_ENGINE_MIN_BYTES, Engine
+from ._engine import Engine
+from ._flat import COPY_ENGINE_MIN_BYTES
 from .communicator import Communicator
 from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout

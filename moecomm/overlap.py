@@ -23,7 +23,7 @@ from . import hierarchical, wire
 from ._dtypes import SUPPORTED_DTYPES
 from ._overlap_chunk import Chunk, GroupOrder
 from ._overlap_pipeline import Fn, Run, run_pipeline
-from ._overlap_plan import _AUTO_RULES, MAX_DEGREE, Plan, auto_pieces, auto_stages, check_degree
+from ._overlap_plan import _AUTO_RULES, MAX_DEGREE, Plan, auto_pieces, auto_stages, check_degree  # noqa: F401
 from .errors import CommunicatorClosedError
 from .splits import Splits, check_own_block, check_split_total, normalize_splits
 
