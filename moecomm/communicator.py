@@ -20,11 +20,11 @@ from ._engine import Engine
 from ._peer_check import PeerCheck
 from ._requests import Work
 from ._topology import Topology
-from .backends.base import REDUCE_OPS, DoneRequest, Request
+from .backends.base import DoneRequest, Request, reduce_op_name
 from .errors import CountMismatchError
 from .layout import Layout
 from .pool import PoolStats
-from .splits import Splits, check_split_total, normalize_splits
+from .splits import Splits, split_sizes
 
 __all__ = ["Communicator", "Work", "SUPPORTED_DTYPES"]
 
@@ -216,6 +216,10 @@ class Communicator:
         rows are in flight, forward and backward; ``own_split`` of them first, the rest last,
         while the peers' results travel home. ``wire_dtype``: the input's rows travel in that FP8
         dtype, as in :meth:`all_to_all_v` (results in their own dtype). See :mod:`moecomm.overlap`.
+
+        Raises:
+            TypeError, ValueError, CountMismatchError, TimeoutError: see
+                :func:`moecomm.overlap.scatter_compute_gather`.
         """
         kw = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
         return overlap.scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
@@ -253,8 +257,8 @@ class Communicator:
                 f"output rows must hold as many elements as input rows ({math.prod(x.shape[1:])}, "
                 f"input shape {tuple(x.shape)}), got output shape {tuple(y.shape)}"
             )
-        send = self._split_sizes(input_split_sizes, x, "input_split_sizes", "input")
-        recv = self._split_sizes(output_split_sizes, y, "output_split_sizes", "output")
+        send = split_sizes(input_split_sizes, x.shape[0], self.size, "input_split_sizes", "input")
+        recv = split_sizes(output_split_sizes, y.shape[0], self.size, "output_split_sizes", "output")
         r = self.rank
         if send[r] != recv[r]:
             raise ValueError(
@@ -334,6 +338,11 @@ class Communicator:
 
         Returns ``(output, sizes)`` with ``output`` of ``[sum(sizes), *row_shape]`` and
         ``sizes[r] = N_r``. The row counts are gathered first (the call blocks the host for them).
+
+        Raises:
+            TypeError, ValueError: a bad ``input``, before anything is sent.
+            CountMismatchError: ranks pass different dtypes or row shapes (on every rank).
+            TimeoutError: a wait outlived the timeout (the communicator is aborted).
         """
         op = "all_gather_v"
         self._engine.check_open(op)
@@ -357,11 +366,15 @@ class Communicator:
 
     def allreduce(self, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False) -> Optional[Work]:
         """In-place reduction over all ranks (``op``: "sum", "max", "min", "prod" or a
-        ``torch.distributed.ReduceOp``). float16/bfloat16 are reduced in float32 on MPI."""
+        ``torch.distributed.ReduceOp``). float16/bfloat16 are reduced in float32 on MPI.
+
+        Raises:
+            TypeError, ValueError: a bad ``tensor`` (complex, FP8) or ``op``; TimeoutError: as :meth:`barrier`.
+        """
         name = "allreduce"
         self._engine.check_open(name)
         t = self._engine.check_tensor(tensor, "tensor", min_dim=0, written=True)
-        op_name = _reduce_op_name(op)
+        op_name = reduce_op_name(op)
         if t.dtype.is_complex or t.dtype in float8_dtypes():
             raise TypeError(f"tensor: allreduce does not support dtype {t.dtype}")
         work_tensor = t
@@ -372,7 +385,11 @@ class Communicator:
         return self._engine.finish(request, name, True if async_op else None, async_op, then=then)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
-        """In-place broadcast of ``tensor`` from rank ``src``."""
+        """In-place broadcast of ``tensor`` from rank ``src``.
+
+        Raises:
+            TypeError, ValueError: a bad ``tensor`` or ``src``; TimeoutError: as :meth:`barrier`.
+        """
         name = "broadcast"
         self._engine.check_open(name)
         t = self._engine.check_tensor(tensor, "tensor", min_dim=0, written=True)
@@ -382,7 +399,11 @@ class Communicator:
         return self._engine.finish(request, name, True if async_op else None, async_op)
 
     def barrier(self) -> None:
-        """Return once every rank has entered the barrier (at most ``timeout`` seconds)."""
+        """Return once every rank has entered the barrier.
+
+        Raises:
+            TimeoutError: not every rank entered within ``timeout`` (the communicator is aborted).
+        """
         self._engine.barrier()
 
     def watch_stream(self, op: str = "CUDA graph replay", *, timeout: Optional[float] = None) -> None:
@@ -395,6 +416,9 @@ class Communicator:
         library sees them; call this after ``graph.replay()`` so that a replay waiting on a
         peer that never comes does not hang forever. Host-waiting backends (MPI, torch)
         time out every wait themselves: there it does nothing.
+
+        Raises:
+            ValueError: ``timeout`` not > 0. CommunicatorClosedError: closed or aborted.
         """
         self._engine.check_open(op)
         limit = self.timeout if timeout is None else float(timeout)
@@ -441,18 +465,6 @@ class Communicator:
         else:
             self.abort()
 
-    def _split_sizes(self, splits: Optional[Splits], t: torch.Tensor, name: str, tensor_name: str) -> list[int]:
-        if splits is None:
-            if t.shape[0] % self.size:
-                raise ValueError(
-                    f"{name} is None, so {tensor_name} must split into {self.size} equal blocks, "
-                    f"but its dim 0 is {t.shape[0]}"
-                )
-            return [t.shape[0] // self.size] * self.size
-        values = normalize_splits(splits, name, self.size)
-        check_split_total(values, t.shape[0], name, tensor_name)
-        return values
-
 
 def _warn_if_graph_lost(t: Any, op: str) -> None:
     """Warn (once per call site, Python's default filter) when ``t``'s autograd graph would end here."""
@@ -460,17 +472,3 @@ def _warn_if_graph_lost(t: Any, op: str) -> None:
         warnings.warn(f"moecomm: {op} is not differentiable: the result of an input that requires grad has no "
                       f"autograd graph; use moecomm.functional.all_to_all_v (or .detach() the input to silence "
                       f"this)", UserWarning, stacklevel=3)
-
-
-def _reduce_op_name(op: Any) -> str:
-    if isinstance(op, str):
-        if op.lower() in REDUCE_OPS:
-            return op.lower()
-        raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")
-    import torch.distributed as dist
-
-    table = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "prod"}
-    for k, v in table.items():
-        if op == k:
-            return v
-    raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")

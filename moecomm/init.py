@@ -183,30 +183,8 @@ def init(
         backend = env.default_backend() if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        timeout_s = _seconds(timeout)
-        if validate is not None and not isinstance(validate, bool):
-            raise TypeError(f"validate must be True, False or None (None: $MOECOMM_VALIDATE or False), "
-                            f"got {validate!r} ({type(validate).__name__})")
-        validate = env.default_validate() if validate is None else validate
-        if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int)):
-            raise TypeError(f"pool_bytes must be an int (bytes) or None, got {pool_bytes!r} "
-                            f"({type(pool_bytes).__name__})")
-        if pool_bytes is not None and pool_bytes < 0:
-            raise ValueError(f"pool_bytes must be >= 0 (bytes), got {pool_bytes}")
-        pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else pool_bytes)
-        if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
-                                     or not 1 <= max_ctas <= 32):
-            raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
-        if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
-            raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
-        if p2p_min_bytes is not None and (isinstance(p2p_min_bytes, bool) or not isinstance(p2p_min_bytes, int)
-                                          or p2p_min_bytes < 0):
-            raise ValueError(f"p2p_min_bytes must be an int >= 0 (bytes) or None, got {p2p_min_bytes!r}")
-        if hierarchy is not None and not isinstance(hierarchy, bool):
-            raise TypeError(f"hierarchy must be True, False or None, got {hierarchy!r}")
-        if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int)
-                                       or local_size < 1):
-            raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+        timeout_s, validate, pool = _check_options(timeout, validate, pool_bytes, max_ctas, p2p_bytes, p2p_min_bytes,
+                                                   hierarchy, local_size)
     except (TypeError, ValueError) as exc:
         problem = exc
         timeout_s = _fallback_seconds(timeout)
@@ -235,6 +213,37 @@ def init(
     if set_default:
         set_default_communicator(comm)
     return comm
+
+
+def _check_options(timeout: Any, validate: Any, pool_bytes: Any, max_ctas: Any, p2p_bytes: Any, p2p_min_bytes: Any,
+                   hierarchy: Any, local_size: Any) -> tuple[float, bool, StagingPool]:
+    """The checks of :func:`init` that need no peer (``TypeError``/``ValueError`` naming the
+    argument): the timeout in seconds, ``validate`` and the staging pool."""
+    timeout_s = _seconds(timeout)
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate must be True, False or None (None: $MOECOMM_VALIDATE or False), "
+                        f"got {validate!r} ({type(validate).__name__})")
+    validate = env.default_validate() if validate is None else validate
+    if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int)):
+        raise TypeError(f"pool_bytes must be an int (bytes) or None, got {pool_bytes!r} "
+                        f"({type(pool_bytes).__name__})")
+    if pool_bytes is not None and pool_bytes < 0:
+        raise ValueError(f"pool_bytes must be >= 0 (bytes), got {pool_bytes}")
+    pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else pool_bytes)
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
+                                 or not 1 <= max_ctas <= 32):
+        raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
+    if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
+        raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
+    if p2p_min_bytes is not None and (isinstance(p2p_min_bytes, bool) or not isinstance(p2p_min_bytes, int)
+                                      or p2p_min_bytes < 0):
+        raise ValueError(f"p2p_min_bytes must be an int >= 0 (bytes) or None, got {p2p_min_bytes!r}")
+    if hierarchy is not None and not isinstance(hierarchy, bool):
+        raise TypeError(f"hierarchy must be True, False or None, got {hierarchy!r}")
+    if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int)
+                                   or local_size < 1):
+        raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+    return timeout_s, validate, pool
 
 
 def _fallback_seconds(timeout: Any) -> float:

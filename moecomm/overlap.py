@@ -103,13 +103,7 @@ def scatter_compute_gather(
         recv = normalize_splits(recv_splits, "recv_splits", w)
         check_own_block(send, recv, comm.rank)
 
-    if degree == "auto":
-        row_bytes = math.prod(input.shape[1:]) * input.element_size()
-        stages = auto_stages(comm)
-        send_pieces, recv_pieces = auto_pieces(comm, send, row_bytes), auto_pieces(comm, recv, row_bytes)
-    else:
-        stages = degree
-        send_pieces = recv_pieces = [degree] * w
+    stages, send_pieces, recv_pieces = _pieces(comm, degree, send, recv, input)
     own = comm.rank if own_first and w > 1 else None
     plan = Plan(send, recv, send_pieces, recv_pieces, stages, dev, own, float(own_split))
     run = Run(comm, plan, fn, kw, wire_dtype)
@@ -149,3 +143,12 @@ def _check_args(comm: Any, input: Any, fn: Any, degree: Any, own_first: Any, own
     if isinstance(own_split, bool) or not isinstance(own_split, numbers.Real) or not 0.0 <= own_split <= 1.0:
         raise ValueError(f"own_split must be a number in [0, 1], got {own_split!r}")
     return degree
+
+
+def _pieces(comm: Any, degree: Union[int, str], send: list[int], recv: list[int],
+            input: torch.Tensor) -> tuple[int, list[int], list[int]]:
+    """(stages, pieces of each pair sent, pieces of each pair received) for ``degree``."""
+    if degree == "auto":
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        return auto_stages(comm), auto_pieces(comm, send, row_bytes), auto_pieces(comm, recv, row_bytes)
+    return degree, [degree] * comm.size, [degree] * comm.size
