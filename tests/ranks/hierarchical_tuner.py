@@ -13,6 +13,7 @@ import sys
 import torch
 
 import moecomm
+from moecomm import hierarchical
 from moecomm.profile import Profile, ProfileEntry, ProfileError, default_profile_path, load_profile
 from tests.mpi_util import collective_assert, rank_main
 from topology import cli
