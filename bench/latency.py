@@ -155,14 +155,14 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
         t = [time.perf_counter()]
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
         t.append(time.perf_counter())
-        h = b._begin(x, out)
+        h = b.begin(x, out)
         t.append(time.perf_counter())
         b._raw.group_start()
         _grouped_send_recv(b, x, out, send, recv, row_bytes, h)
         t.append(time.perf_counter())
         b._raw.group_end()
         t.append(time.perf_counter())
-        request = b._end("all_to_all_v")
+        request = b.end("all_to_all_v")
         t.append(time.perf_counter())
         request.join()
         t.append(time.perf_counter())
@@ -170,11 +170,11 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
         for i, k in enumerate(names):
             marks[k].append((t[i + 1] - t[i]) * 1e6)
         if b._native is not None:  # what the backend runs: the whole group in one native call
-            h = b._begin(x, out)
+            h = b.begin(x, out)
             t0 = time.perf_counter()
             b._native.alltoallv(b._comm_ptr, h, x.data_ptr(), out.data_ptr(), send, recv, row_bytes, (), ())
             marks.setdefault("native group (start, calls, end)", []).append((time.perf_counter() - t0) * 1e6)
-            b._end("all_to_all_v").join()
+            b.end("all_to_all_v").join()
             torch.cuda.synchronize(dev)
     return {k: float(np.median(v)) for k, v in marks.items()}
 
@@ -234,12 +234,12 @@ def _per_peer(bench: Bench, iters: int, blocks=(1, 2, 4, 8, 16, 32, 64)) -> dict
         times = []
         for _ in range(iters):
             bench.world.Barrier()
-            h = b._begin(x, out)
+            h = b.begin(x, out)
             t0 = time.perf_counter()
             b._native.alltoallv(b._comm_ptr, h, x.data_ptr(), out.data_ptr(), counts, counts, row_bytes, (), (),
                                 ranks)
             times.append((time.perf_counter() - t0) * 1e6)
-            b._end("all_to_all_v").join()
+            b.end("all_to_all_v").join()
             torch.cuda.synchronize(comm.device)
         medians[n] = float(np.median(times))
     pairs = np.array([n * len(peers) for n in blocks], dtype=np.float64)

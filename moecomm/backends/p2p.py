@@ -172,7 +172,7 @@ class PeerTransport:
         self._seq += 1
         bases, done, result, host = self._ptrs
         b.check_health()
-        self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b._stream, self._order,
+        self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b.stream.cuda_stream, self._order,
                                       x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base, self.rank,
                                       self.size, self._seq, self._seq % 2, self.region_bytes, self.data_off,
                                       self.header_off, done, self._blocks(x.numel() * x.element_size()), result, host,
@@ -190,7 +190,7 @@ class PeerTransport:
         b = self._backend
         # x and out are recorded on the backend's stream only: it waits for the own-block
         # copy on the second stream before its completion event, which is what frees them
-        stream = b._begin(x, out)
+        stream = b.begin(x, out)
         self._ce_half ^= 1
         # the ready kernel (moecomm_ext/csrc/p2p_cuda.cu) only where the exchange before this one on
         # the device may have used the same half: the first of a capture; eager ones once captured
@@ -205,7 +205,7 @@ class PeerTransport:
                               self._ptrs[0], me, self._ce_state.data_ptr(), self._ce_half, ready, self.region_bytes,
                               self.ce_data_off, self.ce_header_off, self.ce_ack_off, self._status_t.data_ptr(),
                               self._timeout_ns)
-        request = b._end("all_to_all_v (copy engines)", self.problem)
+        request = b.end("all_to_all_v (copy engines)", self.problem)
         # the rank's own block went whole (input to output): only the peers' overflow remains
         rest = self._overflow(x, send, send_displs, out, recv, recv_displs, row_bytes, me)
         return request if rest is None else rest  # (the rest follows on the same stream)
