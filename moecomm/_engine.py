@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES
+from ._flat import COPY_ENGINE_MIN_BYTES
 from ._requests import ThenRequest, Work
 from .backends.base import Backend, Request
 from .errors import CommunicatorClosedError, CountMismatchError
@@ -37,7 +38,7 @@ class Engine:
     """
 
     def __init__(self, backend: Backend, pool: StagingPool, *, timeout: float, validate: bool,
-                 peer: Any = None, copy_engine_min_bytes: int = 16 << 20) -> None:
+                 peer: Any = None, copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES) -> None:
         self.backend = backend
         self.pool = pool
         self.timeout = timeout

@@ -138,7 +138,6 @@ class PeerTransport:
         self._ce_half = 0
         self._ce_capture = 0  # the capture the last exchange was issued into (0: none)
         self._ce_captured = False  # once captured, a replay may run between any two eager exchanges
-        self._timeout_ns = int(engine.timeout * 1e9)
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         # the copy-engine path: peers' bases on the host, a stream for the own block, a
         # status the wait kernel writes into host memory (code, count sent, count expected per source)
@@ -150,6 +149,11 @@ class PeerTransport:
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
         engine.barrier()  # every rank has mapped every arena before any exchange writes to one
+
+    @property
+    def _timeout_ns(self) -> int:
+        """The wait kernels' deadline: the communicator's timeout (kept by the backend)."""
+        return int(self._backend.timeout_s * 1e9)
 
     def _blocks(self, nbytes: int) -> int:
         return _copy_blocks(nbytes, self.size, self.block_bytes, self.max_blocks)
