@@ -44,6 +44,7 @@ class Communicator:
         timeout: seconds any wait may last before the communicator is aborted.
         validate: check that ranks agree on counts, dtype and row shape on every exchange,
             before anything moves (without it, only exchanges that exchange counts are checked).
+        engine, topology: internal (:mod:`moecomm._engine`, :mod:`moecomm._topology`).
     """
 
     def __init__(self, engine: Engine, layout: Layout, *, topology: Optional[Topology] = None) -> None:
