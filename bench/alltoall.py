@@ -251,11 +251,11 @@ class Bench:
         return results
 
     def _checked(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        self.comm._records_beside = True  # private switch, for this measurement only
+        self.comm.engine.records_beside = True  # private switch, for this measurement only
         try:
             return self.comm.all_to_all_v(x, send, recv)[0]
         finally:
-            self.comm._records_beside = False
+            self.comm.engine.records_beside = False
 
     def _torch_pattern(self, x: torch.Tensor, counts_dev: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -287,7 +287,7 @@ class Bench:
             return alltoallv
         if pattern != "uniform" or len(set(send)) != 1 or x.numel() == 0:
             return None
-        nccl_comm = self.comm._backend._comm  # the nccl4py Communicator under the backend
+        nccl_comm = self.comm.engine.backend._comm  # the nccl4py Communicator under the backend
         stream = torch.cuda.current_stream(self.device)
 
         def ncclalltoall() -> torch.Tensor:

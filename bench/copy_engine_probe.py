@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     comm = moecomm.init("nccl", p2p_bytes=max(sizes) + (64 << 20))
     dev = comm.device
     torch.cuda.set_device(dev)
-    t = comm._p2p
+    t = comm.engine.peer
     peer_base = t._opened[0] + t.data_off
     src = torch.randn(max(sizes) // 2, device=dev, dtype=torch.bfloat16)
     local = torch.empty_like(src)

@@ -33,6 +33,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+import moecomm._flat as flat
+
 from .alltoall import Bench, build_parser, count_matrix, parse_size
 from ._common import prog
 from ._topology import RankZeroParser
@@ -66,7 +68,7 @@ def _grouped_send_recv(backend, x: torch.Tensor, out: torch.Tensor, send: list[i
 
 def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callable[[], object]]:
     comm = bench.comm
-    backend = comm._backend
+    backend = comm.engine.backend
     raw, handle = backend._raw, backend._handle
     W, dev = comm.size, comm.device
     row_bytes = row_elems * 2
@@ -96,7 +98,7 @@ def _methods(bench: Bench, size_bytes: int, row_elems: int) -> dict[str, Callabl
     methods: dict[str, Callable[[], object]] = {
         "nccl-tiny": nccl_tiny,
         "nccl-tiny-d2h": nccl_tiny_d2h,
-        "counts": lambda: comm._exchange_counts(counts_dev, "send_splits"),
+        "counts": lambda: comm.engine.exchange_counts(counts_dev, "send_splits"),
         "grouped-known": grouped_known,
         "known": lambda: comm.all_to_all_v(x, send, recv)[0],
         "gpu-counts": lambda: comm.all_to_all_v(x, counts_dev)[0],
@@ -125,10 +127,10 @@ def _phases(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dict[s
     for _ in range(iters):
         bench.world.Barrier()
         t0 = time.perf_counter()
-        send, recv = comm._exchange_counts(counts_dev, "send_splits")
+        send, recv = comm.engine.exchange_counts(counts_dev, "send_splits")
         t1 = time.perf_counter()
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
-        request = comm._alltoallv(x, send, out, recv)
+        request = flat.alltoallv(comm.engine, x, send, out, recv)
         request.join()
         t2 = time.perf_counter()
         torch.cuda.synchronize(dev)
@@ -143,7 +145,7 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
     through the raw bindings (taken apart), and of the native call the backend makes
     instead (the same group in one call): medians in microseconds."""
     comm = bench.comm
-    b = comm._backend
+    b = comm.engine.backend
     dev = comm.device
     row_bytes = row_elems * 2
     send, recv, x, _ = _case(comm, size_bytes, row_elems)
@@ -154,14 +156,14 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
         t = [time.perf_counter()]
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
         t.append(time.perf_counter())
-        h = b._begin(x, out)
+        h = b.begin(x, out)
         t.append(time.perf_counter())
         b._raw.group_start()
         _grouped_send_recv(b, x, out, send, recv, row_bytes, h)
         t.append(time.perf_counter())
         b._raw.group_end()
         t.append(time.perf_counter())
-        request = b._end("all_to_all_v")
+        request = b.end("all_to_all_v")
         t.append(time.perf_counter())
         request.join()
         t.append(time.perf_counter())
@@ -169,11 +171,11 @@ def _issue_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> d
         for i, k in enumerate(names):
             marks[k].append((t[i + 1] - t[i]) * 1e6)
         if b._native is not None:  # what the backend runs: the whole group in one native call
-            h = b._begin(x, out)
+            h = b.begin(x, out)
             t0 = time.perf_counter()
             b._native.alltoallv(b._comm_ptr, h, x.data_ptr(), out.data_ptr(), send, recv, row_bytes, (), ())
             marks.setdefault("native group (start, calls, end)", []).append((time.perf_counter() - t0) * 1e6)
-            b._end("all_to_all_v").join()
+            b.end("all_to_all_v").join()
             torch.cuda.synchronize(dev)
     return {k: float(np.median(v)) for k, v in marks.items()}
 
@@ -183,7 +185,7 @@ def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dic
     GPU time from the send kernel's start to the counts' arrival in host memory (CUDA
     events): medians in microseconds."""
     comm = bench.p2p
-    t = comm._p2p
+    t = comm.engine.peer
     dev = comm.device
     row_bytes = row_elems * 2
     _, _, x, counts_dev = _case(comm, size_bytes, row_elems)
@@ -197,7 +199,7 @@ def _p2p_steps(bench: Bench, size_bytes: int, row_elems: int, iters: int) -> dic
         request = t.start(x, counts_dev, row_bytes)
         ev1.record()
         stamps.append(time.perf_counter())
-        comm._wait_host(request, "p2p", None)
+        comm.engine.wait_host(request, "p2p", None)
         stamps.append(time.perf_counter())
         send, recv, _ = t.counts()
         out = torch.empty((sum(recv), row_elems), dtype=x.dtype, device=dev)
@@ -217,7 +219,7 @@ def _per_peer(bench: Bench, iters: int, blocks=(1, 2, 4, 8, 16, 32, 64)) -> dict
     """Host time of the native grouped issue with ``n`` send/recv pairs per peer (microseconds,
     medians), and the least-squares slope: microseconds per extra pair."""
     comm = bench.comm
-    b = comm._backend
+    b = comm.engine.backend
     if b._native is None:
         return {}
     W, me = comm.size, comm.rank
@@ -233,12 +235,12 @@ def _per_peer(bench: Bench, iters: int, blocks=(1, 2, 4, 8, 16, 32, 64)) -> dict
         times = []
         for _ in range(iters):
             bench.world.Barrier()
-            h = b._begin(x, out)
+            h = b.begin(x, out)
             t0 = time.perf_counter()
             b._native.alltoallv(b._comm_ptr, h, x.data_ptr(), out.data_ptr(), counts, counts, row_bytes, (), (),
                                 ranks)
             times.append((time.perf_counter() - t0) * 1e6)
-            b._end("all_to_all_v").join()
+            b.end("all_to_all_v").join()
             torch.cuda.synchronize(comm.device)
         medians[n] = float(np.median(times))
     pairs = np.array([n * len(peers) for n in blocks], dtype=np.float64)

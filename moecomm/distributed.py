@@ -14,44 +14,15 @@ group is made on first use (a collective call on that group) and kept.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 
-from .communicator import Communicator
 from .communicator import Work as _Work  # not ``Work``: that name is torch.distributed's here
-from .init import default_communicator, init
+from .init import communicator_for
 from .splits import Splits
 
 __all__ = ["all_to_all_single", "all_to_all", "communicator_for"]
-
-_bound: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
-"""Explicit cache: the communicator made for each torch ProcessGroup."""
-
-
-def communicator_for(group: Any = None) -> Communicator:
-    """The communicator that ``group`` means (see the module docstring).
-
-    Raises:
-        RuntimeError: ``group`` is None and there is neither a default communicator nor an
-            initialized torch.distributed.
-        TypeError: ``group`` is of another type.
-    """
-    if group is None:
-        return default_communicator()
-    if isinstance(group, Communicator):
-        return group
-    import torch.distributed as dist
-
-    if isinstance(group, dist.ProcessGroup):
-        comm = _bound.get(group)
-        if comm is None or comm.closed:
-            comm = init(process_group=group, set_default=False)
-            _bound[group] = comm
-        return comm
-    raise TypeError(f"group must be None, a moecomm.Communicator or a torch ProcessGroup, got {type(group).__name__}")
-
 
 def __getattr__(name: str) -> Any:
     import torch.distributed as dist

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from . import hierarchical, wire
 from .communicator import Communicator
 from .init import default_communicator
 from .splits import Splits
@@ -17,16 +18,15 @@ class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, comm, send_splits, recv_splits, counts_out, algorithm="flat",  # type: ignore[override]
                 wire_dtype=None, grad_wire_dtype=None):
+        engine, topology = comm.engine, comm.topology
         if wire_dtype is None:
-            output, send, recv, request = comm._start_all_to_all_v(input, send_splits, recv_splits,
-                                                                    algorithm=algorithm)
+            output, send, recv, request = hierarchical.start_all_to_all_v(engine, topology, input, send_splits,
+                                                                          recv_splits, algorithm)
             plan = getattr(request, "plan", None)
         else:
-            from .wire import start_all_to_all_v as start_wire
-
-            output, send, recv, request, plan = start_wire(comm, input, send_splits, recv_splits, algorithm,
-                                                           wire_dtype)
-        comm._complete(request, "all_to_all_v", None)
+            output, send, recv, request, plan = wire.start_all_to_all_v(engine, topology, input, send_splits,
+                                                                        recv_splits, algorithm, wire_dtype)
+        engine.complete(request, "all_to_all_v", None)
         ctx.comm, ctx.send, ctx.recv = comm, send, recv
         ctx.plan = plan  # a 2DH exchange: its backward runs the phases reversed
         ctx.algorithm, ctx.grad_wire_dtype = algorithm, grad_wire_dtype
@@ -37,19 +37,17 @@ class _AllToAllV(torch.autograd.Function):
     def backward(ctx, grad_output):  # type: ignore[override]
         # What arrived goes back where it came from; both sides' counts are known already.
         # The quantization of the forward is treated as the identity (straight-through).
+        engine, topology = ctx.comm.engine, ctx.comm.topology
         if ctx.grad_wire_dtype is not None:
-            from . import wire
-
             if ctx.plan is not None:
-                grad_input = wire.reverse_rows(ctx.comm, ctx.plan, grad_output, ctx.grad_wire_dtype)
+                grad_input = wire.reverse_rows(engine, topology, ctx.plan, grad_output, ctx.grad_wire_dtype)
             else:
-                grad_input = wire.exchange_rows(ctx.comm, grad_output.contiguous(), ctx.recv, ctx.send, "flat",
+                grad_input = wire.exchange_rows(engine, topology, grad_output.contiguous(), ctx.recv, ctx.send, "flat",
                                                 ctx.grad_wire_dtype)
             return grad_input, None, None, None, None, None, None, None
         if ctx.plan is not None:
-            from .hierarchical import reverse_all_to_all_v
-
-            return reverse_all_to_all_v(ctx.comm, ctx.plan, grad_output), None, None, None, None, None, None, None
+            grad_input = hierarchical.reverse_all_to_all_v(engine, topology, ctx.plan, grad_output)
+            return grad_input, None, None, None, None, None, None, None
         grad_input, _ = ctx.comm.all_to_all_v(grad_output.contiguous(), ctx.recv, ctx.send)
         return grad_input, None, None, None, None, None, None, None
 

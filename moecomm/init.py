@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Any, Optional, Union
 
 import torch
 
-from . import _exit, env
+from . import _exit, _topology, env
+from ._engine import Engine
+from ._flat import COPY_ENGINE_MIN_BYTES
 from .communicator import Communicator
 from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
 from .pool import StagingPool
 
-__all__ = ["init", "default_communicator", "set_default_communicator", "BACKENDS"]
+__all__ = ["init", "default_communicator", "set_default_communicator", "communicator_for", "BACKENDS"]
 
 BACKENDS = ("auto", "mpi", "nccl", "torch", "self")
 
@@ -35,11 +38,38 @@ def default_communicator() -> Communicator:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from .distributed import communicator_for
-
         return communicator_for(dist.group.WORLD)
     raise RuntimeError("moecomm: no default communicator: call moecomm.init() first, or pass group= "
                        "(a moecomm.Communicator or a torch ProcessGroup)")
+
+
+_bound: "weakref.WeakKeyDictionary[Any, Communicator]" = weakref.WeakKeyDictionary()
+"""Explicit cache: the communicator made for each torch ProcessGroup."""
+
+
+def communicator_for(group: Any = None) -> Communicator:
+    """The communicator that ``group`` means: None the default communicator (see
+    :func:`default_communicator`), a :class:`Communicator` itself, a torch ``ProcessGroup``
+    the communicator bound to it (made on first use, a collective call, and kept).
+
+    Raises:
+        RuntimeError: ``group`` is None and there is neither a default communicator nor an
+            initialized torch.distributed.
+        TypeError: ``group`` is of another type.
+    """
+    if group is None:
+        return default_communicator()
+    if isinstance(group, Communicator):
+        return group
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        comm = _bound.get(group)
+        if comm is None or comm.closed:
+            comm = init(process_group=group, set_default=False)
+            _bound[group] = comm
+        return comm
+    raise TypeError(f"group must be None, a moecomm.Communicator or a torch ProcessGroup, got {type(group).__name__}")
 
 
 def set_default_communicator(comm: Optional[Communicator]) -> None:
@@ -80,6 +110,7 @@ def init(
     profile: Any = None,
     max_ctas: Optional[int] = None,
     p2p_bytes: Optional[int] = None,
+    p2p_min_bytes: Optional[int] = None,
 ) -> Communicator:
     """Create a communicator over every rank of this launch (or of ``process_group``).
 
@@ -126,6 +157,11 @@ def init(
             source gets ``p2p_bytes / (4 * size)`` of it per exchange; rows beyond go
             through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
             peer access); otherwise ValueError. Default: None (off).
+        p2p_min_bytes: with ``p2p_bytes``: a plain ``all_to_all_v`` (or ``all_to_all_single``,
+            ``all_to_all``) with known counts moves by copy engines when this rank sends or
+            receives at least this many bytes, through NCCL below (the stages of
+            ``scatter_compute_gather`` always use the copy engines). An int >= 0; 0: always.
+            Default (None): 16 MiB.
 
     Collective: every rank of the launch (or of ``process_group``) must call it. Under an MPI
     launcher it also registers, once per process, the exit hook of :mod:`moecomm._exit`
@@ -147,27 +183,8 @@ def init(
         backend = env.default_backend() if backend is None else backend
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        timeout_s = _seconds(timeout)
-        if validate is not None and not isinstance(validate, bool):
-            raise TypeError(f"validate must be True, False or None (None: $MOECOMM_VALIDATE or False), "
-                            f"got {validate!r} ({type(validate).__name__})")
-        validate = env.default_validate() if validate is None else validate
-        if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int)):
-            raise TypeError(f"pool_bytes must be an int (bytes) or None, got {pool_bytes!r} "
-                            f"({type(pool_bytes).__name__})")
-        if pool_bytes is not None and pool_bytes < 0:
-            raise ValueError(f"pool_bytes must be >= 0 (bytes), got {pool_bytes}")
-        pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else pool_bytes)
-        if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
-                                     or not 1 <= max_ctas <= 32):
-            raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
-        if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
-            raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
-        if hierarchy is not None and not isinstance(hierarchy, bool):
-            raise TypeError(f"hierarchy must be True, False or None, got {hierarchy!r}")
-        if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int)
-                                       or local_size < 1):
-            raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+        timeout_s, validate, pool = _check_options(timeout, validate, pool_bytes, max_ctas, p2p_bytes, p2p_min_bytes,
+                                                   hierarchy, local_size)
     except (TypeError, ValueError) as exc:
         problem = exc
         timeout_s = _fallback_seconds(timeout)
@@ -181,19 +198,52 @@ def init(
         Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
         else Layout.from_hosts(rank, hosts)
     )
-    comm = Communicator(backend_obj, layout, timeout=timeout_s, validate=validate, pool=pool)
-    from .hierarchical import attach
-
+    engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate)
     try:
-        attach(comm, hierarchy=hierarchy, profile=profile, hosts=hosts, local_size_given=local_size is not None)
         if p2p_bytes is not None:
-            _attach_peer_transport(comm, p2p_bytes, hosts)
+            min_bytes = COPY_ENGINE_MIN_BYTES if p2p_min_bytes is None else p2p_min_bytes
+            engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate,
+                            peer=_peer_transport(engine, p2p_bytes, hosts), copy_engine_min_bytes=min_bytes)
+        topology = _topology.build(engine, layout, sub_communicator=Communicator, hierarchy=hierarchy,
+                                   profile=profile, hosts=hosts, local_size_given=local_size is not None)
     except BaseException:
-        comm.abort()
+        engine.abort()
         raise
+    comm = Communicator(engine, layout, topology=topology)
     if set_default:
         set_default_communicator(comm)
     return comm
+
+
+def _check_options(timeout: Any, validate: Any, pool_bytes: Any, max_ctas: Any, p2p_bytes: Any, p2p_min_bytes: Any,
+                   hierarchy: Any, local_size: Any) -> tuple[float, bool, StagingPool]:
+    """The checks of :func:`init` that need no peer (``TypeError``/``ValueError`` naming the
+    argument): the timeout in seconds, ``validate`` and the staging pool."""
+    timeout_s = _seconds(timeout)
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate must be True, False or None (None: $MOECOMM_VALIDATE or False), "
+                        f"got {validate!r} ({type(validate).__name__})")
+    validate = env.default_validate() if validate is None else validate
+    if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int)):
+        raise TypeError(f"pool_bytes must be an int (bytes) or None, got {pool_bytes!r} "
+                        f"({type(pool_bytes).__name__})")
+    if pool_bytes is not None and pool_bytes < 0:
+        raise ValueError(f"pool_bytes must be >= 0 (bytes), got {pool_bytes}")
+    pool = StagingPool(env.default_pool_bytes() if pool_bytes is None else pool_bytes)
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
+                                 or not 1 <= max_ctas <= 32):
+        raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
+    if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
+        raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
+    if p2p_min_bytes is not None and (isinstance(p2p_min_bytes, bool) or not isinstance(p2p_min_bytes, int)
+                                      or p2p_min_bytes < 0):
+        raise ValueError(f"p2p_min_bytes must be an int >= 0 (bytes) or None, got {p2p_min_bytes!r}")
+    if hierarchy is not None and not isinstance(hierarchy, bool):
+        raise TypeError(f"hierarchy must be True, False or None, got {hierarchy!r}")
+    if local_size is not None and (isinstance(local_size, bool) or not isinstance(local_size, int)
+                                   or local_size < 1):
+        raise ValueError(f"local_size must be a positive int or None, got {local_size!r}")
+    return timeout_s, validate, pool
 
 
 def _fallback_seconds(timeout: Any) -> float:
@@ -206,13 +256,14 @@ def _fallback_seconds(timeout: Any) -> float:
     return 600.0
 
 
-def _attach_peer_transport(comm: Communicator, p2p_bytes: int, hosts: list) -> None:
+def _peer_transport(engine: Engine, p2p_bytes: int, hosts: list) -> Any:
+    """The peer-memory transport, set up through ``engine`` (which has none)."""
     if len(set(hosts)) != 1:
         raise ValueError(f"p2p_bytes needs every rank on one host (peer memory), but the ranks run on "
                          f"{len(set(hosts))} hosts")
     from .backends.p2p import PeerTransport
 
-    comm._p2p = PeerTransport(comm, p2p_bytes)
+    return PeerTransport(engine, p2p_bytes)
 
 
 def _cuda_device(device: Union[None, int, str, torch.device], local_rank: int) -> torch.device:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import numbers
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-__all__ = ["Splits", "normalize_splits", "check_split_total", "check_own_block", "split_offsets"]
+__all__ = ["Splits", "normalize_splits", "check_split_total", "check_own_block", "split_offsets", "split_sizes"]
 
 Splits = Union[Sequence[int], torch.Tensor, np.ndarray]
 """Per-rank row counts: a sequence of ints, or a 1-D integer tensor or array (any device)."""
@@ -78,3 +78,23 @@ def split_offsets(splits: list[int]) -> list[int]:
         offsets[i] = running
         running += v
     return offsets
+
+
+def split_sizes(splits: Optional[Splits], rows: int, size: int, name: str, tensor_name: str) -> list[int]:
+    """torch.distributed's split sizes: ``splits`` normalized and checked against ``rows``, or
+    for None ``size`` equal blocks.
+
+    Raises:
+        TypeError, ValueError: as :func:`normalize_splits`; a total other than ``rows``, or for
+            None ``rows`` not divisible by ``size``; naming ``name`` and ``tensor_name``.
+    """
+    if splits is None:
+        if rows % size:
+            raise ValueError(
+                f"{name} is None, so {tensor_name} must split into {size} equal blocks, "
+                f"but its dim 0 is {rows}"
+            )
+        return [rows // size] * size
+    values = normalize_splits(splits, name, size)
+    check_split_total(values, rows, name, tensor_name)
+    return values

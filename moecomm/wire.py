@@ -13,16 +13,15 @@ rounded up to 16) instead of ``D * element_size``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-from . import quant
+from . import hierarchical, quant
+from ._engine import Engine
+from ._topology import Topology
 from .errors import CountMismatchError
 from .splits import Splits
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
 
 __all__ = ["WIRE_BLOCK", "start_all_to_all_v", "exchange_rows", "reverse_rows", "wire_bytes", "check_input"]
 
@@ -32,21 +31,21 @@ WIRE_BLOCK = 128
 _CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
-def check_input(comm: "Communicator", input: Any, wire_dtype: Any) -> torch.Tensor:
+def check_input(engine: Engine, input: Any, wire_dtype: Any) -> torch.Tensor:
     """The local checks of a ``wire_dtype`` exchange (``TypeError``/``ValueError``)."""
     quant.check_wire_dtype(wire_dtype)
-    x = comm._check_tensor(input, "input", min_dim=1)
+    x = engine.check_tensor(input, "input", min_dim=1)
     if x.dtype not in quant.INPUT_DTYPES:
         raise TypeError(f"input must be float32, bfloat16 or float16 to be sent with wire_dtype={wire_dtype}, "
                         f"got {x.dtype}")
     return x
 
 
-def cross_check(comm: "Communicator", x: torch.Tensor, wire_dtype: torch.dtype, op: str) -> None:
+def cross_check(engine: Engine, x: torch.Tensor, wire_dtype: torch.dtype, op: str) -> None:
     """``validate=True``: every rank raises together when any rank's rows are not all finite
     (``ValueError``) or the ranks disagree on the dtypes (``CountMismatchError``)."""
     nonfinite = int(x.numel() > 0 and not bool(torch.isfinite(x).all()))
-    table = comm._gather_ints([nonfinite, _CODES[x.dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
+    table = engine.gather_ints([nonfinite, _CODES[x.dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
     bad = [r for r, row in enumerate(table) if row[0]]
     if bad:
         raise ValueError(f"moecomm: {op} (validate=True): input has non-finite values (inf or NaN) on rank(s) "
@@ -54,11 +53,12 @@ def cross_check(comm: "Communicator", x: torch.Tensor, wire_dtype: torch.dtype, 
     differ = [r for r, row in enumerate(table) if row[1:] != table[0][1:]]
     if differ:
         raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another input dtype or "
-                                 f"wire_dtype than rank 0 (rank {comm.rank}: {x.dtype} as {wire_dtype})")
+                                 f"wire_dtype than rank 0 (rank {engine.rank}: {x.dtype} as {wire_dtype})")
 
 
 def start_all_to_all_v(
-    comm: "Communicator",
+    engine: Engine,
+    topology: Optional[Topology],
     input: torch.Tensor,
     send_splits: Splits,
     recv_splits: Optional[Splits],
@@ -71,24 +71,22 @@ def start_all_to_all_v(
     ``request`` completes (its ``test()``/``join()`` dequantize into it); ``plan`` is the
     inner exchange's 2DH plan (None for a flat one), for a reversed backward.
     """
-    from .communicator import _ThenRequest
-
     op = "all_to_all_v"
-    comm._check_open(op)
-    x = check_input(comm, input, wire_dtype)
-    if comm.validate:
-        cross_check(comm, x, wire_dtype, op)
+    engine.check_open(op)
+    x = check_input(engine, input, wire_dtype)
+    if engine.validate:
+        cross_check(engine, x, wire_dtype, op)
     row_shape = tuple(x.shape[1:])
     packed = quant.pack_rows(x, wire_dtype, WIRE_BLOCK)
-    landing, send, recv, request = comm._start_all_to_all_v(packed, send_splits, recv_splits, algorithm=algorithm)
+    landing, send, recv, request = hierarchical.start_all_to_all_v(engine, topology, packed, send_splits, recv_splits,
+                                                                   algorithm)
     out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
 
     def unpack() -> None:
         if out.numel():
             quant.unpack_rows(landing, row_shape, x.dtype, wire_dtype, WIRE_BLOCK, out=out)
 
-    then = _ThenRequest(request, unpack, comm._backend.stream_ordered)
-    return out, send, recv, then, getattr(request, "plan", None)
+    return out, send, recv, engine.then(request, unpack), getattr(request, "plan", None)
 
 
 def wire_bytes(row_elems: int, rows: int) -> int:
@@ -96,23 +94,21 @@ def wire_bytes(row_elems: int, rows: int) -> int:
     return rows * quant.packed_row_bytes(row_elems, WIRE_BLOCK)
 
 
-def exchange_rows(comm: "Communicator", x: torch.Tensor, send: list[int], recv: list[int], algorithm: str,
+def exchange_rows(engine: Engine, topology: Optional[Topology], x: torch.Tensor, send: list[int], recv: list[int], algorithm: str,
                   wire_dtype: torch.dtype) -> torch.Tensor:
     """A blocking ``wire_dtype`` exchange with both sides' counts known (autograd backward)."""
-    out, _, _, request, _ = start_all_to_all_v(comm, x, send, recv, algorithm, wire_dtype)
-    comm._complete(request, "all_to_all_v", None)
+    out, _, _, request, _ = start_all_to_all_v(engine, topology, x, send, recv, algorithm, wire_dtype)
+    engine.complete(request, "all_to_all_v", None)
     return out
 
 
-def reverse_rows(comm: "Communicator", plan: Any, g: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+def reverse_rows(engine: Engine, topology: Optional[Topology], plan: Any, g: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
     """The backward of a 2DH exchange (``plan``) with the gradient rows sent in ``wire_dtype``."""
-    from .hierarchical import reverse_all_to_all_v
-
-    x = check_input(comm, g.contiguous(), wire_dtype)
-    if comm.validate:
-        cross_check(comm, x, wire_dtype, "all_to_all_v (2dh backward)")
+    x = check_input(engine, g.contiguous(), wire_dtype)
+    if engine.validate:
+        cross_check(engine, x, wire_dtype, "all_to_all_v (2dh backward)")
     row_shape = tuple(x.shape[1:])
-    landing = reverse_all_to_all_v(comm, plan, quant.pack_rows(x, wire_dtype, WIRE_BLOCK))
+    landing = hierarchical.reverse_all_to_all_v(engine, topology, plan, quant.pack_rows(x, wire_dtype, WIRE_BLOCK))
     out = torch.empty((landing.shape[0],) + row_shape, dtype=x.dtype, device=x.device)
     if out.numel():
         quant.unpack_rows(landing, row_shape, x.dtype, wire_dtype, WIRE_BLOCK, out=out)

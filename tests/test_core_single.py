@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
+from moecomm import _flat
 from moecomm.layout import Layout
 from moecomm.pool import StagingPool
 from moecomm.splits import normalize_splits
@@ -199,12 +200,12 @@ def test_counts_checked_after_an_exchange():
     communicator and names what the peers received; with validate=True it is returned for the
     cross-check instead."""
     c = moecomm.init(backend="mpi", set_default=False)
-    assert c._check_exchanged_counts([3], [3], 3, "the rows") is None
+    assert _flat.check_exchanged_counts(c.engine, [3], [3], 3, "the rows") is None
     with pytest.raises(ValueError, match=r"send_splits .*3.* \(the communicator was aborted: peers had received the rows\)"):
-        c._check_exchanged_counts([3], [3], 4, "the rows")
+        _flat.check_exchanged_counts(c.engine, [3], [3], 4, "the rows")
     assert c.closed
     v = moecomm.init(backend="mpi", validate=True, set_default=False)
-    assert "must be >= 0" in v._check_exchanged_counts([0], [-1], 0, "the counts")
+    assert "must be >= 0" in _flat.check_exchanged_counts(v.engine, [0], [-1], 0, "the counts")
     assert not v.closed
 
 
@@ -216,7 +217,7 @@ def test_asynchronous_backend_failure_closes_the_communicator(monkeypatch):
     def failed() -> None:
         raise RuntimeError("moecomm: the NCCL watchdog on rank 0 could not poll the GPU (boom)")
 
-    monkeypatch.setattr(c._backend, "check_health", failed)
+    monkeypatch.setattr(c.engine.backend, "check_health", failed)
     with pytest.raises(RuntimeError, match="could not poll the GPU"):
         c.barrier()
     assert c.closed
@@ -231,7 +232,7 @@ def test_watch_stream_on_a_host_waiting_backend(comm):
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=r"timeout must be > 0 seconds"):
             comm.watch_stream(timeout=bad)
-    assert not comm._capturing()  # a CPU communicator never sees a capture
+    assert not comm.engine.capturing()  # a CPU communicator never sees a capture
     c = moecomm.init(backend="mpi", set_default=False)
     c.close()
     with pytest.raises(moecomm.CommunicatorClosedError, match="cannot run a replay"):
@@ -243,7 +244,7 @@ def test_capture_refuses_what_needs_the_host(monkeypatch):
     exchange that must learn its counts, or read them from a device tensor, is refused before
     anything is issued, naming recv_splits; any other wait on the host is refused too."""
     c = moecomm.init(backend="mpi", set_default=False)
-    monkeypatch.setattr(c, "_capturing", lambda: True)
+    monkeypatch.setattr(c.engine, "capturing", lambda: True)
     x = torch.zeros(2, 3)
     with pytest.raises(RuntimeError, match=r"recv_splits must be given, and both splits on the host"):
         c.all_to_all_v(x, [2])
@@ -252,7 +253,7 @@ def test_capture_refuses_what_needs_the_host(monkeypatch):
         c.all_to_all_v(x, on_device, [2])
     with pytest.raises(RuntimeError, match=r"barrier waits on the host, which a CUDA graph capture cannot include"):
         c.barrier()
-    monkeypatch.setattr(c, "_capturing", lambda: False)
+    monkeypatch.setattr(c.engine, "capturing", lambda: False)
     out, recv = c.all_to_all_v(x, [2], [2])  # known host counts pass the check
     assert recv == [2] and torch.equal(out, x)
     c.close()

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
-from moecomm import _blocks, env, hierarchical
+from moecomm import _blocks, _topology, env, hierarchical
+from moecomm._engine import Engine
 from moecomm.communicator import Communicator
 from moecomm.layout import Layout
 from moecomm.profile import Fingerprint, Profile, ProfileEntry, ProfileError, default_profile_path, load_profile
@@ -100,18 +101,25 @@ def profile_dir(tmp_path, monkeypatch):
     return d
 
 
-def _fake(node_of_rank: tuple, base: Communicator) -> Communicator:
+def _fake(node_of_rank: tuple, base: Communicator) -> tuple:
     layout = Layout._from_node_of_rank(0, node_of_rank)
-    return Communicator(base._backend, layout, timeout=10, validate=False, pool=base._pool)
+    engine = Engine(base.engine.backend, base.engine.pool, timeout=10, validate=False)
+    return engine, layout
+
+
+def _attach(fake: tuple, **kw) -> Communicator:
+    engine, layout = fake
+    topology = _topology.build(engine, layout, sub_communicator=Communicator, profile=None, hosts=["h"],
+                               local_size_given=True, **kw)
+    return Communicator(engine, layout, topology=topology)
 
 
 def test_unequal_nodes_are_named(profile_dir):
     base = moecomm.init(backend="mpi", set_default=False, hierarchy=False)
     with pytest.raises(ValueError, match=r"nodes of equal size.*\[2, 1\]"):
-        hierarchical.attach(_fake((0, 0, 1), base), hierarchy=True, profile=None, hosts=["h"], local_size_given=True)
-    comm = _fake((0, 0, 1, 1, 1), base)
-    hierarchical.attach(comm, hierarchy=None, profile=None, hosts=["h"], local_size_given=True)
-    assert comm._hier.hierarchy is None
+        _attach(_fake((0, 0, 1), base), hierarchy=True)
+    comm = _attach(_fake((0, 0, 1, 1, 1), base), hierarchy=None)
+    assert comm.topology.hierarchy is None
     with pytest.raises(ValueError, match=r"\[2, 3\] ranks"):
         comm.all_to_all_v(torch.zeros(0, 2), [0], algorithm="2dh")
     base.close()
@@ -119,7 +127,7 @@ def test_unequal_nodes_are_named(profile_dir):
 
 def test_hierarchy_argument(profile_dir):
     c = moecomm.init(backend="mpi", set_default=False)
-    assert c._hier.hierarchy is None  # one node of one rank, no local_size: no groups by default
+    assert c.topology.hierarchy is None  # one node of one rank, no local_size: no groups by default
     with pytest.raises(RuntimeError, match="pass hierarchy=True to moecomm.init"):
         c.all_to_all_v(torch.ones(2, 3), [2], algorithm="2dh")
     with pytest.raises(ValueError, match="algorithm must be one of"):
@@ -129,7 +137,7 @@ def test_hierarchy_argument(profile_dir):
     c.close()
     for kw in ({"hierarchy": True}, {"local_size": 1}):
         c = moecomm.init(backend="mpi", set_default=False, **kw)
-        h = c._hier.hierarchy
+        h = c.topology.hierarchy
         assert h is not None and (h.intra.size, h.rail.size) == (1, 1)
         x = torch.arange(12.0).reshape(4, 3).requires_grad_()
         y, recv = F.all_to_all_v(x, [4], comm=c, algorithm="2dh")
@@ -146,7 +154,7 @@ def test_hierarchy_argument(profile_dir):
 
 
 def _fp(comm, **over) -> Fingerprint:
-    fp = comm._hier.fingerprint
+    fp = comm.topology.fingerprint
     data = fp.to_json()
     data.update(over)
     return Fingerprint.from_json(data, "test")
@@ -163,15 +171,15 @@ def _ran(comm, x) -> str:
     """Which algorithm ``auto`` ran: 2DH is the path that asks for the hierarchy groups."""
     from unittest import mock
 
-    with mock.patch.object(hierarchical, "_require_hierarchy", wraps=hierarchical._require_hierarchy) as spy:
-        _, _, _, req = comm._start_all_to_all_v(x, [x.shape[0]], None, algorithm="auto")
-        comm._complete(req, "all_to_all_v", None)
+    with mock.patch.object(hierarchical, "require_hierarchy", wraps=hierarchical.require_hierarchy) as spy:
+        _, _, _, req = hierarchical.start_all_to_all_v(comm.engine, comm.topology, x, [x.shape[0]], None, "auto")
+        comm.engine.complete(req, "all_to_all_v", None)
     return "2dh" if spy.called else "flat"
 
 
 def test_auto_follows_profile(profile_dir, tmp_path):
     probe = moecomm.init(backend="mpi", set_default=False, local_size=1)
-    fp = probe._hier.fingerprint
+    fp = probe.topology.fingerprint
     assert fp.device == "cpu" and fp.backend == "mpi" and (fp.num_nodes, fp.local_size) == (1, 1)
     small, large = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(1 << 14, 64, dtype=torch.uint8)
     assert _ran(probe, small) == "flat"  # no profile; one node: the rule says flat
@@ -179,7 +187,7 @@ def test_auto_follows_profile(profile_dir, tmp_path):
     mixed = _profile(fp, {1024: "2dh", 1 << 20: "flat"})
     path = mixed.save(tmp_path / "mixed.json")
     c = moecomm.init(backend="mpi", set_default=False, local_size=1, profile=str(path))
-    assert c._hier.profile.source == str(path)
+    assert c.topology.profile.source == str(path)
     assert (_ran(c, small), _ran(c, large)) == ("2dh", "flat")
     c.close()
     c = moecomm.init(backend="mpi", set_default=False, local_size=1, profile=_profile(fp, {4096: "2dh"}))
@@ -189,19 +197,19 @@ def test_auto_follows_profile(profile_dir, tmp_path):
     _profile(fp, {4096: "2dh"}).save(default_profile_path(fp))
     assert default_profile_path(fp).parent == profile_dir and env.default_profile_dir() == profile_dir
     c = moecomm.init(backend="mpi", set_default=False, local_size=1)
-    assert c._hier.profile is not None and _ran(c, large) == "2dh"
+    assert c.topology.profile is not None and _ran(c, large) == "2dh"
     c.close()
     # a broken cached file is reported and ignored
     default_profile_path(fp).write_text("{not json")
     with pytest.warns(RuntimeWarning, match="ignoring the cached topology profile.*not valid JSON"):
         c = moecomm.init(backend="mpi", set_default=False, local_size=1)
-    assert c._hier.profile is None
+    assert c.topology.profile is None
     c.close()
 
 
 def test_profile_for_other_cluster(profile_dir, tmp_path):
     c = moecomm.init(backend="mpi", set_default=False, local_size=1)
-    fp = c._hier.fingerprint
+    fp = c.topology.fingerprint
     c.close()
     other = _profile(_fp(c, num_nodes=4, local_size=8), {1024: "2dh"}).save(tmp_path / "other.json")
     with pytest.raises(ProfileError, match=r"tuned for 4 node\(s\) x 8.*1 node\(s\) x 1"):

@@ -21,6 +21,6 @@ def test_overlap_mpi_backend(nprocs):
 
 def test_overlap_torch_backend():
     # gloo cannot abandon a collective in flight, so fn failures are not run here: after an
-    # abort the process group itself is out of step (see moecomm.overlap, "Failures")
+    # abort the process group itself is out of step (see docs/overlap.md, "Failures")
     out = run_ranks(2, "tests.ranks.overlap_checks", "torch", "equivalence,own_first,gradients")
     assert "checks passed on 2 ranks" in out

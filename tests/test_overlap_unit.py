@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moecomm import _overlap_plan as ovp
 from moecomm import overlap as ov
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
        data=st.data())
 def test_plan_pieces_cover_each_block_in_order(counts, stages, data):
     pieces = data.draw(st.lists(st.integers(1, stages), min_size=len(counts), max_size=len(counts)))
-    b = ov._bounds(np.array(counts), np.array(pieces), stages)
+    b = ovp._bounds(np.array(counts), np.array(pieces), stages)
     assert b.shape == (stages + 1, len(counts))
     assert (b[0] == 0).all() and (b[-1] == np.array(counts)).all()
     sizes = np.diff(b, axis=0)
@@ -27,7 +28,7 @@ def test_plan_pieces_cover_each_block_in_order(counts, stages, data):
         used = sizes[:k, p]
         assert used.max() - used.min() <= 1  # balanced pieces
         assert (sizes[k:, p] == 0).all()  # nothing after the pair's last piece
-    plan = ov._Plan(counts, counts, pieces, pieces, stages, torch.device("cpu"))
+    plan = ovp.Plan(counts, counts, pieces, pieces, stages, torch.device("cpu"))
     x = torch.arange(sum(counts) * 2).reshape(-1, 2)
     parts = [plan.pack(x, c) for c in range(stages)]
     assert sum(p.shape[0] for p in parts) == x.shape[0]
@@ -52,7 +53,7 @@ def test_own_first_plan(send, degree, data):
     own_last = data.draw(st.booleans())
     split = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.7, 0.99])) if own_last else 1.0
     stages = degree + 1 + own_last
-    plan = ov._Plan(send, recv, [degree] * W, [degree] * W, degree, torch.device("cpu"), own, split)
+    plan = ovp.Plan(send, recv, [degree] * W, [degree] * W, degree, torch.device("cpu"), own, split)
     assert plan.stages == stages and plan.own_last == own_last
     n = send[own]
     first = min(n, max(0, round(split * n)))
@@ -107,7 +108,7 @@ def test_degree_validation(bad):
 def test_auto_degree_rule():
     mib = 1 << 20
     nccl = SimpleNamespace(size=8, backend="nccl")
-    stages, per_stage = ov.AUTO_RULES["nccl"]
+    stages, per_stage = ov._AUTO_RULES["nccl"]
     assert ov.auto_stages(nccl) == stages
     assert ov.auto_pieces(nccl, [0, 1, 100], 1024) == [1, 1, 1]  # small pairs are not cut
     pair = lambda nbytes: nbytes // 8 // 1024  # rows of a pair when a rank exchanges nbytes  # noqa: E731
@@ -117,22 +118,23 @@ def test_auto_degree_rule():
     assert ov.auto_stages(SimpleNamespace(size=1, backend="nccl")) == 1
     assert ov.auto_pieces(SimpleNamespace(size=1, backend="mpi"), [10**9], 4) == [1]
     # with peer memory the copy engines move the stages: their own rule (2 stages from 256 MiB/rank)
-    ce = SimpleNamespace(size=2, backend="nccl", _p2p=object())
-    assert ov.AUTO_RULES["nccl-copy-engines"] == (2, 128 * mib)
+    ce = SimpleNamespace(size=2, backend="nccl", engine=SimpleNamespace(peer=object()))
+    assert ov._AUTO_RULES["nccl-copy-engines"] == (2, 128 * mib)
     half = lambda nbytes: nbytes // 2 // 8192  # rows of 8 KiB of a pair when a rank exchanges nbytes  # noqa: E731
     assert ov.auto_stages(ce) == 2
     assert ov.auto_pieces(ce, [half(256 * mib), half(64 * mib), 0], 8192) == [2, 1, 1]
-    assert ov.auto_pieces(SimpleNamespace(size=2, backend="nccl", _p2p=None), [half(256 * mib)], 8192) == [1]
+    plain = SimpleNamespace(size=2, backend="nccl", engine=SimpleNamespace(peer=None))
+    assert ov.auto_pieces(plain, [half(256 * mib)], 8192) == [1]
     # while a CUDA graph is captured: more stages (the host pays nothing per stage at a replay)
-    ce_graph = SimpleNamespace(size=2, backend="nccl", _p2p=object(), _capturing=lambda: True)
+    ce_graph = SimpleNamespace(size=2, backend="nccl", engine=SimpleNamespace(peer=object(), capturing=lambda: True))
     assert ov.auto_stages(ce_graph) == 4
     assert ov.auto_pieces(ce_graph, [half(256 * mib), half(128 * mib), half(32 * mib)], 8192) == [4, 2, 1]
-    nccl_graph = SimpleNamespace(size=2, backend="nccl", _p2p=None, _capturing=lambda: True)
+    nccl_graph = SimpleNamespace(size=2, backend="nccl", engine=SimpleNamespace(peer=None, capturing=lambda: True))
     assert ov.auto_pieces(nccl_graph, [half(256 * mib), half(64 * mib)], 8192) == [2, 1]
-    eager = SimpleNamespace(size=2, backend="nccl", _p2p=object(), _capturing=lambda: False)
+    eager = SimpleNamespace(size=2, backend="nccl", engine=SimpleNamespace(peer=object(), capturing=lambda: False))
     assert ov.auto_pieces(eager, [half(256 * mib)], 8192) == [2]
-    mpi = SimpleNamespace(size=2, backend="mpi", _capturing=lambda: True)  # no graph rule: the plain one
-    assert ov.auto_stages(mpi) == ov.AUTO_RULES["mpi"][0]
+    mpi = SimpleNamespace(size=2, backend="mpi", engine=SimpleNamespace(capturing=lambda: True))  # no graph rule
+    assert ov.auto_stages(mpi) == ov._AUTO_RULES["mpi"][0]
 
     # a profile's measured degrees win: the entry nearest to rows * row_bytes * size
     entries = [SimpleNamespace(bytes_per_rank=mib, degree=1), SimpleNamespace(bytes_per_rank=64 * mib, degree=3)]
@@ -144,6 +146,6 @@ def test_auto_degree_rule():
         def entry_for(self, nbytes):
             return min(self.entries, key=lambda e: abs(np.log2(e.bytes_per_rank) - np.log2(max(nbytes, 1))))
 
-    with_prof = SimpleNamespace(size=4, backend="nccl", _hier=SimpleNamespace(profile=Prof()))
+    with_prof = SimpleNamespace(size=4, backend="nccl", topology=SimpleNamespace(profile=Prof()))
     assert ov.auto_stages(with_prof) == 3
     assert ov.auto_pieces(with_prof, [(16 * mib) // 1024, 100], 1024) == [3, 1]

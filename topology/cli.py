@@ -82,7 +82,7 @@ def cmd_probe(args) -> int:
     if comm.rank == 0:
         _print_links(links)
         if args.out:
-            Path(args.out).write_text(json.dumps({"fingerprint": comm._hier.fingerprint.to_json(), "links": links},
+            Path(args.out).write_text(json.dumps({"fingerprint": comm.topology.fingerprint.to_json(), "links": links},
                                                  indent=2) + "\n")
             print(f"wrote {args.out}")
     comm.close()
@@ -129,7 +129,7 @@ def cmd_tune(args) -> int:
     comm = _init(args)
     if comm.rank == 0:
         print(f"tune: {comm.size} ranks as {comm.num_nodes} node(s) x {comm.local_size}, backend {comm.backend}, "
-              f"fingerprint {comm._hier.fingerprint.key()}")
+              f"fingerprint {comm.topology.fingerprint.key()}")
     profile = tune(comm, args.sizes, iters=args.iters, warmup=args.warmup, row_bytes=args.row_bytes,
                    dtype=args.dtype, skew=args.skew, known_counts=args.known_counts,
                    probe_sizes=[] if args.no_probe else args.probe_sizes, degrees=args.degrees or (),

@@ -167,7 +167,7 @@ def probe_links(comm: "moecomm.Communicator", sizes: Sequence[int], *, iters: in
     Returns ``{"intra"|"inter"|"copy": {"alpha_s", "msg_s", "beta_Bps", "group",
     "points": [[P, bytes, seconds], ...]}}``.
     """
-    state = comm._hier
+    state = comm.topology
     if state is None or state.hierarchy is None:
         raise RuntimeError("probe needs the hierarchy groups: init the communicator with hierarchy=True")
     h = state.hierarchy

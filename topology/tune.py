@@ -41,7 +41,7 @@ def tune(
     log: Callable[[str], None] = print,
 ) -> Profile:
     """Collective: measure and return the profile (rank 0 logs through ``log``)."""
-    state = comm._hier
+    state = comm.topology
     if state is None or state.hierarchy is None:
         raise RuntimeError("tune needs the hierarchy groups: init the communicator with hierarchy=True")
     say = log if comm.rank == 0 else (lambda s: None)

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import abc
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Request", "DoneRequest", "Backend", "REDUCE_OPS"]
+__all__ = ["Request", "DoneRequest", "Backend", "REDUCE_OPS", "reduce_op_name"]
 
 REDUCE_OPS = ("sum", "max", "min", "prod")
+
+
+def reduce_op_name(op: Any) -> str:
+    """``op`` (a name or a ``torch.distributed.ReduceOp``) as one of :data:`REDUCE_OPS`.
+
+    Raises:
+        ValueError: another value.
+    """
+    if isinstance(op, str):
+        if op.lower() in REDUCE_OPS:
+            return op.lower()
+        raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")
+    import torch.distributed as dist
+
+    table = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "prod"}
+    for k, v in table.items():
+        if op == k:
+            return v
+    raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")
 
 
 class Request(abc.ABC):
@@ -55,6 +74,11 @@ class Backend(abc.ABC):
 
     supports_displacements: bool = False
     """True where :meth:`alltoallv` takes ``send_displs``/``recv_displs``."""
+
+    timeout_s: float = 600.0
+    """Seconds any wait of this backend may last: the communicator's ``timeout``, kept here
+    only (the engine reads and sets it), so that the backend's own waits (NCCL's watchdog,
+    blocking splits) use the same value."""
 
     @abc.abstractmethod
     def alltoallv(

@@ -253,8 +253,10 @@ class NcclBackend(Backend):
         if self._watchdog.failure is not None:
             raise self._watchdog.failure
 
-    def _begin(self, *tensors: torch.Tensor) -> int:
-        """Order the backend's stream after the caller's; returns the backend stream's handle."""
+    def begin(self, *tensors: torch.Tensor) -> int:
+        """Order the backend's stream after the caller's; returns the backend stream's handle.
+        With :meth:`end`, what a transport issuing on this stream (the peer transport) brackets
+        its work with."""
         self.check_health()
         _cudart.record(self._ready, _cudart.current_stream(self._index))
         _cudart.wait(self._stream, self._ready)
@@ -262,7 +264,9 @@ class NcclBackend(Backend):
             t.record_stream(self.stream)
         return self._stream
 
-    def _end(self, op: str, problem: Optional[Callable[[], Optional[BaseException]]] = None) -> _EventRequest:
+    def end(self, op: str, problem: Optional[Callable[[], Optional[BaseException]]] = None) -> _EventRequest:
+        """The request of what was issued on the backend's stream since :meth:`begin`, under the
+        watchdog (``problem()``: a failure to report once it completes)."""
         event = _cudart.new_event()
         _cudart.record(event, self._stream)
         if torch.cuda.is_current_stream_capturing():  # nothing runs now: replays are watched by watch_stream
@@ -280,12 +284,12 @@ class NcclBackend(Backend):
     # -- collectives ----------------------------------------------------------------------
 
     def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
-        h = self._begin(send, recv)
+        h = self.begin(send, recv)
         if self._native is not None:  # the rank's own block too: NCCL copies it in the same kernel
             self._native.alltoallv(self._comm_ptr, h, send.data_ptr(), recv.data_ptr(), send_counts, recv_counts,
                                    row_bytes, () if send_displs is None else send_displs,
                                    () if recv_displs is None else recv_displs)
-            return self._end("all_to_all_v")
+            return self.end("all_to_all_v")
         raw, comm = self._raw, self._handle
         sp, rp = send.data_ptr(), recv.data_ptr()
         so = ro = 0
@@ -306,10 +310,10 @@ class NcclBackend(Backend):
                 ro += rc
         finally:
             raw.group_end()
-        return self._end("all_to_all_v")
+        return self.end("all_to_all_v")
 
     def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
-        h = self._begin(send, recv)
+        h = self.begin(send, recv)
         raw, comm, me = self._raw, self._handle, self.rank
         sp, rp = send.data_ptr(), recv.data_ptr()
         mine = recv_counts[me] * row_bytes
@@ -331,60 +335,60 @@ class NcclBackend(Backend):
         if mine:
             with torch.cuda.stream(self.stream):
                 recv.reshape(-1).view(torch.uint8)[my_offset:my_offset + mine].copy_(send.reshape(-1).view(torch.uint8))
-        return self._end("all_gather_v")
+        return self.end("all_gather_v")
 
     def copy_to_host(self, src, dst) -> Request:
-        self._begin(src)
+        self.begin(src)
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
-        return self._end("copy to the host")
+        return self.end("copy to the host")
 
     def exchange_counts(self, send, dev, host) -> Request:
         n = host.numel() // 2  # int64s out, then as many in
         nbytes = 8 * n
         if send is None:
-            h = self._begin(dev)
+            h = self.begin(dev)
             _cudart.copy_async(dev.data_ptr(), host.data_ptr(), nbytes, _cudart.H2D, h)
             src = dev.data_ptr()
         else:
-            h = self._begin(send, dev)
+            h = self.begin(send, dev)
             src = send.data_ptr()
         self._raw.allto_all(src, dev.data_ptr() + nbytes, nbytes // self.size, _UINT8, self._handle, h)
         if send is not None:
             _cudart.copy_async(host.data_ptr(), src, nbytes, _cudart.D2H, h)
         _cudart.copy_async(host.data_ptr() + nbytes, dev.data_ptr() + nbytes, nbytes, _cudart.D2H, h)
-        return self._end("all_to_all_v (count exchange)")
+        return self.end("all_to_all_v (count exchange)")
 
     def alltoall(self, send, recv) -> Request:
-        h = self._begin(send, recv)
+        h = self.begin(send, recv)
         n = send.numel() * send.element_size() // self.size
         if n:
             self._raw.allto_all(send.data_ptr(), recv.data_ptr(), n, _UINT8, self._handle, h)
-        return self._end("alltoall")
+        return self.end("alltoall")
 
     def allgather(self, send, recv) -> Request:
-        h = self._begin(send, recv)
+        h = self.begin(send, recv)
         n = send.numel() * send.element_size()
         if n:
             self._raw.all_gather(send.data_ptr(), recv.data_ptr(), n, _UINT8, self._handle, h)
-        return self._end("all_gather")
+        return self.end("all_gather")
 
     def allreduce(self, tensor, op) -> Request:
         if tensor.dtype not in _NCCL_DTYPES:
             raise TypeError(f"tensor: the NCCL backend cannot reduce dtype {tensor.dtype} (NCCL has no such type)")
-        h = self._begin(tensor)
+        h = self.begin(tensor)
         if tensor.numel():
             p = tensor.data_ptr()
             self._raw.all_reduce(p, p, tensor.numel(), _NCCL_DTYPES[tensor.dtype], _NCCL_OPS[op], self._handle, h)
-        return self._end("allreduce")
+        return self.end("allreduce")
 
     def broadcast(self, tensor, root) -> Request:
-        h = self._begin(tensor)
+        h = self.begin(tensor)
         n = tensor.numel() * tensor.element_size()
         if n:
             p = tensor.data_ptr()
             self._raw.broadcast(p, p, n, _UINT8, root, self._handle, h)
-        return self._end("broadcast")
+        return self.end("broadcast")
 
     def barrier(self) -> Request:
         # One kept zero, reduced with max: no allocation per barrier, and it stays zero.

@@ -16,18 +16,17 @@ stage of ``scatter_compute_gather``) move through the same arenas by *copy engin
 kernel writing the headers, a wait for the peers' headers (with a timeout, checking each
 count against what this rank expects), and copies out of the own regions; the rank's own
 rows are one device-local copy (on a second stream when large). No SM moves a byte, so an
-exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do, while a
-whole exchange so moved takes about NCCL's time at large sizes (``bench/results/README.md``,
-``bench/copy_engine_probe.py``). A failure the wait reports (a peer silent past the
+exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do (measured
+against NCCL: bench/results/README.md). A failure the wait reports (a peer silent past the
 timeout, a peer sending another count than expected) aborts the communicator; the next
 call raises it, as after an NCCL timeout.
 
 Made by ``moecomm.init(p2p_bytes=...)`` (NCCL backend, one node, every GPU pair able to
 map the other's memory); used by ``all_to_all_v`` when ``send_splits`` is a GPU tensor,
 ``recv_splits`` is not given and rows are a multiple of 16 bytes (kernels), and for every
-flat exchange with known counts (copy engines). See ``moecomm/backends/csrc/p2p_cuda.cu`` for
+flat exchange with known counts (copy engines). See ``moecomm_ext/csrc/p2p_cuda.cu`` for
 the arena layout and why two buffers suffice. A plain ``all_to_all_v`` with known counts uses
-the copy engines only from a size on (``moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES``).
+the copy engines only from a size on (``init(p2p_min_bytes=)``).
 
 The copy-engine exchanges keep their sequence numbers on the GPU and check, before
 writing into a peer's buffer half, that the peer has copied out the last exchange that used
@@ -38,9 +37,7 @@ needs the host between its two kernels and cannot be captured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
@@ -52,10 +49,11 @@ from ._p2p_limits import ROW_ALIGN
 from .base import DoneRequest, Request
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..communicator import Communicator
+    from .._engine import Engine
     from .nccl import NcclBackend
 
 __all__ = ["PeerTransport", "ROW_ALIGN"]
+
 
 _HEADER_BYTES = 64
 
@@ -74,22 +72,29 @@ class PeerTransport:
     per this many bytes they move, at least 16 and at most :attr:`max_blocks` in all."""
     max_blocks: int = 256
 
-    def __init__(self, comm: "Communicator", arena_bytes: int) -> None:
+    def __init__(self, engine: "Engine", arena_bytes: int) -> None:
+        """Collective: allocate this rank's arena and map every peer's, through ``engine``
+        (an engine of the NCCL backend without a peer transport).
+
+        Raises:
+            ValueError: a GPU pair that cannot map each other's memory, too many ranks, or
+                ``arena_bytes`` too small for one row region per peer.
+        """
         from ._ext import load_p2p
 
-        backend: "NcclBackend" = comm._backend
+        backend: "NcclBackend" = engine.backend
         self._ext = load_p2p()
         self._backend = backend
         self.size, self.rank = backend.size, backend.rank
         self._device = backend.device.index
         W = self.size
         dev = backend.device
-        devices = [row[0] for row in comm._gather_ints([dev.index], "p2p setup")]
+        devices = [row[0] for row in engine.gather_ints([dev.index], "p2p setup")]
         for r, d in enumerate(devices):
             if r != self.rank and not self._ext.can_access_peer(dev.index, d):
                 raise ValueError(f"p2p_bytes: GPU {dev.index} (rank {self.rank}) cannot map the memory of GPU {d} "
                                  f"(rank {r}); the peer-memory transport needs every pair of GPUs linked")
-        # layout (moecomm/backends/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
+        # layout (moecomm_ext/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
         # headers and acks, then each protocol's data regions (two halves of W each)
         self.header_off = 0
         self.ce_header_off = 2 * W * _HEADER_BYTES
@@ -107,15 +112,13 @@ class PeerTransport:
         self._base = self._ext.alloc(dev.index, arena_bytes)
         self._opened: list[int] = []
         try:
-            handle = torch.frombuffer(bytearray(self._ext.ipc_handle(self._base)), dtype=torch.uint8).to(dev)
-            table, _ = comm.all_gather_v(handle)
-            table = table.cpu().reshape(W, -1)
+            table = engine.gather_ints(list(self._ext.ipc_handle(self._base)), "p2p setup (IPC handles)")
             bases = []
             for r in range(W):
                 if r == self.rank:
                     bases.append(self._base)
                 else:
-                    ptr = self._ext.ipc_open(dev.index, bytes(table[r].tolist()))
+                    ptr = self._ext.ipc_open(dev.index, bytes(table[r]))
                     self._opened.append(ptr)
                     bases.append(ptr)
         except BaseException:
@@ -133,7 +136,6 @@ class PeerTransport:
         self._ce_half = 0
         self._ce_capture = 0  # the capture the last exchange was issued into (0: none)
         self._ce_captured = False  # once captured, a replay may run between any two eager exchanges
-        self._timeout_ns = int(backend.timeout_s * 1e9)
         self._ptrs = (self._bases.data_ptr(), self._done.data_ptr(), self._result.data_ptr(), self._host.data_ptr())
         # the copy-engine path: peers' bases on the host, a stream for the own block, a
         # status the wait kernel writes into host memory (code, count sent, count expected per source)
@@ -144,7 +146,12 @@ class PeerTransport:
         self._order = self._ext.new_event(dev.index)  # the counts-on-the-GPU path: after the backend's stream
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
-        comm.barrier()  # every rank has mapped every arena before any exchange writes to one
+        engine.barrier()  # every rank has mapped every arena before any exchange writes to one
+
+    @property
+    def _timeout_ns(self) -> int:
+        """The wait kernels' deadline: the communicator's timeout (kept by the backend)."""
+        return int(self._backend.timeout_s * 1e9)
 
     def _blocks(self, nbytes: int) -> int:
         return _copy_blocks(nbytes, self.size, self.block_bytes, self.max_blocks)
@@ -167,7 +174,7 @@ class PeerTransport:
         self._seq += 1
         bases, done, result, host = self._ptrs
         b.check_health()
-        self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b._stream, self._order,
+        self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b.stream.cuda_stream, self._order,
                                       x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base, self.rank,
                                       self.size, self._seq, self._seq % 2, self.region_bytes, self.data_off,
                                       self.header_off, done, self._blocks(x.numel() * x.element_size()), result, host,
@@ -185,9 +192,9 @@ class PeerTransport:
         b = self._backend
         # x and out are recorded on the backend's stream only: it waits for the own-block
         # copy on the second stream before its completion event, which is what frees them
-        stream = b._begin(x, out)
+        stream = b.begin(x, out)
         self._ce_half ^= 1
-        # the ready kernel (moecomm/backends/csrc/p2p_cuda.cu) only where the exchange before this one on
+        # the ready kernel (moecomm_ext/csrc/p2p_cuda.cu) only where the exchange before this one on
         # the device may have used the same half: the first of a capture; eager ones once captured
         capture = self._ext.capture_id(stream)
         ready = capture != self._ce_capture if capture else self._ce_captured
@@ -200,7 +207,7 @@ class PeerTransport:
                               self._ptrs[0], me, self._ce_state.data_ptr(), self._ce_half, ready, self.region_bytes,
                               self.ce_data_off, self.ce_header_off, self.ce_ack_off, self._status_t.data_ptr(),
                               self._timeout_ns)
-        request = b._end("all_to_all_v (copy engines)", self.problem)
+        request = b.end("all_to_all_v (copy engines)", self.problem)
         # the rank's own block went whole (input to output): only the peers' overflow remains
         rest = self._overflow(x, send, send_displs, out, recv, recv_displs, row_bytes, me)
         return request if rest is None else rest  # (the rest follows on the same stream)
@@ -264,7 +271,7 @@ class PeerTransport:
             self._ext.free(self._base)
             self._base = 0
 
-    def close(self, comm: "Communicator") -> None:
+    def close(self, engine: "Engine") -> None:
         """Collective: unmap the peers' arenas, then (after a barrier, so that no peer still
         maps it) free this rank's. After an abort nothing is freed: a kernel may still
         run, and the memory goes with the process."""
@@ -274,7 +281,7 @@ class PeerTransport:
         for ptr in self._opened:
             self._ext.ipc_close(ptr)
         self._opened = []
-        comm.barrier()
+        engine.barrier()
         self._ext.free(self._base)
         self._base = 0
         self._destroy_events()

@@ -38,7 +38,7 @@ def _members(comm: Communicator, world_size: int) -> Optional[list[int]]:
     """
     import torch.distributed as dist
 
-    group = getattr(comm._backend, "group", None)
+    group = getattr(comm.engine.backend, "group", None)
     if comm.backend == "torch":
         return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     if comm.size != world_size:

@@ -113,24 +113,24 @@ def run(phase: str, kind: str, bad: bool, comm, R: int, W: int, setup: dict) -> 
         return
     if phase == "split":  # the fault comes after the gathered table, where MPI_Comm_split would block
         if bad:
-            on_first_call(comm._backend, ["split"], kind, "split")
+            on_first_call(comm.engine.backend, ["split"], kind, "split")
         comm.split(R % 2)
         return
     m = splits(7, W)
     x = torch.randn(sum(m[R]), 5)
     if phase == "counts":
         if bad:
-            on_first_call(comm._backend, ["alltoall"], kind, "count exchange")
+            on_first_call(comm.engine.backend, ["alltoall"], kind, "count exchange")
         comm.all_to_all_v(x, m[R])
     elif phase == "rows":
         if bad:
-            on_first_call(comm._backend, ["alltoallv"], kind, "rows")
+            on_first_call(comm.engine.backend, ["alltoallv"], kind, "rows")
         comm.all_to_all_v(x, m[R])
     elif phase.startswith("2dh"):
         if bad:
-            hier = comm._hier.hierarchy
+            hier = comm.topology.hierarchy
             sub = hier.intra if phase == "2dh-intra" else hier.rail
-            on_first_call(sub._backend, ["alltoall", "alltoallv", "allgather", "allgatherv"], kind, phase)
+            on_first_call(sub.engine.backend, ["alltoall", "alltoallv", "allgather", "allgatherv"], kind, phase)
         comm.all_to_all_v(x, m[R], [m[p][R] for p in range(W)], algorithm="2dh")
     elif phase == "overlap":
         def fn(rows, chunk):

@@ -18,8 +18,6 @@ from tests.ranks.data import DTYPES, ROW_SHAPES, as_bytes, count_matrix, expecte
 # "nccl-p2p": the NCCL backend with peer memory (init(p2p_bytes=)), so that every known-counts
 # exchange of the suite moves by copy engines
 P2P_BYTES = (64 << 20) if len(sys.argv) > 1 and sys.argv[1] == "nccl-p2p" else None
-# the copy engines for every known-counts exchange, however small (by default only from 16 MiB)
-moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES = 0
 BACKEND = "nccl" if P2P_BYTES else (sys.argv[1] if len(sys.argv) > 1 else "mpi")
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None  # run one check (by name), or "-name" to skip one
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=25,
@@ -35,6 +33,8 @@ def make_comm(**kw):
         return moecomm.init(process_group=dist.group.WORLD, **kw)
     if P2P_BYTES:
         kw.setdefault("p2p_bytes", P2P_BYTES)
+    if kw.get("p2p_bytes"):  # the copy engines for every known-counts exchange, however small
+        kw.setdefault("p2p_min_bytes", 0)
     return moecomm.init(backend=BACKEND, **kw)
 
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
-from moecomm import hierarchical
+from moecomm import _topology, hierarchical
+from moecomm._engine import Engine
 from moecomm.communicator import Communicator
 from moecomm.layout import Layout
 from tests.mpi_util import collective_assert, rank_main
@@ -32,22 +33,23 @@ W, R = BASE.size, BASE.rank
 def _custom(node_of_rank: tuple, hierarchy) -> Communicator:
     """A communicator over BASE's ranks with an arbitrary node layout."""
     layout = Layout._from_node_of_rank(R, node_of_rank)
-    comm = Communicator(BASE._backend, layout, timeout=BASE.timeout, validate=False, pool=BASE._pool)
-    hierarchical.attach(comm, hierarchy=hierarchy, profile=None, hosts=["h"] * W, local_size_given=True)
-    return comm
+    engine = Engine(BASE.engine.backend, BASE.engine.pool, timeout=BASE.timeout, validate=False)
+    topology = _topology.build(engine, layout, sub_communicator=Communicator, hierarchy=hierarchy, profile=None,
+                               hosts=["h"] * W, local_size_given=True)
+    return Communicator(engine, layout, topology=topology)
 
 
 def make(spec: str) -> Communicator:
     if spec.startswith("rr"):
         n = int(spec[2:])
         comm = _custom(tuple(r % n for r in range(W)), True)
-        collective_assert(not comm._hier.hierarchy.contiguous, "round robin layout should not be contiguous")
+        collective_assert(not comm.topology.hierarchy.contiguous, "round robin layout should not be contiguous")
         return comm
     n, l = (int(v) for v in spec.split("x"))
     assert n * l == W, f"layout {spec} does not fit {W} ranks"
     comm = moecomm.init(backend="mpi", local_size=l, timeout=60, set_default=False)
     collective_assert((comm.num_nodes, comm.local_size) == (n, l), f"{spec}: got {comm!r}")
-    h = comm._hier.hierarchy
+    h = comm.topology.hierarchy
     collective_assert(h is not None and h.contiguous, f"{spec}: no hierarchy")
     collective_assert((h.intra.size, h.rail.size, h.intra.rank, h.rail.rank) ==
                       (l, n, comm.local_rank, comm.node_rank), f"{spec}: sub-communicators {h.intra!r} {h.rail!r}")
@@ -127,11 +129,11 @@ def checks_for(spec: str) -> list:
         m = count_matrix(seed, W, 3, 0.2)
         x = input_for(seed, R, m, (4,), torch.float32)
         send = [int(v) for v in m[R]]
-        h = comm._hier.hierarchy
+        h = comm.topology.hierarchy
         want = "2dh" if h.num_nodes > 1 and h.local_size > 1 else "flat"
         got = hierarchical.choose_algorithm(comm, x)
-        out, _, _, req = comm._start_all_to_all_v(x, send, None, algorithm="auto")
-        comm._complete(req, "all_to_all_v", None)
+        out, _, _, req = hierarchical.start_all_to_all_v(comm.engine, comm.topology, x, send, None, "auto")
+        comm.engine.complete(req, "all_to_all_v", None)
         ran = "2dh" if getattr(req, "plan", None) is not None else "flat"
         ok = got == want and ran == want and np.array_equal(as_bytes(out), expected_bytes(seed, R, m, (4,), torch.float32))
         collective_assert(ok, f"{spec}: auto chose {got}, ran {ran}, expected {want} (no profile)")
@@ -140,11 +142,11 @@ def checks_for(spec: str) -> list:
         """While a CUDA graph is captured (simulated: the host waits of the count exchanges
         are what capture forbids), "auto" picks flat, and an explicit "2dh" that needs a
         count exchange raises before anything moves, naming the capture, on every rank."""
-        h = comm._hier.hierarchy
+        h = comm.topology.hierarchy
         m = count_matrix(79, W, 3, 0.2)
         x = input_for(79, R, m, (4,), torch.float32)
         send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
-        comm._capturing = lambda: True
+        comm.engine.capturing = lambda: True
         try:
             chosen = hierarchical.choose_algorithm(comm, x)
             msg = "no error"
@@ -156,7 +158,7 @@ def checks_for(spec: str) -> list:
                 except RuntimeError as exc:
                     msg = str(exc)
         finally:
-            del comm._capturing
+            del comm.engine.capturing
         ok = chosen == "flat" and (msg == "single phase" or ("CUDA graph" in msg and "2dh" in msg
                                                              and "algorithm='flat'" in msg))
         collective_assert(ok, f"{spec}: while capturing, auto chose {chosen}; 2dh gave {msg!r}")
@@ -175,7 +177,7 @@ def check_unequal() -> None:
     sizes = [W - 2, 2]
     layout = (0,) * (W - 2) + (1, 1)
     comm = _custom(layout, None)
-    collective_assert(comm._hier.hierarchy is None, "unequal nodes must not get hierarchy groups")
+    collective_assert(comm.topology.hierarchy is None, "unequal nodes must not get hierarchy groups")
     m = count_matrix(5, W, 3, 0.2)
     x = input_for(5, R, m, (2,), torch.float32)
     send = [int(v) for v in m[R]]

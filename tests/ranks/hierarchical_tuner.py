@@ -13,6 +13,7 @@ import sys
 import torch
 
 import moecomm
+from moecomm import hierarchical
 from moecomm.profile import Profile, ProfileEntry, ProfileError, default_profile_path, load_profile
 from tests.mpi_util import collective_assert, rank_main
 from topology import cli
@@ -27,8 +28,8 @@ def _ran(comm, nbytes: int) -> str:
     x = torch.zeros(rows, 64, dtype=torch.uint8)
     send = [rows // comm.size] * comm.size
     send[0] += rows - sum(send)
-    _, _, _, req = comm._start_all_to_all_v(x, send, None, algorithm="auto")
-    comm._complete(req, "all_to_all_v", None)
+    _, _, _, req = hierarchical.start_all_to_all_v(comm.engine, comm.topology, x, send, None, "auto")
+    comm.engine.complete(req, "all_to_all_v", None)
     return "2dh" if getattr(req, "plan", None) is not None else "flat"
 
 
@@ -45,8 +46,8 @@ def check_probe_command() -> None:
 def check_auto_follows_tuned_profile() -> None:
     prof = load_profile(PROFILE)
     comm = moecomm.init(backend="mpi", local_size=2, set_default=False, profile=PROFILE)
-    collective_assert(comm._hier.profile is not None and comm._hier.profile.fingerprint == comm._hier.fingerprint,
-                      f"profile not attached: {comm._hier}")
+    collective_assert(comm.topology.profile is not None and comm.topology.profile.fingerprint == comm.topology.fingerprint,
+                      f"profile not attached: {comm.topology}")
     for e in prof.entries:
         got = _ran(comm, e.bytes_per_rank)
         collective_assert(got == e.choice, f"auto ran {got} at {e.bytes_per_rank} B, profile says {e.choice}")

@@ -508,18 +508,15 @@ def check_cuda_graph():
     (so new routes) equals the same step run
     eagerly by a twin layer with the same weights: overlap degrees 1 (own_first="auto": own
     rows first when captured, not eagerly) and 2 with own rows first, and degree 1 without."""
-    import moecomm.communicator as core
-
     errs = []
     plain = _comm()
-    peer = moecomm.init(backend="nccl", p2p_bytes=64 << 20, set_default=False) if plain.size > 1 else None
-    min_bytes = core._P2P_COPY_ENGINE_MIN_BYTES
-    core._P2P_COPY_ENGINE_MIN_BYTES = 0  # with peer memory, every exchange by copy engines
+    # with peer memory, every exchange by copy engines (p2p_min_bytes=0)
+    peer = moecomm.init(backend="nccl", p2p_bytes=64 << 20, p2p_min_bytes=0, set_default=False) \
+        if plain.size > 1 else None
     try:
         for comm in [c for c in (plain, peer) if c is not None]:
             _check_cuda_graph(comm, errs)
     finally:
-        core._P2P_COPY_ENGINE_MIN_BYTES = min_bytes
         if peer is not None:
             peer.close()
     collective_assert(not errs, "; ".join(errs[:6]))
@@ -528,7 +525,7 @@ def check_cuda_graph():
 def _check_cuda_graph(comm, errs: list) -> None:
     rank = comm.rank
     E = 4 * comm.size
-    kind = "copy engines" if comm._p2p is not None else "nccl"
+    kind = "copy engines" if comm.engine.peer is not None else "nccl"
     for deg, own in ((1, "auto"), (2, True), (1, False)):
         layers = [MoELayer(D, H, E, k=2, comm=comm, seed=3, capacity_factor=1.0, overlap_degree=deg, own_first=own,
                            device=DEV) for _ in range(2)]

@@ -29,8 +29,8 @@ LOCAL = 2 if W % 2 == 0 and W > 2 else 1
 def _make(validate: bool = False, beside: bool = False) -> moecomm.Communicator:
     c = moecomm.init(backend="mpi", timeout=30, local_size=LOCAL, hierarchy=True, validate=validate)
     if beside:
-        for sub in (c, c._hier.hierarchy.intra, c._hier.hierarchy.rail):
-            sub._records_beside = True
+        for sub in (c, c.topology.hierarchy.intra, c.topology.hierarchy.rail):
+            sub.engine.records_beside = True
     return c
 
 
@@ -229,7 +229,7 @@ def check_gloo_compares_before_rows() -> None:
 
     init_gloo_over_mpi()
     g = moecomm.init(process_group=dist.group.WORLD, timeout=30, set_default=False, validate=True)
-    g._records_beside = True
+    g.engine.records_beside = True
     m = count_matrix(13, W, 4, 0.0) + 1
     x = input_for(13, R, m, (3,), torch.float32)
     send, recv = _send(m), [int(v) for v in m[:, R]]

@@ -20,21 +20,15 @@ from hypothesis import strategies as st
 
 import moecomm
 from moecomm.graphs import capture
-from moecomm import overlap
 from moecomm.functional import all_to_all_v
 from moecomm.overlap import Chunk
+from moecomm.profile import Profile, ProfileEntry
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 
 # "nccl-p2p": the NCCL backend with peer memory (init(p2p_bytes=)): every stage moves by copy engines
 P2P_BYTES = (64 << 20) if len(sys.argv) > 1 and sys.argv[1] == "nccl-p2p" else None
-# the copy engines for every known-counts exchange, however small (by default only from 16 MiB)
-moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES = 0
 BACKEND = "nccl" if P2P_BYTES else (sys.argv[1] if len(sys.argv) > 1 else "mpi")
 
-# make degree="auto" cut these tiny exchanges into 1 to 4 pieces, a different count per pair
-# (the real rule leaves anything under hundreds of MiB unchunked: tests/test_overlap_unit.py)
-for _name in list(overlap.AUTO_RULES):
-    overlap.AUTO_RULES[_name] = (4, 32)
 ONLY = sys.argv[2].split(",") if len(sys.argv) > 2 else None
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=12,
                     suppress_health_check=list(HealthCheck))
@@ -48,12 +42,28 @@ def make_comm(**kw):
         return moecomm.init(process_group=dist.group.WORLD, **kw)
     if P2P_BYTES:
         kw.setdefault("p2p_bytes", P2P_BYTES)
+    if kw.get("p2p_bytes"):  # the copy engines for every known-counts exchange, however small
+        kw.setdefault("p2p_min_bytes", 0)
     return moecomm.init(backend=BACKEND, **kw)
 
 
 torch.set_num_threads(1)
-COMM = make_comm(timeout=60)
+
+
+def auto_profile(comm) -> Profile:
+    """A topology profile whose measured degrees make degree="auto" cut these tiny exchanges
+    into 1 to 4 pieces, a different count per pair (the built-in rule leaves anything under
+    hundreds of MiB unchunked: tests/test_overlap_unit.py)."""
+    degrees = ((32, 1), (64, 2), (96, 3), (128, 4))  # bytes per rank -> pieces (nearest, log scale)
+    return Profile(comm.topology.fingerprint, tuple(ProfileEntry(b, "flat", {}, d) for b, d in degrees))
+
+
+_probe = make_comm(timeout=60, set_default=False)
+AUTO_PROFILE = auto_profile(_probe)
+_probe.close()
+COMM = make_comm(timeout=60, profile=AUTO_PROFILE)
 W, R = COMM.size, COMM.rank
+assert W == 1 or moecomm.overlap.auto_stages(COMM) == 4, "the profile's degrees must reach degree='auto'"
 DEV = COMM.device
 DEGREES = [1, 2, 3, 4, 8, "auto"]
 # (degree, own): every degree; own rows first (own: own_split) with a few

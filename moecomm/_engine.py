@@ -1,0 +1,369 @@
+"""The engine under a :class:`moecomm.Communicator`: one backend, its staging pool, its
+timeout, its count buffers, and the waits and count exchanges that every
+collective, the flat exchange (:mod:`moecomm._flat`), the 2DH exchange
+(:mod:`moecomm.hierarchical`), the overlap pipeline
+(:mod:`moecomm.overlap`) and the FP8 wire (:mod:`moecomm.wire`) are built from.
+
+Internal: the communicator holds one engine (``comm.engine``) and hands it to those modules;
+none of them touches another object's private members. Every wait has the engine's timeout
+(``timeout``, seconds, or a per-call value), after which the engine is aborted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES
+from ._flat import COPY_ENGINE_MIN_BYTES
+from ._requests import ThenRequest, Work
+from .backends.base import Backend, Request
+from .errors import CommunicatorClosedError, CountMismatchError
+from .pool import StagingPool
+from .splits import Splits, normalize_splits
+
+__all__ = ["Engine"]
+
+class Engine:
+    """One backend with its pool, timeout and count buffers, and the primitives built on them.
+
+    ``peer``: the peer-memory transport (:class:`moecomm.backends.p2p.PeerTransport`), made
+    beforehand over an engine of the same backend without one; ``copy_engine_min_bytes``:
+    see :data:`moecomm._flat.COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
+    (the hierarchy groups) are closed and aborted with this one.
+    """
+
+    def __init__(self, backend: Backend, pool: StagingPool, *, timeout: float, validate: bool,
+                 peer: Any = None, copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.timeout = timeout
+        self.validate = bool(validate)
+        self.peer = peer
+        self.copy_engine_min_bytes = int(copy_engine_min_bytes)
+        # Records beside rows whose counts were given (moecomm._peer_check) also without
+        # validate: off by default for their cost (README, "Bad input and faults"); a switch
+        # for bench.alltoall --check-cost, which times them, and for tests.
+        self.records_beside = False
+        self.closed_as: Optional[str] = None  # "closed" or "aborted"
+        self._abandoned: list = []
+        self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._owned: list[Engine] = []
+        # fn on the peers' rows of scatter_compute_gather(own_first=True); made here, as it
+        # may first be needed inside a CUDA graph capture
+        self.peer_rows_stream = torch.cuda.Stream(backend.device) if backend.device.type == "cuda" else None
+
+    # -- identity and state -------------------------------------------------------------------
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait may last (kept by the backend, whose own waits use it too)."""
+        return self.backend.timeout_s
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        value = float(value)
+        if not value > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {value}")
+        self.backend.timeout_s = value
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def size(self) -> int:
+        return self.backend.size
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_as is not None
+
+    def keep(self, obj: Any) -> None:
+        """Keep ``obj`` (a request in flight and its buffers) referenced for the engine's life,
+        so that a peer's late transfer never lands in freed memory."""
+        self._abandoned.append(obj)
+
+    def capturing(self) -> bool:
+        """True while the current CUDA stream captures a graph."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def check_open(self, op: str) -> None:
+        """Raise :class:`CommunicatorClosedError` (naming ``op``) if closed, or what the backend
+        reports if it failed asynchronously (then the engine counts as aborted)."""
+        if self.closed_as is not None:
+            raise CommunicatorClosedError(f"moecomm: cannot run {op}: the communicator is {self.closed_as}")
+        try:
+            self.backend.check_health()
+        except Exception:  # the backend failed asynchronously (a watchdog timeout, a CUDA error) and aborted
+            self.closed_as = "aborted"
+            raise
+
+    def close(self) -> None:
+        """Collective on NCCL: release the peer transport, the owned sub-engines and the backend."""
+        if self.closed_as is None:
+            if self.peer is not None:
+                self.peer.close(self)
+                self.peer = None
+            self.closed_as = "closed"
+            for sub in self._owned:
+                sub.close()
+            self.backend.close()
+
+    def abort(self) -> None:
+        """Tear down at once (owned sub-engines too); operations in flight are abandoned."""
+        if self.closed_as is None or self.closed_as == "closed":
+            self.closed_as = "aborted"
+            for sub in self._owned:
+                sub.abort()
+            self.backend.abort()
+
+    def split(self, color: Optional[int], key: int, *, owned: bool = False) -> tuple[Optional["Engine"], list[int]]:
+        """Collective: an engine over the ranks that pass ``color`` (None: none), ordered by
+        ``key`` then rank, with this one's timeout, validation and pool; and its members' ranks
+        here. ``owned``: closed and aborted with this engine."""
+        self.check_open("split")
+        table = self.gather_ints([-1 if color is None else color, key], "split")
+        sub_backend = self.backend.split(color, key, table)
+        if color is None:
+            return None, []
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
+        sub = Engine(sub_backend, self.pool, timeout=self.timeout, validate=self.validate)
+        if owned:
+            self._owned.append(sub)
+        return sub, members
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def staging(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` elements of pooled device memory for work on this engine's stream."""
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        return self.pool.take(nbytes, self.device, id(self.backend)).view(dtype)
+
+    def unstage(self, buf: torch.Tensor) -> None:
+        """Give a buffer of :meth:`staging` back to the pool."""
+        self.pool.give(buf, self.device, id(self.backend))
+
+    def _count_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This engine's own staging for ``n`` ints out and ``n`` in: ``[2 * n]`` int64 on
+        the device and (pinned) on the host. Exchanges of ints block the host until done, so
+        one pair per size serves every call (an explicit cache, keyed by ``n``)."""
+        bufs = self._counts.get(n)
+        if bufs is None:
+            dev = torch.empty(2 * n, dtype=torch.int64, device=self.device)
+            host = dev if self.device.type == "cpu" else torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
+            bufs = self._counts[n] = (dev, host)
+        return bufs
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def check_tensor(self, t: Any, name: str, *, min_dim: int, written: bool = False) -> torch.Tensor:
+        """``t`` checked (ValueError/TypeError naming ``name``); an input that is a conjugate or
+        negative view is returned resolved (a copy), an output (``written``) is refused."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} is a sparse tensor (layout {t.layout}); collectives move dense rows: "
+                            f"call .to_dense() first")
+        if t.is_conj() or t.is_neg():
+            what = "a conjugate view (torch.conj)" if t.is_conj() else "a negative view (torch.conj of a real view)"
+            if written:
+                raise ValueError(f"{name} is {what}, which cannot be written as raw bytes: pass a tensor "
+                                 f"that owns its values (.resolve_conj() / .resolve_neg() make one)")
+            t = t.resolve_conj().resolve_neg()
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has unsupported dtype {t.dtype}; supported: {sorted(map(str, SUPPORTED_DTYPES))}")
+        if t.dim() < min_dim:
+            raise ValueError(f"{name} must have at least {min_dim} dimension(s) (rows along dim 0), got shape {tuple(t.shape)}")
+        dev = self.device
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
+            raise ValueError(f"{name} must be on {dev} (the communicator's device), got a tensor on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()} for shape {tuple(t.shape)}")
+        return t
+
+    def check_count_tensor(self, counts: torch.Tensor, name: str) -> None:
+        """A tensor of counts: integer, ``[size]``."""
+        if counts.dtype.is_floating_point or counts.dtype == torch.bool or counts.dtype.is_complex:
+            raise TypeError(f"{name} must be an integer tensor, got dtype {counts.dtype}")
+        if counts.shape != (self.size,):
+            raise ValueError(f"{name} must be 1-D with {self.size} entries, got shape {tuple(counts.shape)}")
+
+    def check_recv_splits(self, recv_splits: Splits, x: torch.Tensor) -> list[int]:
+        """``recv_splits`` as ints, refused where the output they describe could not exist."""
+        recv = normalize_splits(recv_splits, "recv_splits", self.size)
+        row_bytes = max(1, math.prod(x.shape[1:]) * x.element_size())
+        limit = (1 << 62) // row_bytes
+        if sum(recv) > limit:
+            raise ValueError(f"recv_splits sums to {sum(recv)} rows of {row_bytes} bytes, beyond the {limit} rows "
+                             f"(2**62 bytes) an output can hold: {recv}")
+        return recv
+
+    # -- small exchanges of ints (block the host) ---------------------------------------------
+
+    def exchange_ints(self, values: Union[torch.Tensor, Sequence[int]], per_peer: int, op: str) -> tuple[list[int], list[int]]:
+        """All-to-all of ``per_peer`` int64s with every rank (blocks the host until done).
+
+        ``values`` holds ``size * per_peer`` ints, peer by peer (a host sequence or an integer
+        tensor on any device). Returns (sent, received) as host lists in the same layout.
+        """
+        n = self.size * per_peer
+        if n == 0:
+            return [], []
+        dev, host = self._count_buffers(n)
+        if self.backend.stream_ordered:
+            # One stream-ordered request: (the copy in,) the exchange and the copy to pinned memory.
+            send: Optional[torch.Tensor] = None
+            if not isinstance(values, torch.Tensor):
+                host[:n] = torch.tensor(values, dtype=torch.int64)
+            elif values.device.type == "cpu":
+                host[:n].copy_(values.reshape(-1))
+            elif values.dtype == torch.int64 and values.is_contiguous() and values.device == self.device:
+                send = values.reshape(-1)  # the caller's own counts go out as they are
+            else:
+                send = dev[:n]
+                send.copy_(values.reshape(-1), non_blocking=True)
+            self.wait_host(self.backend.exchange_counts(send, dev, host), op, None)
+        else:
+            if isinstance(values, torch.Tensor):
+                dev[:n].copy_(values.reshape(-1), non_blocking=True)
+            else:
+                dev[:n].copy_(torch.tensor(values, dtype=torch.int64))
+            if self.size == 1:
+                dev[n:].copy_(dev[:n])
+            else:
+                self.wait_host(self.backend.alltoall(dev[:n], dev[n:]), op, None)
+            if host is not dev:
+                host.copy_(dev)
+        values_out = host.tolist()
+        return values_out[:n], values_out[n:]
+
+    def exchange_counts(self, send_splits: Union[torch.Tensor, list[int]], name: str) -> tuple[list[int], list[int]]:
+        """One all-to-all of row counts; returns (send, recv) as host lists."""
+        if isinstance(send_splits, torch.Tensor):
+            self.check_count_tensor(send_splits, name)
+        return self.exchange_ints(send_splits, 1, "all_to_all_v (count exchange)")
+
+    def gather_ints(self, values: list[int], op: str) -> list[list[int]]:
+        """All-gather a short list of ints from every rank (blocks the host)."""
+        n = len(values)
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        table = torch.empty(self.size * n, dtype=torch.int64, device=self.device)
+        self.wait_host(self.backend.allgather(mine, table), f"{op} (metadata)", None)
+        flat = table.tolist()
+        return [flat[r * n:(r + 1) * n] for r in range(self.size)]
+
+    def max_int(self, value: int, op: str) -> int:
+        """The largest ``value`` over all ranks (one allreduce, blocks the host)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.check_open(op)
+        self.complete(self.backend.allreduce(t, "max"), op, None)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier (at most ``timeout`` seconds)."""
+        self.check_open("barrier")
+        self.wait_host(self.backend.barrier(), "barrier", None)
+
+    def cross_check(self, op: str, send: list[int], recv: list[int], dtype: torch.dtype,
+                    row_shape: tuple, problem: Optional[str]) -> None:
+        """validate=True: every rank compares its counts with its peers' and all raise together."""
+        w = self.size
+        shape_code = hash(tuple(row_shape)) & 0x7FFFFFFF
+        table = self.gather_ints(
+            [0 if problem is None else 1, DTYPE_CODES.get(dtype, -1), shape_code] + list(send) + list(recv), op
+        )
+        issues: list[str] = []
+        for r, row in enumerate(table):
+            if row[0]:
+                issues.append(f"rank {r} passed invalid arguments" + (f": {problem}" if r == self.rank else ""))
+        ref = table[0]
+        for r, row in enumerate(table):
+            if row[1] != ref[1] or row[2] != ref[2]:
+                issues.append(f"rank {r} passed a different dtype or row shape than rank 0 (rank {self.rank} has {dtype}, rows {tuple(row_shape)})")
+        for src in range(w):
+            for dst in range(w):
+                sent = table[src][3 + dst]
+                expected = table[dst][3 + w + src]
+                if sent != expected:
+                    issues.append(f"rank {src} sends {sent} rows to rank {dst}, which expects {expected}")
+        if issues:
+            shown = "; ".join(issues[:8]) + (f"; and {len(issues) - 8} more" if len(issues) > 8 else "")
+            raise CountMismatchError(f"moecomm: {op} (validate=True) found ranks that disagree: {shown}")
+
+    # -- completion ---------------------------------------------------------------------------
+
+    def then(self, request: Request, then: Callable[[], Any]) -> Request:
+        """``request``, running ``then`` once its results are usable."""
+        return ThenRequest(request, then, self.backend.stream_ordered)
+
+    def finish(self, request: Request, op: str, result: Any, async_op: bool,
+               then: Optional[Callable[[], Any]] = None) -> Any:
+        """``result`` once ``request`` completes, or a :class:`Work` for it (``async_op``)."""
+        if then is not None:
+            request = self.then(request, then)
+        if async_op:
+            return Work(self, request, op, result)
+        self.complete(request, op, None)
+        return result
+
+    def complete(self, request: Request, op: str, timeout: Optional[float]) -> None:
+        """Make the results usable: on a GPU order the current stream (a ``timeout`` given
+        puts the work under the backend's watchdog with it), else wait on the host."""
+        if self.backend.stream_ordered:
+            request.join()
+            if timeout is not None and not self.capturing():
+                self.backend.watch_stream(op, float(timeout))
+        else:
+            self.wait_host(request, op, timeout)
+
+    def wait_host(self, request: Request, op: str, timeout: Optional[float]) -> None:
+        """Block the host until ``request`` completes, at most ``timeout`` seconds (default: the
+        engine's); past it, the engine is aborted and ``TimeoutError`` raised naming ``op``."""
+        if self.capturing():  # nothing captured runs before the replay: the wait could only time out
+            raise RuntimeError(f"moecomm: {op} waits on the host, which a CUDA graph capture cannot include "
+                               f"(collectives in a capture need their counts known on the host: pass recv_splits)")
+        if request.test():
+            return
+        limit = self.timeout if timeout is None else float(timeout)
+        start = time.monotonic()
+        deadline = start + limit
+        test = request.test
+        if self.backend.progress_on_test:
+            # MPI moves large messages only while it is polled (as MPI_Wait does): poll in a
+            # tight loop that yields the core, and look at the clock every 64 polls.
+            while True:
+                for _ in range(64):
+                    if test():
+                        return
+                    os.sched_yield()
+                if time.monotonic() > deadline:
+                    self._time_out(request, op, limit)
+        pause = 0.0
+        while not test():
+            now = time.monotonic()
+            if now > deadline:
+                self._time_out(request, op, limit)
+            self.check_open(op)
+            # Other backends progress on their own: yield for 5 ms, then sleep up to 1 ms.
+            if now - start < 5e-3:
+                os.sched_yield()
+            else:
+                pause = min(1e-3, pause * 2 if pause else 5e-5)
+                time.sleep(pause)
+
+    def _time_out(self, request: Request, op: str, limit: float) -> None:
+        self.keep(request)
+        self.abort()
+        raise TimeoutError(
+            f"moecomm: {op} did not complete within {limit:g} s on rank {self.rank} "
+            f"(backend {self.backend.name}); the communicator was aborted"
+        )

@@ -1,0 +1,205 @@
+"""The flat variable-length exchange on an engine: validate, learn or check the counts
+(:mod:`moecomm._peer_check`), and issue the rows through the backend, the peer-memory
+transport's kernels (counts on the GPU) or its copy engines (known counts).
+
+Every function takes the :class:`moecomm._engine.Engine` of the communicator (or of a 2DH
+sub-communicator) it runs on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ._peer_check import PeerCheck
+from ._requests import CheckedRequest, RaiseAfter
+from .backends._p2p_limits import ROW_ALIGN as PEER_ROW_ALIGN
+from .backends.base import DoneRequest, Request
+from .splits import Splits, check_own_block, check_split_total, normalize_splits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._engine import Engine
+
+__all__ = ["PEER_ROW_ALIGN", "COPY_ENGINE_MIN_BYTES", "start_all_to_all_v", "start_records", "settle",
+           "exchange_records", "check_exchanged_counts", "alltoallv"]
+
+
+COPY_ENGINE_MIN_BYTES = 16 << 20
+"""Default of ``init(p2p_min_bytes=)``: with peer memory, a plain ``all_to_all_v`` with known
+counts moves by copy engines when a rank sends or receives at least this many bytes; below,
+NCCL's grouped send/recv is as fast or faster (bench/results/README.md). The stages of
+``scatter_compute_gather`` always use the copy engines: there, leaving the SMs to the
+experts matters more."""
+
+
+
+def _on_gpu(splits: Any) -> bool:
+    return isinstance(splits, torch.Tensor) and splits.device.type != "cpu"
+
+
+def check_exchanged_counts(engine: Engine, send: list[int], recv: list[int], rows: int, sent: str) -> Optional[str]:
+    """Counts from a GPU tensor, checked once they reach the host, after ``sent`` went out.
+    A bad count aborts the engine (its peers have what was sent) and raises, unless
+    ``validate``, where it is returned for the cross-check to raise on every rank."""
+    try:
+        check_split_total(send, rows, "send_splits", "input")
+        for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
+            if any(v < 0 for v in vals):
+                raise ValueError(f"{name} must be >= 0, got {vals}")
+    except ValueError as exc:
+        if not engine.validate:
+            engine.abort()
+            raise ValueError(f"{exc} (the communicator was aborted: peers had received {sent})") from None
+        return str(exc)
+    return None
+
+
+def start_all_to_all_v(engine: Engine, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits]
+                       ) -> tuple[torch.Tensor, list[int], list[int], Request]:
+    """The flat ``all_to_all_v``: validate, learn the counts and issue the exchange.
+    Returns (output, send, recv, request); see ``Communicator.all_to_all_v``."""
+    op = "all_to_all_v"
+    engine.check_open(op)
+    x = engine.check_tensor(input, "input", min_dim=1)
+    rows, row_shape = x.shape[0], tuple(x.shape[1:])
+    problem: Optional[str] = None
+    records: Optional[tuple] = None
+    if (recv_splits is None or _on_gpu(send_splits) or _on_gpu(recv_splits)) and engine.capturing():
+        raise RuntimeError(f"{op}: recv_splits must be given, and both splits on the host (ints, numpy or "
+                           f"CPU tensors), while a CUDA graph is captured: reading counts from the GPU or "
+                           f"exchanging them needs the host, which a captured graph cannot involve")
+    device_counts = (
+        recv_splits is None and isinstance(send_splits, torch.Tensor) and send_splits.device.type != "cpu"
+    )
+    row_bytes = math.prod(row_shape) * x.element_size()
+    if device_counts and engine.peer is not None and row_bytes > 0 and row_bytes % PEER_ROW_ALIGN == 0:
+        return _start_peer_exchange(engine, x, send_splits, row_bytes)
+    if device_counts:
+        engine.check_count_tensor(send_splits, "send_splits")
+        check = PeerCheck(op, engine.rank, [[0]] * engine.size, None, x.dtype, row_shape)
+        send, recv, issues, stuck = exchange_records(engine, check, send_splits)
+        problem = check_exchanged_counts(engine, send, recv, rows, "the counts")
+    else:
+        send = normalize_splits(send_splits, "send_splits", engine.size)
+        check_split_total(send, rows, "send_splits", "input")
+        if recv_splits is None:
+            check = PeerCheck(op, engine.rank, [[c] for c in send], None, x.dtype, row_shape)
+            send, recv, issues, stuck = exchange_records(engine, check)
+        else:
+            recv = engine.check_recv_splits(recv_splits, x)
+            check = PeerCheck(op, engine.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
+            issues, stuck = None, False
+            records = start_records(engine, check)  # (validate=True) compared beside the rows
+    try:
+        if engine.validate:
+            engine.cross_check(op, send, recv, x.dtype, row_shape, problem)
+        out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+        request = alltoallv(engine, x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
+    except BaseException:
+        settle(engine, records)
+        raise
+    return out, send, recv, request
+
+def start_records(engine: Engine, check: PeerCheck) -> Optional[tuple]:
+    """With ``validate``: send ``check``'s records (counts were given, so no count exchange
+    carried them), before anything else of the call, as a call without ``recv_splits``
+    exchanges its counts first. Host backends: non-blocking, ``(request, mine, theirs)``;
+    NCCL: exchanged at once (validate=True blocks the host anyway). None: not sent."""
+    if engine.size == 1 or not (engine.validate or engine.records_beside):
+        return None
+    if engine.backend.stream_ordered:
+        _, got = engine.exchange_ints(check.record(), check.per_peer, f"{check.op} (count records)")
+        return DoneRequest(), None, torch.tensor(got, dtype=torch.int64)
+    mine = torch.tensor(check.record(), dtype=torch.int64)
+    theirs = torch.empty_like(mine)
+    return engine.backend.alltoall(mine, theirs), mine, theirs
+
+def settle(engine: Engine, records: Optional[tuple]) -> None:
+    """Records from :func:`start_records` that no request took over (the call failed
+    after sending them): wait for them, as every rank sends its records first, so that
+    MPI never writes into freed memory; past the timeout they are kept referenced."""
+    if records is None:
+        return
+    try:
+        engine.wait_host(records[0], "count records (of a call that failed)", None)
+    except BaseException:  # noqa: BLE001 - the caller's error is the one to report
+        engine.keep(records)
+
+def exchange_records(engine: Engine, check: PeerCheck, counts: Optional[torch.Tensor] = None
+                     ) -> tuple[list[int], list[int], list[str], bool]:
+    """The count exchange of a call without ``recv_splits``: every rank's records
+    (:mod:`moecomm._peer_check`), blocking. Returns (send, recv, disagreements) with one
+    count per peer, and whether some rows could never arrive; ``counts`` (a count tensor, any
+    device) replaces ``check.sent``."""
+    values: Any = check.record() if counts is None else check.record_tensor(counts)
+    mine, got = engine.exchange_ints(values, check.per_peer, f"{check.op} (count exchange)")
+    n = check.per_peer
+    if counts is not None:
+        check.sent = [[mine[p * n]] for p in range(engine.size)]
+    theirs, issues, stuck = check.compare(got)
+    return [s[0] for s in check.sent], [t[0] for t in theirs], issues, stuck
+
+def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
+                         row_bytes: int) -> tuple[torch.Tensor, list[int], list[int], Request]:
+    """``all_to_all_v`` with the counts on the GPU through peer memory (``init(p2p_bytes=)``):
+    the rows move with the counts, in one round (see :mod:`moecomm.backends.p2p`)."""
+    op = "all_to_all_v"
+    engine.check_count_tensor(counts, "send_splits")
+    c = counts.to(device=engine.device, dtype=torch.int64).contiguous()  # the kernels read them on this GPU
+    if x.data_ptr() % PEER_ROW_ALIGN:
+        x = x.clone()  # the kernels move 16-byte vectors
+    request = engine.peer.start(x, c, row_bytes)
+    engine.wait_host(request, f"{op} (peer memory)", None)
+    send, recv, timed_out = engine.peer.counts()
+    if timed_out:
+        engine.abort()
+        raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
+                           f"{engine.timeout:g} s on rank {engine.rank}; the communicator was aborted")
+    problem = check_exchanged_counts(engine, send, recv, x.shape[0], "the rows")
+    if engine.validate:
+        engine.cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
+    out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    request.join()  # (the kernels ran on the caller's stream: nothing to order)
+    return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes)
+
+def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],
+              check: Optional[PeerCheck] = None, issues: Optional[list[str]] = None,
+              records: Optional[tuple] = None, stuck: bool = False) -> Request:
+    """Issue the rows. ``check``: the records of this exchange; ``issues``: what the count
+    exchange that carried them found, or ``records``: the records in flight from
+    :func:`start_records`, compared once they and the rows complete (before the rows where
+    the backend cannot complete disagreeing rows). Neither: the counts are not checked."""
+    check_own_block(send, recv, engine.rank)  # before anything moves
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    host = not engine.backend.stream_ordered
+    complete = engine.backend.mismatched_rows_complete
+    beside = records
+    if beside is not None and not complete:
+        # gloo aborts the process on rows of another size than expected: compare first.
+        engine.wait_host(beside[0], f"{check.op} (count records)", None)
+        _, issues, stuck = check.compare(beside[2].tolist())
+        beside = None
+    if issues and (stuck or not complete):
+        # Rows that could never arrive (a side that sends or expects none posts nothing),
+        # or a backend that cannot complete rows of disagreeing sizes (gloo, NCCL): raise
+        # before the rows and abort; peers waiting for this rank's rows time out.
+        engine.abort()
+        raise check.error(issues, moved=False, aborted=True)
+    if row_bytes == 0:
+        # Host backends still run the row exchange (empty), so that every rank issues the
+        # same collectives whatever the others' rows; NCCL has no matching to keep.
+        if host and engine.size > 1:
+            request = engine.backend.alltoallv(x, [0] * engine.size, out, [0] * engine.size, 1)
+        else:
+            request = engine.backend.barrier() if engine.size > 1 else DoneRequest()
+    elif engine.peer is not None and max(sum(send), sum(recv)) * row_bytes >= engine.copy_engine_min_bytes:
+        request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes)
+    else:
+        request = engine.backend.alltoallv(x, send, out, recv, row_bytes)
+    if beside is not None:
+        return CheckedRequest(engine, request, check, *beside)
+    if issues:
+        return RaiseAfter(request, check.error(issues, moved=True))
+    return request
