@@ -277,3 +277,33 @@ def test_cpu_communicators_are_untouched():
     for kw in ({}, {"p2p_bytes": 0}):
         assert moecomm.init(backend="self", set_default=False, **kw)._p2p is None
         assert moecomm.init(backend="mpi", set_default=False, **kw)._p2p is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_on_by_default_on_two_gpus():
+    """mpiexec -n 2: init() with no options has the transport on; all_to_all_v with the counts
+    on the GPU and moecomm.distributed.all_to_all_single take it and equal the numpy reference."""
+    from tests.mpi_util import run_ranks
+
+    out = run_ranks(2, "tests.ranks.p2p_default_gpu", timeout=300, env={"NCCL_NVLS_ENABLE": "0"})
+    assert "checks passed on 2 ranks" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_on_by_default_on_two_gpus_under_torchrun():
+    import os
+    import subprocess
+    import sys
+
+    from tests.mpi_util import RANKS_COMM_TIMEOUT_S, ROOT
+
+    env = dict(os.environ, MOECOMM_TIMEOUT=RANKS_COMM_TIMEOUT_S, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0")
+    for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tests.ranks.p2p_default_gpu"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert "checks passed on 2 ranks" in proc.stdout

@@ -34,8 +34,9 @@ ROW_SHAPES = [(5,), (128,), (300,), (2, 70), (0,)]
 MODE = sys.argv[1] if len(sys.argv) > 1 else "mpi"
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 BACKEND = "nccl" if MODE.startswith("nccl") else MODE
-EXTRA = {"p2p_bytes": 64 << 20} if MODE == "nccl-p2p" else {}
-if EXTRA:
+# "nccl": NCCL alone (init's default would add peer memory on one node)
+EXTRA = {"p2p_bytes": 64 << 20} if MODE == "nccl-p2p" else {"p2p_bytes": 0} if MODE == "nccl" else {}
+if MODE == "nccl-p2p":
     moecomm.communicator._P2P_COPY_ENGINE_MIN_BYTES = 0  # copy engines for every known-counts exchange
 
 
