@@ -45,7 +45,7 @@ _PROBE_BYTES = 1 << 20
 _HANDLE_INTS = 8  # a cudaIpcMemHandle_t is 64 bytes
 
 # votes: 0 is yes; the others say why not (the detail: a rank, or MiB)
-_YES, _NO_EXTENSION, _TOO_MANY_RANKS, _NO_PEER_ACCESS, _NO_IPC, _LOW_MEMORY = range(6)
+_YES, _NO_EXTENSION, _TOO_MANY_RANKS, _NO_PEER_ACCESS, _NO_IPC, _LOW_MEMORY, _PROBE_FAILED = range(7)
 
 
 def default_bytes(size: int, free_bytes: int) -> int:
@@ -104,14 +104,17 @@ def _vote(comm: Any) -> tuple[int, str]:
         vote = _NO_EXTENSION
     try:
         table = comm._gather_ints([vote, dev] + handle, "moecomm.init (peer-memory probe)")
-        if all(row[0] == _YES for row in table):
-            vote, detail = _check_peers(ext, me, dev, table)
         proposal = 0
-        if vote == _YES:
-            free = _free_bytes(comm.device)
-            proposal = default_bytes(size, free)
-            if not proposal:
-                vote, detail = _LOW_MEMORY, free >> 20
+        try:  # whatever fails here, this rank still votes: its peers wait for the vote
+            if all(row[0] == _YES for row in table):
+                vote, detail = _check_peers(ext, me, dev, table)
+            if vote == _YES:
+                free = _free_bytes(comm.device)
+                proposal = default_bytes(size, free)
+                if not proposal:
+                    vote, detail = _LOW_MEMORY, free >> 20
+        except Exception:  # noqa: BLE001
+            vote, detail, proposal = _PROBE_FAILED, 0, 0
         votes = comm._gather_ints([vote, detail, proposal], "moecomm.init (peer-memory vote)")
     finally:
         if base:  # every peer closed its mapping of it before it voted
@@ -125,7 +128,14 @@ def _vote(comm: Any) -> tuple[int, str]:
 def _check_peers(ext: Any, me: int, dev: int, table: list) -> tuple[int, int]:
     """Peer access to every peer's GPU, and each peer's probe buffer opened (and closed) through IPC."""
     for p, row in enumerate(table):
-        if p != me and not ext.can_access_peer(dev, row[1]):
+        if p == me:
+            continue
+        try:  # raises for an index this process does not see (CUDA_VISIBLE_DEVICES differing by rank)
+            ok = ext.can_access_peer(dev, row[1])
+        except Exception:  # noqa: BLE001
+            _clear_cuda_error()
+            ok = False
+        if not ok:
             return _NO_PEER_ACCESS, p
     for p, row in enumerate(table):
         if p == me:
@@ -145,6 +155,7 @@ def _why(vote: int, detail: int) -> str:
         _NO_PEER_ACCESS: f"its GPU cannot map the memory of rank {detail}'s GPU",
         _NO_IPC: f"it cannot open rank {detail}'s memory through CUDA IPC",
         _LOW_MEMORY: f"{detail} MiB of GPU memory free, too little for the default size",
+        _PROBE_FAILED: "its probe of the peers failed",
     }.get(vote, f"vote {vote}")
 
 

@@ -65,6 +65,8 @@ class FakeExt:
             del self.live[ptr]
 
     def can_access_peer(self, a, b):
+        if max(a, b) >= len(self.access):
+            raise RuntimeError("moecomm p2p: cudaDeviceCanAccessPeer failed: invalid device ordinal (fake)")
         return a != b and bool(self.access[a][b])
 
 
@@ -183,6 +185,32 @@ def test_ranks_sharing_a_gpu_or_seeing_one_gpu_each_are_off(monkeypatch):
     # two ranks on GPU 1; and CUDA_VISIBLE_DEVICES set per rank (every rank sees its GPU as 0)
     assert run(monkeypatch, FakeWorld(3, devices=[0, 1, 1]), FakeExt(full(3))) == 0
     assert run(monkeypatch, FakeWorld(2, devices=[0, 0]), FakeExt(full(2))) == 0
+    # a rank naming a GPU another rank does not see: that rank's probe fails, not hangs
+    assert run(monkeypatch, FakeWorld(3, devices=[0, 1, 5]), FakeExt(full(3))) == 0
+
+
+def test_a_probe_that_raises_on_one_rank_is_off_everywhere(monkeypatch):
+    world = FakeWorld(3)
+
+    def free_bytes(dev):
+        if dev.index == 2:
+            raise RuntimeError("cudaMemGetInfo failed (fake)")
+        return 140 * GiB
+
+    ext = FakeExt(full(3))
+    monkeypatch.setattr(pd, "_load_ext", lambda: ext)
+    monkeypatch.setattr(pd, "_free_bytes", free_bytes)
+    out = [None] * 3
+
+    def rank_main(r):
+        out[r] = pd.resolve_p2p_bytes(world.comm(r), None, world.hosts, True)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [0, 0, 0] and not ext.live
 
 
 def test_no_ipc_or_no_extension_or_too_many_ranks_is_off(monkeypatch):
