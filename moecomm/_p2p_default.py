@@ -101,6 +101,7 @@ def _vote(comm: Any) -> tuple[int, str]:
             base = ext.alloc(dev, _PROBE_BYTES)
             handle = _handle_ints(ext.ipc_handle(base))
     except Exception:  # noqa: BLE001 - any failure to load or allocate is a "no"
+        _clear_cuda_error()
         vote = _NO_EXTENSION
     try:
         table = comm._gather_ints([vote, dev] + handle, "moecomm.init (peer-memory probe)")
