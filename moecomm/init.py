@@ -11,6 +11,7 @@ import torch
 from . import _exit, _topology, env
 from ._engine import Engine
 from ._flat import COPY_ENGINE_MIN_BYTES
+from ._p2p_default import resolve_p2p_bytes
 from .communicator import Communicator
 from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
@@ -149,14 +150,19 @@ def init(
             communicator's kernels may occupy, 1 to 32 (NCCL's ``ncclConfig_t.maxCTAs``).
             Fewer leave more SMs to compute that runs beside the exchanges (overlap), at
             some cost in bandwidth. Default: NCCL's own choice.
-        p2p_bytes: NCCL backend on one node only: device memory (bytes, per rank) for the
-            peer-memory transport (:mod:`moecomm.backends.p2p`), which moves the rows of
-            ``all_to_all_v`` with its counts still on the GPU in one round instead of two,
-            and moves exchanges with known counts (from 16 MiB a rank, and every stage of
-            ``scatter_compute_gather``) by copy engines instead of NCCL's kernels. Each
-            source gets ``p2p_bytes / (4 * size)`` of it per exchange; rows beyond go
-            through NCCL. Needs every GPU pair to map the other's memory (NVLink or PCIe
-            peer access); otherwise ValueError. Default: None (off).
+        p2p_bytes: NCCL backend on one node: device memory (bytes, per rank, allocated
+            outside torch's caching allocator) for the peer-memory transport
+            (:mod:`moecomm.backends.p2p`), which moves the rows of ``all_to_all_v`` with its
+            counts still on the GPU in one round instead of two, and moves exchanges with
+            known counts (from 16 MiB a rank, and every stage of ``scatter_compute_gather``)
+            by copy engines instead of NCCL's kernels. Each source gets ``p2p_bytes / (4 *
+            size)`` of it per exchange; rows beyond go through NCCL. Default (None): on where
+            it can work (an NCCL communicator of 2 or more ranks over the whole launch, one
+            node, every GPU able to map every other's memory; the ranks probe and agree),
+            with ``4 * size * 128 MiB`` capped at 1/16 of the GPU's free memory (see
+            :mod:`moecomm._p2p_default`); elsewhere off, without error. 0: off. A positive
+            int: that size; it needs every GPU pair to map the other's memory (NVLink or
+            PCIe peer access), otherwise ValueError.
         p2p_min_bytes: with ``p2p_bytes``: a plain ``all_to_all_v`` (or ``all_to_all_single``,
             ``all_to_all``) with known counts moves by copy engines when this rank sends or
             receives at least this many bytes, through NCCL below (the stages of
@@ -200,7 +206,8 @@ def init(
     )
     engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate)
     try:
-        if p2p_bytes is not None:
+        p2p_bytes = resolve_p2p_bytes(engine, layout.num_nodes, p2p_bytes, hosts, _whole_launch(process_group))
+        if p2p_bytes:
             min_bytes = COPY_ENGINE_MIN_BYTES if p2p_min_bytes is None else p2p_min_bytes
             engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate,
                             peer=_peer_transport(engine, p2p_bytes, hosts), copy_engine_min_bytes=min_bytes)
@@ -233,8 +240,9 @@ def _check_options(timeout: Any, validate: Any, pool_bytes: Any, max_ctas: Any, 
     if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int)
                                  or not 1 <= max_ctas <= 32):
         raise ValueError(f"max_ctas must be an int from 1 to 32 (or None), got {max_ctas!r}")
-    if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes <= 0):
-        raise ValueError(f"p2p_bytes must be a positive int (bytes) or None, got {p2p_bytes!r}")
+    if p2p_bytes is not None and (isinstance(p2p_bytes, bool) or not isinstance(p2p_bytes, int) or p2p_bytes < 0):
+        raise ValueError(f"p2p_bytes must be an int of bytes >= 0 (0: off) or None (the default rule), "
+                         f"got {p2p_bytes!r}")
     if p2p_min_bytes is not None and (isinstance(p2p_min_bytes, bool) or not isinstance(p2p_min_bytes, int)
                                       or p2p_min_bytes < 0):
         raise ValueError(f"p2p_min_bytes must be an int >= 0 (bytes) or None, got {p2p_min_bytes!r}")
@@ -254,6 +262,15 @@ def _fallback_seconds(timeout: Any) -> float:
         except (TypeError, ValueError):
             continue
     return 600.0
+
+
+def _whole_launch(process_group: Any) -> bool:
+    """Whether the communicator spans every rank of the launch (False: a torch sub-group)."""
+    if process_group is None:
+        return True
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group) == dist.get_world_size()
 
 
 def _peer_transport(engine: Engine, p2p_bytes: int, hosts: list) -> Any:
@@ -292,7 +309,7 @@ def _nccl_only(options: dict, backend: str) -> None:
 
 def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int],
                    p2p_bytes: Optional[int], problem: Optional[Exception]):
-    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes}
+    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
     from .backends.nccl import NcclBackend, nccl_available
 
     launcher = detect_launcher()
@@ -383,7 +400,7 @@ def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict
 
 def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],
                         max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]):
-    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes}
+    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
     import torch.distributed as dist
 
     from .backends.nccl import NcclBackend

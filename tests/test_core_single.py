@@ -99,8 +99,9 @@ def test_other_bad_input(comm):
             moecomm.init(backend="mpi", max_ctas=bad, set_default=False)
     with pytest.raises(ValueError, match="max_ctas applies to the NCCL backend only; .* backend is 'mpi'"):
         moecomm.init(backend="mpi", max_ctas=8, set_default=False)
-    for bad in (0, -5, True, 1.5):
-        with pytest.raises(ValueError, match=f"p2p_bytes must be a positive int \\(bytes\\) or None, got {bad!r}"):
+    for bad in (-1, -5, True, 1.5):
+        with pytest.raises(ValueError, match=f"p2p_bytes must be an int of bytes >= 0 \\(0: off\\) or None \\(the default "
+                                             f"rule\\), got {bad!r}"):
             moecomm.init(backend="mpi", p2p_bytes=bad, set_default=False)
     with pytest.raises(ValueError, match="p2p_bytes applies to the NCCL backend only; .* backend is 'mpi'"):
         moecomm.init(backend="mpi", p2p_bytes=1 << 20, set_default=False)

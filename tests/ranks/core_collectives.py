@@ -31,8 +31,8 @@ def make_comm(**kw):
         if not dist.is_initialized():
             init_gloo_over_mpi()
         return moecomm.init(process_group=dist.group.WORLD, **kw)
-    if P2P_BYTES:
-        kw.setdefault("p2p_bytes", P2P_BYTES)
+    if BACKEND == "nccl":  # "nccl": NCCL alone (init's default would add peer memory on one node)
+        kw.setdefault("p2p_bytes", P2P_BYTES or 0)
     if kw.get("p2p_bytes"):  # the copy engines for every known-counts exchange, however small
         kw.setdefault("p2p_min_bytes", 0)
     return moecomm.init(backend=BACKEND, **kw)
@@ -201,7 +201,7 @@ def check_timeout() -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(40, exit=True)  # a hang here prints every thread's stack
-    short = moecomm.init(backend=BACKEND, timeout=1.0, set_default=False)
+    short = make_comm(timeout=1.0, set_default=False)
     message = ""
     if R == 0:
         try:

@@ -34,8 +34,9 @@ ROW_SHAPES = [(5,), (128,), (300,), (2, 70), (0,)]
 MODE = sys.argv[1] if len(sys.argv) > 1 else "mpi"
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 BACKEND = "nccl" if MODE.startswith("nccl") else MODE
-# copy engines for every known-counts exchange, however small
-EXTRA = {"p2p_bytes": 64 << 20, "p2p_min_bytes": 0} if MODE == "nccl-p2p" else {}
+# "nccl": NCCL alone (init's default would add peer memory on one node); "nccl-p2p": copy
+# engines for every known-counts exchange, however small
+EXTRA = {"p2p_bytes": 64 << 20, "p2p_min_bytes": 0} if MODE == "nccl-p2p" else {"p2p_bytes": 0} if MODE == "nccl" else {}
 
 
 def make_comm(**kw):
