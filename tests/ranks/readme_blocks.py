@@ -1,5 +1,7 @@
 """Run every ```python block of the given markdown files as written, each in a fresh
-namespace, in order; blocks that use ``torch.cuda`` only where CUDA is available.
+namespace, in order; blocks that use ``torch.cuda`` only where CUDA is available, blocks that
+use ``moecomm.integrations`` only where Megatron-core and DeepSpeed are installed
+(:func:`skipped_here`).
 
 Launched by ``tests/test_readme.py`` as one process (no launcher) and under ``mpiexec -n 3``.
 Between blocks the default communicator is cleared and torch.distributed torn down, so each
@@ -17,7 +19,7 @@ import os
 import re
 import sys
 
-__all__ = ["code_blocks"]
+__all__ = ["code_blocks", "skipped_here"]
 
 
 def code_blocks(path: str, lang: str) -> list[tuple[int, str]]:
@@ -28,6 +30,23 @@ def code_blocks(path: str, lang: str) -> list[tuple[int, str]]:
         if m.group(1) == lang:
             out.append((text.count("\n", 0, m.start()) + 2, m.group(2)))
     return out
+
+
+def skipped_here(code: str) -> bool:
+    """Whether the block ``code`` cannot run on this machine: it uses CUDA and there is none,
+    or it runs the framework integrations and Megatron-core or DeepSpeed is not installed."""
+    import importlib.util
+
+    import torch
+
+    if "torch.cuda" in code and not torch.cuda.is_available():
+        return True
+    if "moecomm.integrations" in code:
+        try:
+            return any(importlib.util.find_spec(m) is None for m in ("megatron.core", "deepspeed"))
+        except ModuleNotFoundError:  # find_spec("megatron.core") with no "megatron" at all
+            return True
+    return False
 
 
 def _block_mpi4py() -> None:
@@ -62,7 +81,7 @@ def main(argv: list[str]) -> None:
     blocks = [(path, line, code) for path in readmes for line, code in code_blocks(path, "python")]
     ran = skipped = 0
     for readme, line, code in blocks:
-        if "torch.cuda" in code and not torch.cuda.is_available():
+        if skipped_here(code):
             skipped += 1
             continue
         plays_torchrun = "init_process_group" in code
@@ -80,7 +99,8 @@ def main(argv: list[str]) -> None:
         ran += 1
         print(f"[rank {rank}] {readme}:{line} ran", flush=True)
     if rank == 0:
-        print(f"{ran} README python blocks ran on {size} rank(s), {skipped} skipped (CUDA)", flush=True)
+        print(f"{ran} README python blocks ran on {size} rank(s), {skipped} skipped (no CUDA or framework)",
+              flush=True)
     if "--no-mpi4py" in argv:
         assert "mpi4py" not in sys.modules
 
