@@ -101,10 +101,8 @@ class FakeWorld:
                                device=torch.device("cuda", self.devices[rank]), gather_ints=gather)
 
 
-def run(monkeypatch, world, ext, requested=None, whole_launch=True):
-    """Every rank's resolved p2p_bytes (asserting that they agree)."""
-    monkeypatch.setattr(pd, "_load_ext", lambda: _load(ext))
-    monkeypatch.setattr(pd, "_free_bytes", lambda dev: world.free[world.devices.index(dev.index)])
+def resolve_on_every_rank(world, requested=None, whole_launch=True) -> list:
+    """Each rank's resolved p2p_bytes, the ranks running as threads (the fakes set up already)."""
     out, errors = [None] * world.size, []
 
     def rank_main(r):
@@ -120,6 +118,14 @@ def run(monkeypatch, world, ext, requested=None, whole_launch=True):
     for t in threads:
         t.join(30)
     assert not errors, errors
+    return out
+
+
+def run(monkeypatch, world, ext, requested=None, whole_launch=True):
+    """Every rank's resolved p2p_bytes (asserting that they agree)."""
+    monkeypatch.setattr(pd, "_load_ext", lambda: _load(ext))
+    monkeypatch.setattr(pd, "_free_bytes", lambda dev: world.free[world.devices.index(dev.index)])
+    out = resolve_on_every_rank(world, requested, whole_launch)
     assert len(set(out)) == 1, f"ranks disagree: {out}"
     if ext is not None:
         assert not ext.live, "probe buffers left allocated"
@@ -200,16 +206,7 @@ def test_a_probe_that_raises_on_one_rank_is_off_everywhere(monkeypatch):
     ext = FakeExt(full(3))
     monkeypatch.setattr(pd, "_load_ext", lambda: ext)
     monkeypatch.setattr(pd, "_free_bytes", free_bytes)
-    out = [None] * 3
-
-    def rank_main(r):
-        out[r] = pd.resolve_p2p_bytes(world.comm(r), world.num_nodes, None, world.hosts, True)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = resolve_on_every_rank(world)
     assert out == [0, 0, 0] and not ext.live
 
 
@@ -234,16 +231,7 @@ def test_extension_missing_on_one_rank_only_is_off_everywhere(monkeypatch):
 
     monkeypatch.setattr(pd, "_load_ext", load)
     monkeypatch.setattr(pd, "_free_bytes", lambda dev: 140 * GiB)
-    out = [None] * 3
-
-    def rank_main(r):
-        out[r] = pd.resolve_p2p_bytes(world.comm(r), world.num_nodes, None, world.hosts, True)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = resolve_on_every_rank(world)
     assert out == [0, 0, 0]
     assert not ext.live
 
