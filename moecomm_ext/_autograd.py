@@ -14,6 +14,9 @@ __all__ = ["dispatch", "combine"]
 
 
 class _Dispatch(torch.autograd.Function):
+    """Forward a gather of token rows into slots; backward a gather-reduce over each token's
+    slots (``grad_x``) and row dot products (``grad_scale``)."""
+
     @staticmethod
     def forward(ctx, x, slot_token, token_slots, slot_scale, use_native):  # type: ignore[override]
         ctx.use_native = use_native
@@ -43,6 +46,9 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
+    """Forward a weighted gather-reduce of slot rows into tokens; backward a scaled gather of
+    the token gradients into slots (``grad_y``) and row dot products (``grad_w``)."""
+
     @staticmethod
     def forward(ctx, y, token_slots, token_weight, slot_token, use_native):  # type: ignore[override]
         ctx.use_native = use_native
@@ -103,6 +109,12 @@ def dispatch(
 
     Returns:
         ``[M, D]`` tensor of ``x.dtype``.
+
+    Raises:
+        TypeError: an argument is not a tensor, a map is not int64, or ``x`` / ``slot_scale``
+            is not floating.
+        ValueError: a wrong number of dimensions or shape, tensors on different devices, or
+            (``check``) an entry out of range or maps that are not inverse of each other.
     """
     fn = "dispatch"
     x = tensor_arg(fn, "x", x, "shape [T, D]")
@@ -153,6 +165,9 @@ def combine(
 
     Returns:
         ``[T, D]`` tensor of ``y.dtype`` (accumulated in float32, or float64).
+
+    Raises:
+        TypeError, ValueError: as :func:`dispatch` (for ``y``, ``token_weight`` and the maps).
     """
     fn = "combine"
     y = tensor_arg(fn, "y", y, "shape [M, D]")

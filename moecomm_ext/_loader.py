@@ -122,6 +122,7 @@ def default_use_native() -> bool:
 
 
 def resolve_use_native(use_native: bool | None) -> bool:
+    """``use_native`` checked, None replaced by :func:`default_use_native`."""
     if use_native is None:
         return default_use_native()
     if not isinstance(use_native, bool):
@@ -247,6 +248,11 @@ def load_native(
         emitted (not when CUDA is simply absent).  The outcome of the first
         attempt is cached per device type for the life of the process, so a
         later call with another ``cache_dir`` returns the module already loaded.
+
+    Raises:
+        ValueError: ``device_type`` is not ``"cpu"`` or ``"cuda"``.
+        RuntimeError: ``strict`` and the extension cannot be built or loaded (the message
+            says why).
     """
     _check_device_type(device_type)
     with _LOCK:
@@ -315,6 +321,10 @@ def native_available(device_type: str = "cpu", *, use_native: bool | None = None
 
     Builds/loads the extension on first use (see :func:`load_native`).
     ``use_native`` defaults to ``not $MOECOMM_EXT_DISABLE``.
+
+    Raises:
+        ValueError: ``device_type`` is not ``"cpu"`` or ``"cuda"``.
+        TypeError: ``use_native`` is not a bool or None.
     """
     _check_device_type(device_type)
     return module_for(device_type, use_native) is not None
@@ -322,5 +332,9 @@ def native_available(device_type: str = "cpu", *, use_native: bool | None = None
 
 def implementation(device_type: str = "cpu", *, use_native: bool | None = None) -> str:
     """``"native"`` or ``"reference"``: which implementation ops on
-    ``device_type`` tensors use (building the extension on first use)."""
+    ``device_type`` tensors use (building the extension on first use).
+
+    Raises:
+        ValueError, TypeError: as :func:`native_available`.
+    """
     return "native" if native_available(device_type, use_native=use_native) else "reference"

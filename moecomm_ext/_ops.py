@@ -54,6 +54,14 @@ def gather_rows(
         ``[M, D]`` tensor of ``x.dtype`` on ``x.device``.  Not differentiable
         (raises if an input requires grad while grad mode is on); use
         :func:`dispatch` / :func:`combine` for autograd.
+
+    Raises:
+        TypeError: an argument is not a tensor, ``index`` is not int64, or ``scale`` (and
+            then ``x``) is not floating.
+        ValueError: a wrong number of dimensions or shape, tensors on different devices,
+            or (``check``) an ``index`` entry outside ``[-1, N)``.
+        RuntimeError: an input requires grad while grad mode is on.
+        IndexError: ``check=False`` and the native CPU kernel met an entry out of range.
     """
     fn = "gather_rows"
     x = tensor_arg(fn, "x", x, "shape [N, D]")
@@ -92,6 +100,10 @@ def gather_reduce_rows(
         ``[T, D]`` tensor of ``y.dtype``, accumulated in float32 (float64 for
         float64 ``y``) in the order j = 0..K-1 and rounded once.  Not
         differentiable (see :func:`combine`).
+
+    Raises:
+        TypeError, ValueError, RuntimeError, IndexError: as :func:`gather_rows` (``index``
+            entries checked against ``[-1, M)``).
     """
     fn = "gather_reduce_rows"
     y = tensor_arg(fn, "y", y, "shape [M, D]")
@@ -129,6 +141,11 @@ def gather_rowdot(
     Returns:
         ``[T, K]`` float32 (float64 when ``a`` is float64), accumulated in that
         dtype.  Not differentiable.
+
+    Raises:
+        TypeError, ValueError, RuntimeError, IndexError: as :func:`gather_rows`; also
+            ``TypeError`` when ``b``'s dtype is not ``a``'s and ``ValueError`` when their
+            row lengths or ``index``'s row count differ from ``a``'s.
     """
     fn = "gather_rowdot"
     a = tensor_arg(fn, "a", a, "shape [T, D]")

@@ -34,6 +34,11 @@ def invert_slots(token_slots: Tensor, num_slots: int) -> Tensor:
 
     Returns:
         ``slot_token``: ``[M]`` int64, the token held by each slot, ``-1`` for empty slots.
+
+    Raises:
+        TypeError: ``token_slots`` is not an int64 tensor.
+        ValueError: ``token_slots`` is not 2-D, ``num_slots`` is not an int >= 0, an entry
+            lies outside ``[-1, num_slots)``, or a slot is listed more than once.
     """
     token_slots = _check_token_slots("invert_slots", token_slots, num_slots)
     return reference.invert_slots(token_slots, num_slots)
@@ -45,6 +50,9 @@ def slot_positions(token_slots: Tensor, num_slots: int) -> Tensor:
     Returns ``[M]`` int64 with ``t * K + j`` for the slot ``token_slots[t, j]``,
     ``-1`` for empty slots, so ``gather_rows(w.reshape(-1, 1), pos)`` gives each
     slot's weight ``w[t, j]`` (``slot_token == pos // K`` where ``pos >= 0``).
+
+    Raises:
+        TypeError, ValueError: as :func:`invert_slots`.
     """
     token_slots = _check_token_slots("slot_positions", token_slots, num_slots)
     return reference.slot_positions(token_slots, num_slots)
