@@ -34,6 +34,12 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 def resolve_activation(act: Union[str, Callable[[Tensor], Tensor], None]) -> Callable[[Tensor], Tensor]:
+    """The activation function ``act`` names (a key of :data:`ACTIVATIONS`), ``act`` itself
+    when callable, ReLU for None.
+
+    Raises:
+        ValueError: an unknown name. TypeError: neither a name nor a callable.
+    """
     if act is None:
         return F.relu
     if isinstance(act, str):
@@ -119,6 +125,10 @@ class FFNExperts(nn.Module):
 
     Weights are initialised per *global* expert from ``seed + expert_index`` (uniform in
     ``+-1/sqrt(fan_in)``), so they do not depend on the number of ranks.
+
+    Raises:
+        ValueError: ``hidden_size`` not divisible by ``shards``, or an unknown ``activation``
+            name. TypeError: ``activation`` neither a name nor a callable.
     """
 
     def __init__(self, model_dim: int, hidden_size: int, num_local: int, *, output_dim: Optional[int] = None,
@@ -185,7 +195,11 @@ class FFNExperts(nn.Module):
 class BatchedExperts(nn.Module):
     """Adapter for a user module in Tutel's custom-expert convention: ``module(x)`` maps
     ``[num_local, N, model_dim]`` to ``[num_local, N, output_dim]``. Variable row counts
-    are padded to the largest local count (dropless mode)."""
+    are padded to the largest local count (dropless mode).
+
+    Raises:
+        ValueError: (forward) ``module`` returned another shape than ``[num_local, N, *]``.
+    """
 
     def __init__(self, module: nn.Module, num_local: int) -> None:
         super().__init__()
@@ -226,7 +240,11 @@ class BatchedExperts(nn.Module):
 
 
 class ExpertList(nn.Module):
-    """Adapter for one user module per expert, each mapping ``[n, model_dim]`` to ``[n, output_dim]``."""
+    """Adapter for one user module per expert, each mapping ``[n, model_dim]`` to ``[n, output_dim]``.
+
+    Raises:
+        ValueError: (forward) a module returned another shape than ``[n, *]``.
+    """
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         super().__init__()
