@@ -41,6 +41,8 @@ def make_backend(backend: str, process_group: Any, device: Any, timeout_s: float
 
 
 def _cuda_device(device: Union[None, int, str, torch.device], local_rank: int) -> torch.device:
+    """The CUDA device of an NCCL communicator: ``device`` as given (an index, a name, a
+    device), or ``cuda:<local_rank modulo the GPU count>`` where no index is given."""
     if device is None:
         if not torch.cuda.is_available():
             raise RuntimeError("moecomm: backend 'nccl' needs a CUDA device, and none is available")
@@ -59,6 +61,7 @@ def _local_rank(rank: int, hosts: list[str], local_size: Optional[int]) -> int:
 
 
 def _nccl_only(options: dict, backend: str) -> None:
+    """Refuse the options (name -> value, None: not given) that only the NCCL backend takes."""
     for name, value in options.items():
         if value is not None and backend != "nccl":
             raise ValueError(f"{name} applies to the NCCL backend only; this communicator's backend is {backend!r}")
@@ -66,6 +69,9 @@ def _nccl_only(options: dict, backend: str) -> None:
 
 def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int],
                    p2p_bytes: Optional[int], problem: Optional[Exception]) -> tuple[Backend, list[str], int]:
+    """Under an MPI launcher: MPI or NCCL (its unique id agreed over MPI); under torchrun or
+    in a process that made a torch.distributed group: :func:`_from_process_group`; alone:
+    :func:`_single_process`."""
     nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
     from .backends.nccl import NcclBackend, nccl_available
 
@@ -159,6 +165,9 @@ def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict
 def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],
                         max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]
                         ) -> tuple[Backend, list[str], int]:
+    """Over a torch.distributed ``group``: NCCL (unique id broadcast through the group) for
+    an NCCL group under ``"auto"``, else the torch backend; the host-name exchange is the
+    agreement that every rank's arguments passed."""
     nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
     import torch.distributed as dist
 
