@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -26,7 +27,17 @@ from .errors import CommunicatorClosedError, CountMismatchError
 from .pool import StagingPool
 from .splits import Splits, normalize_splits
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "warn_if_graph_lost"]
+
+
+def warn_if_graph_lost(t: Any, op: str) -> None:
+    """Warn (once per call site, Python's default filter) when ``t``'s autograd graph would end
+    in the collective ``op``; call it from the public method, so that the warning points at
+    the user's line."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        warnings.warn(f"moecomm: {op} is not differentiable: the result of an input that requires grad has no "
+                      f"autograd graph; use moecomm.functional.all_to_all_v (or .detach() the input to silence "
+                      f"this)", UserWarning, stacklevel=3)
 
 class Engine:
     """One backend with its pool, timeout and count buffers, and the primitives built on them.

@@ -9,7 +9,7 @@ sub-communicator) it runs on.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -22,8 +22,9 @@ from .splits import Splits, check_own_block, check_split_total, normalize_splits
 if TYPE_CHECKING:  # pragma: no cover
     from ._engine import Engine
 
-__all__ = ["PEER_ROW_ALIGN", "COPY_ENGINE_MIN_BYTES", "start_all_to_all_v", "start_records", "settle",
-           "exchange_records", "check_exchanged_counts", "alltoallv"]
+__all__ = ["PEER_ROW_ALIGN", "COPY_ENGINE_MIN_BYTES", "start_all_to_all_v", "start_all_to_all_single",
+           "start_all_to_all_list", "start_records", "settle", "exchange_records", "check_exchanged_counts",
+           "alltoallv"]
 
 
 COPY_ENGINE_MIN_BYTES = 16 << 20
@@ -101,6 +102,54 @@ def start_all_to_all_v(engine: Engine, input: torch.Tensor, send_splits: Splits,
         settle(engine, records)
         raise
     return out, send, recv, request
+
+
+def start_all_to_all_single(engine: Engine, op: str, x: torch.Tensor, send: list[int], out: torch.Tensor,
+                            recv: list[int]) -> Request:
+    """The exchange of ``all_to_all_single`` (arguments checked): both sides' counts are given,
+    so with ``validate`` they are cross-checked first, and their records travel beside the
+    rows (:func:`start_records`) to be compared at completion."""
+    row_shape = (math.prod(x.shape[1:]),)
+    check = PeerCheck(op, engine.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
+    records = start_records(engine, check)
+    try:
+        if engine.validate:
+            engine.cross_check(op, send, recv, x.dtype, row_shape, None)
+        return alltoallv(engine, x, send, out, recv, check=check, records=records)
+    except BaseException:
+        settle(engine, records)
+        raise
+
+
+def start_all_to_all_list(engine: Engine, op: str, outs: list[torch.Tensor], ins: list[torch.Tensor]
+                          ) -> tuple[Request, Callable[[], None]]:
+    """The exchange of ``all_to_all`` (one tensor per peer and direction, any shapes, one dtype,
+    checked): each side's tensors travel as bytes packed into one buffer, with counts in
+    bytes. Returns the request and the unpacking into ``outs`` to run once it completes."""
+    esize = ins[0].element_size()
+    send = [t.numel() * esize for t in ins]
+    recv = [t.numel() * esize for t in outs]
+    check = PeerCheck(op, engine.rank, [[c] for c in send], [[c] for c in recv], ins[0].dtype, (), unit="bytes")
+    records = start_records(engine, check)
+    try:
+        if engine.validate:
+            engine.cross_check(op, send, recv, torch.uint8, (1,), None)
+        packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
+            torch.empty(0, dtype=torch.uint8, device=engine.device)
+        landing = torch.empty(sum(recv), dtype=torch.uint8, device=engine.device)
+        request = alltoallv(engine, packed, send, landing, recv, check=check, records=records)
+    except BaseException:
+        settle(engine, records)
+        raise
+
+    def unpack() -> None:
+        offset = 0
+        for t, n in zip(outs, recv):
+            t.reshape(-1).view(torch.uint8).copy_(landing[offset:offset + n])
+            offset += n
+
+    return request, unpack
+
 
 def start_records(engine: Engine, check: PeerCheck) -> Optional[tuple]:
     """With ``validate``: send ``check``'s records (counts were given, so no count exchange

@@ -9,15 +9,13 @@ The collectives check their arguments and build on the communicator's engine
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from . import _flat, hierarchical, overlap, wire
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES, float8_dtypes
-from ._engine import Engine
-from ._peer_check import PeerCheck
+from ._engine import Engine, warn_if_graph_lost
 from ._requests import Work
 from ._topology import Topology
 from .backends.base import DoneRequest, Request, reduce_op_name
@@ -182,7 +180,7 @@ class Communicator:
                 before it where rows could never arrive (then the communicator is aborted).
             TimeoutError: a wait outlived the communicator's timeout (it is aborted).
         """
-        _warn_if_graph_lost(input, "all_to_all_v")
+        warn_if_graph_lost(input, "all_to_all_v")
         if wire_dtype is not None:
             out, _, recv, request, _ = wire.start_all_to_all_v(self._engine, self._topology, input, send_splits,
                                                                recv_splits, algorithm, wire_dtype)
@@ -248,7 +246,7 @@ class Communicator:
         """
         op = "all_to_all_single"
         self._engine.check_open(op)
-        _warn_if_graph_lost(input, op)
+        warn_if_graph_lost(input, op)
         x = self._engine.check_tensor(input, "input", min_dim=1)
         y = self._engine.check_tensor(output, "output", min_dim=1, written=True)
         if y.dtype != x.dtype:
@@ -267,16 +265,8 @@ class Communicator:
                 f"itself (input_split_sizes{'=None: equal blocks' if input_split_sizes is None else ''}), but "
                 f"output_split_sizes{'=None: equal blocks' if output_split_sizes is None else ''} gives block {r} "
                 f"{recv[r]} rows")
-        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], x.dtype, (math.prod(x.shape[1:]),))
-        records = _flat.start_records(self._engine, check)
-        try:
-            if self.validate:
-                self._engine.cross_check(op, send, recv, x.dtype, (math.prod(x.shape[1:]),), None)
-            request = _flat.alltoallv(self._engine, x, send, y, recv, check=check, records=records)
-        except BaseException:
-            _flat.settle(self._engine, records)
-            raise
-        return self._engine.finish(request, op, True, async_op) if async_op else self._engine.finish(request, op, None, False)
+        request = _flat.start_all_to_all_single(self._engine, op, x, send, y, recv)
+        return self._engine.finish(request, op, True if async_op else None, async_op)
 
     def all_to_all(
         self,
@@ -295,7 +285,7 @@ class Communicator:
         op = "all_to_all"
         self._engine.check_open(op)
         for t in input_tensor_list if isinstance(input_tensor_list, (list, tuple)) else ():
-            _warn_if_graph_lost(t, op)
+            warn_if_graph_lost(t, op)
         for name, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
             if not isinstance(lst, (list, tuple)) or len(lst) != self.size:
                 raise ValueError(f"{name} must be a list of {self.size} tensors (one per rank), got {type(lst).__name__}"
@@ -308,28 +298,7 @@ class Communicator:
             if t.dtype != dtype:
                 name = f"input_tensor_list[{i}]" if i < self.size else f"output_tensor_list[{i - self.size}]"
                 raise TypeError(f"{name} must have dtype {dtype} like input_tensor_list[0], got {t.dtype}")
-        esize = ins[0].element_size()
-        send = [t.numel() * esize for t in ins]
-        recv = [t.numel() * esize for t in outs]
-        check = PeerCheck(op, self.rank, [[c] for c in send], [[c] for c in recv], dtype, (), unit="bytes")
-        records = _flat.start_records(self._engine, check)
-        try:
-            if self.validate:
-                self._engine.cross_check(op, send, recv, torch.uint8, (1,), None)
-            packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) if sum(send) else \
-                torch.empty(0, dtype=torch.uint8, device=self.device)
-            landing = torch.empty(sum(recv), dtype=torch.uint8, device=self.device)
-            request = _flat.alltoallv(self._engine, packed, send, landing, recv, check=check, records=records)
-        except BaseException:
-            _flat.settle(self._engine, records)
-            raise
-
-        def unpack() -> None:
-            offset = 0
-            for t, n in zip(outs, recv):
-                t.reshape(-1).view(torch.uint8).copy_(landing[offset:offset + n])
-                offset += n
-
+        request, unpack = _flat.start_all_to_all_list(self._engine, op, outs, ins)
         return self._engine.finish(request, op, True if async_op else None, async_op, then=unpack)
 
     # -- other collectives ------------------------------------------------------------------
@@ -466,10 +435,3 @@ class Communicator:
         else:
             self.abort()
 
-
-def _warn_if_graph_lost(t: Any, op: str) -> None:
-    """Warn (once per call site, Python's default filter) when ``t``'s autograd graph would end here."""
-    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
-        warnings.warn(f"moecomm: {op} is not differentiable: the result of an input that requires grad has no "
-                      f"autograd graph; use moecomm.functional.all_to_all_v (or .detach() the input to silence "
-                      f"this)", UserWarning, stacklevel=3)

@@ -1,4 +1,9 @@
-"""``moecomm.init``: make a :class:`Communicator` for however this process was launched."""
+"""``moecomm.init``: make a :class:`Communicator` for however this process was launched.
+
+The checks that need no peer are here; the backend for the launch is made by
+:mod:`moecomm._make_backend`, then the engine (:mod:`moecomm._engine`, with the peer-memory
+transport where it is on) and the topology (:mod:`moecomm._topology`).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _exit, _topology, env
+from . import _topology, env
 from ._engine import Engine
 from ._flat import COPY_ENGINE_MIN_BYTES
+from ._make_backend import make_backend
 from ._p2p_default import resolve_p2p_bytes
 from .communicator import Communicator
-from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
 from .pool import StagingPool
 
@@ -182,9 +187,31 @@ def init(
         TimeoutError: some rank did not join a step of the creation within ``timeout``
             (named: ``moecomm.init``, ``MPI_Comm_idup``, ``ncclCommInitRank``, ...).
     """
-    # Every check that needs no peer comes first; under a launcher a rank whose check failed
-    # still joins the agreement that follows, so that its peers raise instead of waiting.
-    problem: Optional[Exception] = None
+    backend, timeout_s, validate, pool, problem = _first_checks(
+        backend, timeout, validate, pool_bytes, max_ctas, p2p_bytes, p2p_min_bytes, hierarchy, local_size)
+    backend_obj, hosts, rank = make_backend(backend, process_group, device, timeout_s, local_size, max_ctas,
+                                            p2p_bytes, problem)
+    layout = (
+        Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
+        else Layout.from_hosts(rank, hosts)
+    )
+    engine, topology = _engine_and_topology(
+        backend_obj, layout, hosts, pool, timeout_s, validate, p2p_bytes=p2p_bytes, p2p_min_bytes=p2p_min_bytes,
+        process_group=process_group, hierarchy=hierarchy, profile=profile,
+        local_size_given=local_size is not None)
+    comm = Communicator(engine, layout, topology=topology)
+    if set_default:
+        set_default_communicator(comm)
+    return comm
+
+
+def _first_checks(backend: Optional[str], timeout: Any, validate: Any, pool_bytes: Any, max_ctas: Any,
+                  p2p_bytes: Any, p2p_min_bytes: Any, hierarchy: Any, local_size: Any
+                  ) -> tuple[str, float, bool, Optional[StagingPool], Optional[Exception]]:
+    """Every check of :func:`init` that needs no peer: the backend's name, the timeout in
+    seconds, ``validate``, the staging pool, and what was refused (None: nothing). Under a
+    launcher a rank whose check failed still joins the agreement that follows, so that its
+    peers raise instead of waiting; its timeout then falls back to the default."""
     try:
         backend = env.default_backend() if backend is None else backend
         if backend not in BACKENDS:
@@ -192,18 +219,17 @@ def init(
         timeout_s, validate, pool = _check_options(timeout, validate, pool_bytes, max_ctas, p2p_bytes, p2p_min_bytes,
                                                    hierarchy, local_size)
     except (TypeError, ValueError) as exc:
-        problem = exc
-        timeout_s = _fallback_seconds(timeout)
+        return backend, _fallback_seconds(timeout), False, None, exc
+    return backend, timeout_s, validate, pool, None
 
-    if process_group is not None:
-        backend_obj, hosts, rank = _from_process_group(process_group, backend, device, timeout_s, None, max_ctas,
-                                                       p2p_bytes, problem)
-    else:
-        backend_obj, hosts, rank = _from_launcher(backend, device, timeout_s, local_size, max_ctas, p2p_bytes, problem)
-    layout = (
-        Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
-        else Layout.from_hosts(rank, hosts)
-    )
+
+def _engine_and_topology(backend_obj: Any, layout: Layout, hosts: list[str], pool: StagingPool, timeout_s: float,
+                         validate: bool, *, p2p_bytes: Optional[int], p2p_min_bytes: Optional[int],
+                         process_group: Any, hierarchy: Optional[bool], profile: Any, local_size_given: bool
+                         ) -> tuple[Engine, Optional[_topology.Topology]]:
+    """The engine over ``backend_obj`` (with the peer-memory transport where
+    :func:`moecomm._p2p_default.resolve_p2p_bytes` gives it bytes) and the topology (the
+    hierarchy groups); on failure the engine is aborted."""
     engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate)
     try:
         p2p_bytes = resolve_p2p_bytes(engine, layout.num_nodes, p2p_bytes, hosts, _whole_launch(process_group))
@@ -212,14 +238,11 @@ def init(
             engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate,
                             peer=_peer_transport(engine, p2p_bytes, hosts), copy_engine_min_bytes=min_bytes)
         topology = _topology.build(engine, layout, sub_communicator=Communicator, hierarchy=hierarchy,
-                                   profile=profile, hosts=hosts, local_size_given=local_size is not None)
+                                   profile=profile, hosts=hosts, local_size_given=local_size_given)
     except BaseException:
         engine.abort()
         raise
-    comm = Communicator(engine, layout, topology=topology)
-    if set_default:
-        set_default_communicator(comm)
-    return comm
+    return engine, topology
 
 
 def _check_options(timeout: Any, validate: Any, pool_bytes: Any, max_ctas: Any, p2p_bytes: Any, p2p_min_bytes: Any,
@@ -281,164 +304,3 @@ def _peer_transport(engine: Engine, p2p_bytes: int, hosts: list) -> Any:
     from .backends.p2p import PeerTransport
 
     return PeerTransport(engine, p2p_bytes)
-
-
-def _cuda_device(device: Union[None, int, str, torch.device], local_rank: int) -> torch.device:
-    if device is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("moecomm: backend 'nccl' needs a CUDA device, and none is available")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if dev.type != "cuda":
-        raise ValueError(f"device must be a CUDA device for backend 'nccl', got {dev}")
-    if dev.index is None:
-        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-    return dev
-
-
-def _local_rank(rank: int, hosts: list[str], local_size: Optional[int]) -> int:
-    """The rank's index on its real host (a simulated ``local_size`` must not pick the GPU)."""
-    return Layout.from_hosts(rank, hosts).local_rank
-
-
-def _nccl_only(options: dict, backend: str) -> None:
-    for name, value in options.items():
-        if value is not None and backend != "nccl":
-            raise ValueError(f"{name} applies to the NCCL backend only; this communicator's backend is {backend!r}")
-
-
-def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int],
-                   p2p_bytes: Optional[int], problem: Optional[Exception]):
-    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
-    from .backends.nccl import NcclBackend, nccl_available
-
-    launcher = detect_launcher()
-    if launcher == "single" and backend == "auto" and _torch_dist_initialized():
-        # processes started without a launcher's variables (torch.multiprocessing, say) that
-        # made a torch.distributed group: build on it rather than on this process alone
-        import torch.distributed as dist
-
-        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas, p2p_bytes,
-                                   problem)
-    if launcher == "single" and problem is not None:
-        raise problem  # no peers to tell
-    if problem is None and backend == "auto":
-        if nccl_available():
-            backend = "nccl"
-        else:
-            backend = {"torchrun": "torch", "single": "self"}.get(launcher, "mpi")
-    if backend == "self" and launcher != "single":
-        raise ValueError(f"backend='self' is for a single process without a launcher; this one runs under {launcher}")
-    if launcher == "single" and backend in ("self", "torch", "nccl"):
-        return _single_process(backend, device, timeout_s, nccl_only)
-    if launcher == "torchrun":
-        if problem is None and backend == "mpi":
-            problem = ValueError(
-                "backend='mpi' needs an MPI launcher (mpirun/mpiexec); under torchrun use 'torch' or 'nccl'"
-            )
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        return _from_process_group(dist.group.WORLD, backend, device, timeout_s, local_size, max_ctas, p2p_bytes,
-                                   problem)
-
-    world = mpi_world()
-    _exit.arm(world, timeout_s)
-    rank = world.Get_rank()
-    try:
-        if problem is not None:
-            raise problem
-        _nccl_only(nccl_only, backend)
-        if backend == "torch":
-            raise ValueError("backend='torch' needs process_group= (or a torchrun launch)")
-        outcome: Union[bytes, Exception] = host_name().encode()
-    except (TypeError, ValueError) as exc:
-        outcome = exc
-    hosts = [h.decode() for h in mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init")]
-    if backend == "mpi":
-        from .backends.mpi import MpiBackend
-
-        return MpiBackend(world, timeout_s), hosts, rank
-    try:
-        dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
-        outcome = NcclBackend.new_unique_id() if rank == 0 else b""
-    except Exception as exc:  # noqa: BLE001 - named to every rank by the agreement
-        outcome = exc
-    uid = mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init (NCCL unique id)")[0]
-    return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s, max_ctas), hosts, rank
-
-
-def _torch_dist_initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict):
-    """A communicator of size 1 without a launcher and without mpi4py."""
-    _nccl_only(nccl_only, backend)
-    if backend == "nccl":
-        from .backends.nccl import NcclBackend
-
-        dev = _cuda_device(device, 0)
-        return NcclBackend.create(1, 0, NcclBackend.new_unique_id(), dev, timeout_s, nccl_only["max_ctas"]), \
-            [host_name()], 0
-    if device is not None and torch.device(device if not isinstance(device, int) else "cuda").type != "cpu":
-        raise ValueError(f"device: a single-process {backend!r} communicator runs on the CPU, got {device!r}")
-    if backend == "self":
-        from .backends.single import SelfBackend
-
-        return SelfBackend(), [host_name()], 0
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return _from_process_group(dist.group.WORLD, backend, None, timeout_s, None, None, None, None)
-
-
-def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],
-                        max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]):
-    nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
-    import torch.distributed as dist
-
-    from .backends.nccl import NcclBackend
-    from .backends.torch_dist import TorchBackend
-
-    if not dist.is_initialized():
-        raise RuntimeError("process_group given, but torch.distributed is not initialized")
-    rank = dist.get_rank(group)
-    size = dist.get_world_size(group)
-    pg_backend = str(dist.get_backend(group)).lower()
-    try:
-        if problem is not None:
-            raise problem
-        if backend == "auto":
-            backend = "nccl" if "nccl" in pg_backend else "torch"
-        if backend == "mpi":
-            raise ValueError("backend='mpi' cannot be built on a torch process_group; use 'torch' or 'nccl'")
-        _nccl_only(nccl_only, backend)
-        mine: tuple = (host_name(), None)
-    except (TypeError, ValueError) as exc:
-        mine = (None, exc)
-    # The host-name exchange doubles as the agreement that every rank's arguments passed.
-    rows: list[Any] = [None] * size
-    dist.all_gather_object(rows, (mine[0], None if mine[1] is None else f"{type(mine[1]).__name__}: {mine[1]}"),
-                           group=group)
-    if mine[1] is not None:
-        raise mine[1]
-    failed = [(r, msg) for r, (_, msg) in enumerate(rows) if msg is not None]
-    if failed:
-        raise RuntimeError("moecomm.init failed on " + "; ".join(f"rank {r}: {msg}" for r, msg in failed))
-    hosts = [h for h, _ in rows]
-    if backend == "torch":
-        dev = torch.device("cpu") if "nccl" not in pg_backend else _cuda_device(device, _local_rank(rank, hosts, local_size))
-        return TorchBackend(group, dev), hosts, rank
-    dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
-    box = [NcclBackend.new_unique_id() if rank == 0 else None]
-    if "nccl" in pg_backend:
-        torch.cuda.set_device(dev)
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return NcclBackend.create(size, rank, box[0], dev, timeout_s, max_ctas), hosts, rank
-

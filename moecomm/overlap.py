@@ -94,17 +94,9 @@ def scatter_compute_gather(
         # Decided once for the whole call (one collective), not once per stage.
         algorithm = hierarchical.choose_algorithm(comm, input)
     kw = {} if algorithm is None else {"algorithm": algorithm}
-    w = comm.size
-    send = normalize_splits(send_splits, "send_splits", w)
-    check_split_total(send, input.shape[0], "send_splits", "input")
-    if recv_splits is None:
-        recv = comm.engine.exchange_counts(send, "send_splits")[1]
-    else:
-        recv = normalize_splits(recv_splits, "recv_splits", w)
-        check_own_block(send, recv, comm.rank)
-
+    send, recv = _counts(comm, input, send_splits, recv_splits)
     stages, send_pieces, recv_pieces = _pieces(comm, degree, send, recv, input)
-    own = comm.rank if own_first and w > 1 else None
+    own = comm.rank if own_first and comm.size > 1 else None
     plan = Plan(send, recv, send_pieces, recv_pieces, stages, dev, own, float(own_split))
     run = Run(comm, plan, fn, kw, wire_dtype)
 
@@ -112,6 +104,18 @@ def scatter_compute_gather(
     if wire_dtype is not None and comm.validate:
         wire.cross_check(comm.engine, x, wire_dtype, "scatter_compute_gather")
     return run_pipeline(run, x, fn)
+
+
+def _counts(comm: Any, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits]
+            ) -> tuple[list[int], list[int]]:
+    """The rows for and from each rank, checked; ``recv_splits`` None: exchanged (blocking)."""
+    send = normalize_splits(send_splits, "send_splits", comm.size)
+    check_split_total(send, input.shape[0], "send_splits", "input")
+    if recv_splits is None:
+        return send, comm.engine.exchange_counts(send, "send_splits")[1]
+    recv = normalize_splits(recv_splits, "recv_splits", comm.size)
+    check_own_block(send, recv, comm.rank)
+    return send, recv
 
 
 def _check_args(comm: Any, input: Any, fn: Any, degree: Any, own_first: Any, own_split: Any,

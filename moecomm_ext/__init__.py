@@ -52,15 +52,9 @@ from ._loader import (
     load_native,
     native_available,
 )
-from ._ops import (
-    combine,
-    dispatch,
-    gather_reduce_rows,
-    gather_rowdot,
-    gather_rows,
-    invert_slots,
-    slot_positions,
-)
+from ._autograd import combine, dispatch
+from ._ops import gather_reduce_rows, gather_rowdot, gather_rows
+from ._slots import invert_slots, slot_positions
 
 __all__ = [
     "gather_rows",

@@ -16,14 +16,13 @@ from typing import Optional
 from ._loader import (
     _LOADED,
     _LOCK,
-    QUANT_CPU,
-    QUANT_CUDA,
     NativeBuildWarning,
     _attempt,
     _stacklevel,
     default_cache_dir,
     resolve_use_native,
 )
+from ._specs import QUANT_CPU, QUANT_CUDA
 
 __all__ = ["quant_module"]
 
