@@ -40,7 +40,6 @@ def _expert_keys(layers: dict, sd: dict) -> dict:
     return out
 
 
-
 def gather(pattern: str, output: Optional[str] = None, *, size: Optional[int] = None,
            allow_divergent: bool = False) -> dict:
     """Per-rank files (``pattern`` with ``{rank}``, maybe ``{size}``) -> the full checkpoint,
@@ -66,12 +65,36 @@ def gather(pattern: str, output: Optional[str] = None, *, size: Optional[int] = 
     if output is not None:
         refuse_overwrite([output], paths, "gather")
     cks = [read(p) for p in paths]
+    layers, sds = cks[0]["layers"], [ck["state_dict"] for ck in cks]
+    experts = _check_ranks(cks, paths)
+    out: dict = {}
+    for key, ref in sds[0].items():
+        if key in experts:
+            continue
+        for r in range(1, size):
+            if key not in sds[r] or not torch.equal(sds[r][key], ref):
+                if not allow_divergent:
+                    raise ValueError(f"replicated parameter {key!r} differs between rank 0 and rank {r} "
+                                     f"(use allow_divergent / --allow-divergent to keep rank 0's)")
+        out[key] = ref.clone()
+    for key, (prefix, spec) in experts.items():
+        _merge_expert(out, key, prefix, layers[prefix], spec, sds, allow_divergent)
+    new_layers = {p: dict(m, num_local_experts=m["num_experts"], shards=1) for p, m in layers.items()}
+    full = pack(1, 0, new_layers, out)
+    if output is not None:
+        write(full, output)
+    return full
+
+
+def _check_ranks(cks: list, paths: list) -> dict:
+    """CheckpointError unless the files are ranks 0.. of one job with the same layers, tensors and
+    expert tensor shapes; the expert keys (as :func:`_expert_keys`)."""
+    size = len(cks)
     for r, ck in enumerate(cks):
         if ck["world_size"] != size or ck["rank"] != r:
             raise CheckpointError(f"{paths[r]} says it is rank {ck['rank']} of {ck['world_size']}, "
                                   f"expected rank {r} of {size}")
-    layers = cks[0]["layers"]
-    sds = [ck["state_dict"] for ck in cks]
+    layers, sds = cks[0]["layers"], [ck["state_dict"] for ck in cks]
     for r in range(1, size):
         if cks[r]["layers"] != layers:
             raise CheckpointError(f"{paths[r]}: its layers {cks[r]['layers']} differ from rank 0's {layers}")
@@ -85,47 +108,38 @@ def gather(pattern: str, output: Optional[str] = None, *, size: Optional[int] = 
                 raise CheckpointError(f"{paths[r]}: expert tensor {key!r} is {sds[r][key].dtype} "
                                       f"{tuple(sds[r][key].shape)}, rank 0's {sds[0][key].dtype} "
                                       f"{tuple(sds[0][key].shape)}")
-    out: dict = {}
-    for key, ref in sds[0].items():
-        if key in experts:
-            continue
-        for r in range(1, size):
-            if key not in sds[r] or not torch.equal(sds[r][key], ref):
-                if not allow_divergent:
-                    raise ValueError(f"replicated parameter {key!r} differs between rank 0 and rank {r} "
-                                     f"(use allow_divergent / --allow-divergent to keep rank 0's)")
-        out[key] = ref.clone()
-    for key, (prefix, spec) in experts.items():
-        meta = layers[prefix]
-        El, S = meta["num_local_experts"], meta["shards"]
-        if spec[0] == "module_index":
-            head = prefix + next(n for n, s in meta["params"].items() if s[0] == "module_index")
-            i, rest = split_index(key, head)
-            for r in range(size):
-                out[f"{head}{r * El + i}.{rest}"] = sds[r][key].clone()
-            continue
-        _, shard_axis, replicated = spec
-        parts = [sd[key] for sd in sds]
-        if S == 1:
-            out[key] = torch.cat(parts, dim=0)
-            continue
-        E = size // S
-        whole = []
-        for e in range(E):
-            pieces = parts[e * S:(e + 1) * S]
-            if replicated:
-                for s in range(1, S):
-                    if not torch.equal(pieces[s], pieces[0]) and not allow_divergent:
-                        raise ValueError(f"{key!r} of expert {e} differs between its shards 0 and {s}")
-                whole.append(pieces[0])
-            else:
-                whole.append(torch.cat(pieces, dim=shard_axis))
-        out[key] = torch.cat(whole, dim=0)
-    new_layers = {p: dict(m, num_local_experts=m["num_experts"], shards=1) for p, m in layers.items()}
-    full = pack(1, 0, new_layers, out)
-    if output is not None:
-        write(full, output)
-    return full
+    return experts
+
+
+def _merge_expert(out: dict, key: str, prefix: str, meta: dict, spec: Any, sds: list,
+                  allow_divergent: bool) -> None:
+    """Put expert parameter ``key``, whole, into ``out``: the ranks' local experts concatenated,
+    each expert's shards joined (or, replicated over its shards, checked equal)."""
+    size = len(sds)
+    El, S = meta["num_local_experts"], meta["shards"]
+    if spec[0] == "module_index":
+        head = prefix + next(n for n, s in meta["params"].items() if s[0] == "module_index")
+        i, rest = split_index(key, head)
+        for r in range(size):
+            out[f"{head}{r * El + i}.{rest}"] = sds[r][key].clone()
+        return
+    _, shard_axis, replicated = spec
+    parts = [sd[key] for sd in sds]
+    if S == 1:
+        out[key] = torch.cat(parts, dim=0)
+        return
+    E = size // S
+    whole = []
+    for e in range(E):
+        pieces = parts[e * S:(e + 1) * S]
+        if replicated:
+            for s in range(1, S):
+                if not torch.equal(pieces[s], pieces[0]) and not allow_divergent:
+                    raise ValueError(f"{key!r} of expert {e} differs between its shards 0 and {s}")
+            whole.append(pieces[0])
+        else:
+            whole.append(torch.cat(pieces, dim=shard_axis))
+    out[key] = torch.cat(whole, dim=0)
 
 
 def scatter(source: Any, pattern: Optional[str], size: int) -> list[dict]:
