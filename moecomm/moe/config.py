@@ -1,8 +1,10 @@
 """The MoE layer's options: :class:`MoEConfig`, shared by :class:`~moecomm.moe.MoELayer` and
 :func:`~moecomm.moe.moe_layer`, and the checks that need the communicator.
 
-``MoEConfig(...)`` takes exactly ``MoELayer``'s arguments (names, defaults) and checks every
-one that does not depend on the communicator when it is made; ``MoELayer.from_config(cfg)``
+``MoEConfig(...)`` takes exactly ``MoELayer``'s arguments (names, defaults) and checks, when
+it is made, every one that depends neither on the communicator nor on a gate or expert
+module (``gate_noise``, ``fp32_gate``, ``proj_dim``, ``init_t`` and ``activation`` are
+checked by the gate and the experts as the layer builds them). ``MoELayer.from_config(cfg)``
 builds the layer, which then checks what depends on the communicator's world size and
 features (:func:`expert_layout`, :func:`check_degree`, :func:`check_own_first`,
 :func:`check_algorithm`, used again for the per-call overrides of ``forward``).
@@ -40,8 +42,8 @@ def bool_arg(name: str, value: Any) -> bool:
 @dataclass(frozen=True)
 class MoEConfig:
     """Every option of :class:`~moecomm.moe.MoELayer` (see its docstring for their meaning),
-    checked when made: ``capacity_factor`` and ``z_loss_weight`` are stored as floats, the rest
-    as given.
+    checked when made (those of the gates and experts aside, see the module's docstring):
+    ``capacity_factor`` and ``z_loss_weight`` are stored as floats, the rest as given.
 
     Raises:
         TypeError: an option of the wrong type (named), or a required one missing
