@@ -260,3 +260,101 @@ def test_float_arguments_fail_alike_in_layer_and_gate():
                      (float("nan"), ValueError)):
         with pytest.raises(exc, match="capacity_factor must be"):
             float_arg("capacity_factor", bad)
+
+
+def test_config_holds_exactly_the_layer_arguments():
+    """MoEConfig's fields are MoELayer's arguments: the same names, order and defaults."""
+    import dataclasses
+    import inspect
+
+    from moecomm.moe.config import MoEConfig
+
+    params = list(inspect.signature(MoELayer.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(MoEConfig)
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields):
+        want = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert p.default == want, (p.name, p.default, want)
+    assert [p.kind for p in params[:3]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 3
+    assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in params[3:])
+    assert MoELayer.__init__.__kwdefaults__["inequivalent_tokens"] is True
+    assert MoELayer.__init__.__kwdefaults__["grad_wire_dtype"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(k=5), ValueError, ["k", "5", "num_experts=4"]),
+    (dict(num_experts=None), TypeError, ["num_experts"]),
+    (dict(capacity_factor=float("nan")), ValueError, ["capacity_factor", "finite"]),
+    (dict(dropless=1), TypeError, ["dropless", "bool"]),
+    (dict(cuda_graph="yes"), TypeError, ["cuda_graph", "bool"]),
+    (dict(own_first="sometimes"), TypeError, ["own_first", "'sometimes'"]),
+    (dict(overlap_degree=17), ValueError, ["overlap_degree", "17"]),
+    (dict(algorithm="ring"), ValueError, ["algorithm", "'ring'"]),
+    (dict(wire_dtype=torch.int8), TypeError, ["wire_dtype"]),
+    (dict(grad_wire_dtype=torch.int32), TypeError, ["grad_wire_dtype"]),
+    (dict(gate=[]), ValueError, ["gate", "empty"]),
+    (dict(hidden_size=None), TypeError, ["hidden_size"]),
+    (dict(experts=torch.nn.Identity(), parallel_mode="auto"), ValueError, ["parallel_mode", "'auto'"]),
+    (dict(result_func=3), TypeError, ["result_func"]),
+    (dict(seed=-1), ValueError, ["seed", "-1"]),
+])
+def test_config_checks_without_a_communicator(kwargs, exc, words):
+    from moecomm.moe.config import MoEConfig
+
+    args = dict(model_dim=8, hidden_size=16, num_experts=4)
+    args.update(kwargs)
+    with pytest.raises(exc) as info:
+        MoEConfig(**args)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_config_is_frozen_and_builds_the_same_layer(comm):
+    import dataclasses
+
+    from moecomm.moe.config import MoEConfig
+
+    cfg = MoEConfig(8, 16, 4, k=1, capacity_factor=2, seed=3, z_loss_weight=1, comm=comm)
+    assert cfg.capacity_factor == 2.0 and isinstance(cfg.capacity_factor, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.k = 2  # type: ignore[misc]
+    a, b = MoELayer.from_config(cfg).eval(), MoELayer(8, 16, 4, k=1, capacity_factor=2, seed=3, z_loss_weight=1,
+                                                      comm=comm).eval()
+    assert a.config == cfg and b.config == cfg
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(a(x), b(x))
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    with pytest.raises(TypeError, match="MoEConfig"):
+        MoELayer.from_config(dict(model_dim=8))
+
+
+def test_tutel_config_is_what_moe_layer_builds(comm):
+    from moecomm.moe.config import MoEConfig
+    from moecomm.moe.tutel import tutel_config
+
+    kw = dict(gate_type={"type": "cosine_top", "k": 2, "proj_dim": 4, "gate_noise": 0.5}, model_dim=8,
+              experts=ffn(count_per_node=2), group=comm, seeds=(4, 5), is_gshard_loss=False,
+              parallel_type="adaptive:0", dropless=True)
+    cfg = tutel_config(**kw)
+    assert isinstance(cfg, MoEConfig)
+    assert (cfg.gate, cfg.k, cfg.proj_dim, cfg.num_experts, cfg.hidden_size, cfg.seed, cfg.expert_seed) == \
+        ("cosine_top", 2, 4, 2 * comm.size, 16, 4, 5)
+    assert (cfg.balance_loss, cfg.parallel_mode, cfg.dropless, cfg.comm) == ("load_importance", "data", True, comm)
+    layer = moe.moe_layer(**kw).eval()
+    again = MoELayer.from_config(cfg).eval()
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(layer(x), again(x))
+
+
+def test_result_func_may_return_a_non_tensor_but_other_errors_pass(comm):
+    layer = MoELayer(8, 16, 4, comm=comm, seed=0, result_func=lambda y: (y, "extra"))
+    y, extra = layer(torch.randn(3, 8))
+    assert extra == "extra" and y.shape == (3, 8)
+
+    class Strict:
+        def __setattr__(self, name, value):
+            raise RuntimeError(f"no attribute {name} here")
+
+    layer.result_func = lambda y: Strict()
+    with pytest.raises(RuntimeError, match="no attribute l_aux"):
+        layer(torch.randn(3, 8))

@@ -14,6 +14,7 @@ Tutel users: ``moecomm.moe.moe_layer(gate_type=..., model_dim=..., experts=..., 
 Tutel's configuration keys (see ``moecomm/moe/README.md`` for every difference).
 """
 
+from .config import MoEConfig
 from .experts import ACTIVATIONS, BatchedExperts, ExpertList, FFNExperts, Segments
 from .gates import GATE_TYPES, CosineTopKGate, LinearTopKGate, TopKGate
 from .layer import PARALLEL_MODES, MoELayer
@@ -24,6 +25,7 @@ from .tutel import moe_layer
 __all__ = [
     "MoELayer",
     "moe_layer",
+    "MoEConfig",
     "TopKGate",
     "LinearTopKGate",
     "CosineTopKGate",

@@ -1,4 +1,5 @@
-"""``moe_layer``: build a :class:`~moecomm.moe.MoELayer` from Tutel's configuration keys.
+"""``moe_layer``: build a :class:`~moecomm.moe.MoELayer` from Tutel's configuration keys
+(translated by :func:`tutel_config` into a :class:`~moecomm.moe.config.MoEConfig`).
 
 A Tutel user changes ``from tutel import moe as tutel_moe`` to ``from moecomm import moe as
 tutel_moe``; ``tutel_moe.moe_layer(gate_type={...}, model_dim=..., experts={...}, ...)`` then
@@ -14,9 +15,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ._comm import resolve_comm
+from .config import MoEConfig
+from .gates import make_gate
 from .layer import MoELayer
 
-__all__ = ["moe_layer", "GATE_KEYS", "FFN_EXPERT_KEYS", "CUSTOM_EXPERT_KEYS", "LAYER_KEYS"]
+__all__ = ["moe_layer", "tutel_config", "GATE_KEYS", "FFN_EXPERT_KEYS", "CUSTOM_EXPERT_KEYS", "LAYER_KEYS"]
 
 GATE_KEYS = ("type", "k", "capacity_factor", "gate_noise", "fp32_gate", "proj_dim", "init_t")
 """Keys of a ``gate_type`` dict (``proj_dim`` and ``init_t`` only for ``'cosine_top'``)."""
@@ -36,6 +40,8 @@ LAYER_KEYS = ("gate_type", "model_dim", "experts", "scan_expert_func", "result_f
               "grad_wire_dtype")
 """Arguments of :func:`moe_layer` (Tutel's, then moecomm's own)."""
 
+_OWN_KEYS = ("dropless", "z_loss_weight", "algorithm", "inequivalent_tokens", "dtype", "device", "wire_dtype",
+             "grad_wire_dtype")
 _PARALLEL = {"adaptive:1": "expert", "expert": "expert", "adaptive:0": "data", "data": "data", "auto": "auto"}
 
 
@@ -95,13 +101,85 @@ def moe_layer(
     (data-parallel), ``'auto'``. ``use_2dh=True`` means ``algorithm='2dh'``.
     moecomm's own keys: ``dropless``, ``z_loss_weight``, ``algorithm``, ``inequivalent_tokens``,
     ``dtype``, ``device``, ``wire_dtype``, ``grad_wire_dtype``.
+
+    Raises:
+        TypeError, ValueError: an unknown key or argument (listing the known ones), or a bad
+            value (named); see :func:`tutel_config` and :class:`MoELayer`.
     """
-    own = {"dropless", "z_loss_weight", "algorithm", "inequivalent_tokens", "dtype", "device", "wire_dtype",
-           "grad_wire_dtype"}
-    unknown = sorted(set(kwargs) - own)
+    config = tutel_config(gate_type, model_dim, experts, scan_expert_func, result_func, group, seeds,
+                          a2a_ffn_overlap_degree, is_postscore, batch_prioritized_routing, normalize_gate,
+                          is_gshard_loss, parallel_type, use_2dh, **kwargs)
+    layer = MoELayer.from_config(config)
+    if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
+        torch.manual_seed(seeds[2])
+    return layer
+
+
+def tutel_config(
+    gate_type: Any,
+    model_dim: int,
+    experts: Optional[dict] = None,
+    scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
+    result_func: Optional[Callable] = None,
+    group: Any = None,
+    seeds: Optional[Sequence[Optional[int]]] = None,
+    a2a_ffn_overlap_degree: Union[int, str] = 1,
+    is_postscore: bool = True,
+    batch_prioritized_routing: bool = False,
+    normalize_gate: bool = True,
+    is_gshard_loss: bool = True,
+    parallel_type: str = "adaptive:1",
+    use_2dh: bool = False,
+    **kwargs: Any,
+) -> MoEConfig:
+    """The :class:`~moecomm.moe.config.MoEConfig` of :func:`moe_layer`'s arguments (Tutel's
+    keys translated; ``seeds[2]``, applied once the layer is built, is not part of it). The
+    communicator (``group``) is resolved here, since Tutel counts experts per rank; a list of
+    gates and a custom expert module class are built here.
+
+    Raises:
+        TypeError, ValueError: as :func:`moe_layer`.
+    """
+    unknown = sorted(set(kwargs) - set(_OWN_KEYS))
     if unknown:
         raise ValueError(f"moe_layer: unknown argument(s) {unknown}; known: {list(LAYER_KEYS)}")
     gates = _gate_dicts(gate_type)
+    experts, count = _expert_dict(experts)
+    if parallel_type not in _PARALLEL:
+        raise ValueError(f"parallel_type={parallel_type!r} is not supported; supported: {sorted(_PARALLEL)} "
+                         f"(Tutel's 'model' and 'adaptive:r' for r > 1 are not implemented)")
+    comm = resolve_comm(group)
+    num_experts = _num_experts(count, comm.size)
+    for i, g in enumerate(gates):
+        _check_keys(f"gate_type[{i}]" if len(gates) > 1 else "gate_type", g, GATE_KEYS)
+        if "type" not in g:
+            raise ValueError(f"gate_type: missing 'type' (one of 'top', 'cosine_top'), got {g}")
+        if g["type"] != "cosine_top" and ("proj_dim" in g or "init_t" in g):
+            raise ValueError(f"gate_type: 'proj_dim'/'init_t' apply to the 'cosine_top' gate only, got type "
+                             f"{g['type']!r}")
+    if seeds is not None and (not isinstance(seeds, (list, tuple)) or not 1 <= len(seeds) <= 3):
+        raise ValueError(f"seeds must be a tuple (gate_seed, expert_seed, seed_after), got {seeds!r}")
+    gate_seed = seeds[0] if seeds else None
+    g0 = gates[0]
+    options: dict = dict(
+        k=g0.get("k", 1), capacity_factor=g0.get("capacity_factor", 1.0), gate_noise=g0.get("gate_noise", 0.0),
+        fp32_gate=g0.get("fp32_gate", True), normalize_gate=normalize_gate,
+        batch_prioritized_routing=batch_prioritized_routing, is_postscore=is_postscore,
+        balance_loss="gshard" if is_gshard_loss else "load_importance",
+        overlap_degree=a2a_ffn_overlap_degree, parallel_mode=_PARALLEL[parallel_type],
+        algorithm=kwargs.pop("algorithm", "2dh" if use_2dh else None), seed=gate_seed,
+        expert_seed=seeds[1] if seeds and len(seeds) > 1 else None,
+        scan_expert_func=scan_expert_func, result_func=result_func, comm=comm, **kwargs)
+    if use_2dh and options["algorithm"] != "2dh":
+        raise ValueError(f"use_2dh=True contradicts algorithm={options['algorithm']!r}")
+    options.update(_gate_options(gates, model_dim, num_experts, gate_seed, kwargs.get("dtype"),
+                                 kwargs.get("device", comm.device)))
+    options.update(_expert_options(experts, count, model_dim))
+    return MoEConfig(model_dim=model_dim, num_experts=num_experts, **options)
+
+
+def _expert_dict(experts: Any) -> tuple[dict, int]:
+    """A copy of ``experts`` (its type and keys checked) and its ``count_per_node``."""
     if experts is None:
         raise ValueError("moe_layer: experts is required, e.g. {'type': 'ffn', 'count_per_node': 1, "
                          "'hidden_size_per_expert': 2048}")
@@ -117,93 +195,63 @@ def moe_layer(
     if isinstance(count, bool) or not isinstance(count, int) or count == 0:
         raise ValueError(f"experts['count_per_node'] must be a non-zero int (negative: shard each expert over "
                          f"that many ranks), got {count!r}")
-    if parallel_type not in _PARALLEL:
-        raise ValueError(f"parallel_type={parallel_type!r} is not supported; supported: {sorted(_PARALLEL)} "
-                         f"(Tutel's 'model' and 'adaptive:r' for r > 1 are not implemented)")
+    return experts, count
 
-    from ._comm import resolve_comm
 
-    comm = resolve_comm(group)
-    W = comm.size
+def _num_experts(count: int, world: int) -> int:
+    """The total of ``count`` experts per rank, or of experts sharded over ``-count`` ranks."""
     if count > 0:
-        num_experts = count * W
-    else:
-        if W % (-count):
-            raise ValueError(f"experts['count_per_node']={count}: each expert sharded over {-count} ranks needs a "
-                             f"world size divisible by {-count}, got {W}")
-        num_experts = W // (-count)
-        if num_experts * (-count) != W or (-count) > 1 and num_experts >= W:
-            raise ValueError(f"experts['count_per_node']={count} is not possible on {W} ranks")
+        return count * world
+    if world % (-count):
+        raise ValueError(f"experts['count_per_node']={count}: each expert sharded over {-count} ranks needs a "
+                         f"world size divisible by {-count}, got {world}")
+    num_experts = world // (-count)
+    if num_experts * (-count) != world or (-count) > 1 and num_experts >= world:
+        raise ValueError(f"experts['count_per_node']={count} is not possible on {world} ranks")
+    return num_experts
 
-    g0 = gates[0]
-    gate_objs = []
-    for i, g in enumerate(gates):
-        _check_keys(f"gate_type[{i}]" if len(gates) > 1 else "gate_type", g, GATE_KEYS)
-        if "type" not in g:
-            raise ValueError(f"gate_type: missing 'type' (one of 'top', 'cosine_top'), got {g}")
-        if g["type"] != "cosine_top" and ("proj_dim" in g or "init_t" in g):
-            raise ValueError(f"gate_type: 'proj_dim'/'init_t' apply to the 'cosine_top' gate only, got type "
-                             f"{g['type']!r}")
-    if seeds is not None and (not isinstance(seeds, (list, tuple)) or not 1 <= len(seeds) <= 3):
-        raise ValueError(f"seeds must be a tuple (gate_seed, expert_seed, seed_after), got {seeds!r}")
-    gate_seed = seeds[0] if seeds else None
-    expert_seed = seeds[1] if seeds and len(seeds) > 1 else None
 
-    layer_kw: dict = dict(
-        k=g0.get("k", 1), capacity_factor=g0.get("capacity_factor", 1.0), gate_noise=g0.get("gate_noise", 0.0),
-        fp32_gate=g0.get("fp32_gate", True), normalize_gate=normalize_gate,
-        batch_prioritized_routing=batch_prioritized_routing, is_postscore=is_postscore,
-        balance_loss="gshard" if is_gshard_loss else "load_importance",
-        overlap_degree=a2a_ffn_overlap_degree, parallel_mode=_PARALLEL[parallel_type],
-        algorithm=kwargs.pop("algorithm", "2dh" if use_2dh else None), seed=gate_seed, expert_seed=expert_seed,
-        scan_expert_func=scan_expert_func, result_func=result_func, comm=comm, **kwargs)
-    if use_2dh and layer_kw["algorithm"] != "2dh":
-        raise ValueError(f"use_2dh=True contradicts algorithm={layer_kw['algorithm']!r}")
+def _gate_options(gates: list, model_dim: int, num_experts: int, gate_seed: Optional[int], dtype: Any,
+                  device: Any) -> dict:
+    """``gate`` (and the cosine gate's options) of the layer: one gate by name, several built."""
     if len(gates) == 1:
-        gtype = g0["type"]
+        gtype = gates[0]["type"]
         if gtype not in ("top", "cosine_top"):
             raise ValueError(f"gate_type['type']={gtype!r} is unknown; known: ['top', 'cosine_top']")
-        layer_kw["gate"] = gtype
         if gtype == "cosine_top":
-            layer_kw["proj_dim"] = g0.get("proj_dim", 256)
-            layer_kw["init_t"] = g0.get("init_t", 0.5)
-    else:
-        from .gates import make_gate
+            return {"gate": gtype, "proj_dim": gates[0].get("proj_dim", 256), "init_t": gates[0].get("init_t", 0.5)}
+        return {"gate": gtype}
+    built = []
+    for i, g in enumerate(gates):
+        if g["type"] not in ("top", "cosine_top"):
+            raise ValueError(f"gate_type[{i}]['type']={g['type']!r} is unknown; known: ['top', 'cosine_top']")
+        base = gate_seed if gate_seed is not None else 0
+        kw = {kk: v for kk, v in g.items() if kk != "type"}
+        built.append(make_gate(g["type"], model_dim, num_experts, generator=torch.Generator().manual_seed(
+            base + 7919 * i), dtype=dtype, device=device, **kw))
+    return {"gate": built}
 
-        for i, g in enumerate(gates):
-            if g["type"] not in ("top", "cosine_top"):
-                raise ValueError(f"gate_type[{i}]['type']={g['type']!r} is unknown; known: ['top', 'cosine_top']")
-            base = gate_seed if gate_seed is not None else 0
-            kw = {kk: v for kk, v in g.items() if kk != "type"}
-            gate_objs.append(make_gate(g["type"], model_dim, num_experts, generator=torch.Generator().manual_seed(
-                base + 7919 * i), dtype=kwargs.get("dtype"), device=kwargs.get("device", comm.device), **kw))
-        layer_kw["gate"] = gate_objs
 
-    if etype == "ffn":
+def _expert_options(experts: dict, count: int, model_dim: int) -> dict:
+    """``hidden_size`` and the FFN options, or ``experts=`` the user's module (a class built here)."""
+    if experts["type"] == "ffn":
         if "hidden_size_per_expert" not in experts:
             raise ValueError("experts: 'hidden_size_per_expert' is required for type 'ffn'")
-        layer = MoELayer(model_dim, experts["hidden_size_per_expert"], num_experts,
-                         activation=experts.get("activation_fn", "relu"), output_dim=experts.get("output_dim"),
-                         fc1_bias=experts.get("has_fc1_bias", True), fc2_bias=experts.get("has_fc2_bias", True),
-                         **layer_kw)
-    else:
-        if count < 0:
-            raise ValueError("experts: a 'custom' expert module cannot be sharded (count_per_node must be > 0)")
-        if "module" not in experts:
-            raise ValueError("experts: 'module' is required for type 'custom'")
-        module = experts.pop("module")
-        rest = {kk: v for kk, v in experts.items() if kk not in ("type", "count_per_node")}
-        if isinstance(module, type) and issubclass(module, nn.Module):
-            built = module(model_dim=model_dim, local_experts=count, sharded_count=1, **rest)
-        elif isinstance(module, nn.Module) or callable(module):
-            if rest:
-                raise ValueError(f"experts: unknown key(s) {sorted(rest)} for a module instance or factory; known "
-                                 f"keys: {list(CUSTOM_EXPERT_KEYS)}")
-            built = module
-        else:
-            raise TypeError(f"experts['module'] must be an nn.Module class, instance or factory, got "
-                            f"{type(module).__name__}")
-        layer = MoELayer(model_dim, None, num_experts, experts=built, **layer_kw)
-    if seeds is not None and len(seeds) > 2 and seeds[2] is not None:
-        torch.manual_seed(seeds[2])
-    return layer
+        return dict(hidden_size=experts["hidden_size_per_expert"], activation=experts.get("activation_fn", "relu"),
+                    output_dim=experts.get("output_dim"), fc1_bias=experts.get("has_fc1_bias", True),
+                    fc2_bias=experts.get("has_fc2_bias", True))
+    if count < 0:
+        raise ValueError("experts: a 'custom' expert module cannot be sharded (count_per_node must be > 0)")
+    if "module" not in experts:
+        raise ValueError("experts: 'module' is required for type 'custom'")
+    module = experts.pop("module")
+    rest = {kk: v for kk, v in experts.items() if kk not in ("type", "count_per_node")}
+    if isinstance(module, type) and issubclass(module, nn.Module):
+        return {"experts": module(model_dim=model_dim, local_experts=count, sharded_count=1, **rest)}
+    if isinstance(module, nn.Module) or callable(module):
+        if rest:
+            raise ValueError(f"experts: unknown key(s) {sorted(rest)} for a module instance or factory; known "
+                             f"keys: {list(CUSTOM_EXPERT_KEYS)}")
+        return {"experts": module}
+    raise TypeError(f"experts['module'] must be an nn.Module class, instance or factory, got "
+                    f"{type(module).__name__}")
