@@ -1,14 +1,8 @@
-"""The layer's view of the communicator: only the public :class:`moecomm.Communicator` API.
-
-Feature detection (``algorithm=``, ``scatter_compute_gather``) is done by introspection,
-so the layer runs on a core with or without them and says so when a caller asks for one
-that is missing (never silently ignoring it).
-"""
+"""The layer's view of the communicator: only the public :class:`moecomm.Communicator` API
+of the core it ships with."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any, Optional, Sequence
 
 import torch
@@ -16,8 +10,7 @@ import torch
 import moecomm
 from moecomm.hierarchical import ALGORITHMS
 
-__all__ = ["resolve_comm", "a2a_accepts_algorithm", "has_scatter_compute_gather", "has_own_first", "AllToAll", "all_to_all",
-           "allreduce_max", "allreduce_sum_", "ALGORITHMS"]
+__all__ = ["resolve_comm", "AllToAll", "all_to_all", "allreduce_max", "allreduce_sum_", "ALGORITHMS"]
 
 
 def resolve_comm(comm: Any) -> "moecomm.Communicator":
@@ -47,42 +40,9 @@ def resolve_comm(comm: Any) -> "moecomm.Communicator":
     )
 
 
-def _accepts(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-@functools.lru_cache(maxsize=None)
-def _method_accepts(cls: type, method: str, name: str) -> bool:
-    """Cache: introspection costs more than issuing an exchange, and the layer asks on every one."""
-    return _accepts(getattr(cls, method), name)
-
-
-def a2a_accepts_algorithm(comm: "moecomm.Communicator") -> bool:
-    return _method_accepts(type(comm), "all_to_all_v", "algorithm")
-
-
-def has_scatter_compute_gather(comm: "moecomm.Communicator") -> bool:
-    return callable(getattr(comm, "scatter_compute_gather", None))
-
-
-def has_own_first(comm: "moecomm.Communicator") -> bool:
-    return has_scatter_compute_gather(comm) and _method_accepts(type(comm), "scatter_compute_gather", "own_first")
-
-
 def _a2a_kwargs(comm: "moecomm.Communicator", algorithm: Optional[str]) -> dict:
-    if algorithm is None:
-        return {}
-    if a2a_accepts_algorithm(comm):
-        return {"algorithm": algorithm}
-    if algorithm == "flat":  # what every core does
-        return {}
-    raise ValueError(
-        f"algorithm={algorithm!r}: this moecomm core's Communicator.all_to_all_v has no 'algorithm' "
-        f"argument (only the flat all-to-all is available); pass algorithm=None or 'flat'"
-    )
+    """``algorithm=`` for ``comm.all_to_all_v`` (None: the core's default)."""
+    return {} if algorithm is None else {"algorithm": algorithm}
 
 
 class AllToAll(torch.autograd.Function):
@@ -139,7 +99,6 @@ def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, alg
     kw: dict = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
     if own_first:
         kw["own_first"] = True
-        if _method_accepts(type(comm), "scatter_compute_gather", "own_split"):
-            kw["own_split"] = 1.0  # all own rows first: each stage's rows stay whole [experts][capacity] blocks
+        kw["own_split"] = 1.0  # all own rows first: each stage's rows stay whole [experts][capacity] blocks
     return comm.scatter_compute_gather(send, list(send_splits), fn, degree=degree, recv_splits=list(recv_splits),
                                        algorithm=algorithm, **kw)

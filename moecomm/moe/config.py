@@ -201,31 +201,19 @@ def _check_algorithm_value(algorithm: Optional[str]) -> None:
 
 
 def check_degree(comm: Any, degree: Any) -> Union[int, str]:
-    """``overlap_degree``: 1 to 16 or ``'auto'``, and possible on ``comm``'s core."""
+    """``overlap_degree``: 1 to 16 or ``'auto'``."""
     _check_degree_value(degree)
-    if degree != 1 and not _comm.has_scatter_compute_gather(comm):
-        raise ValueError(f"overlap_degree={degree!r}: this moecomm core has no "
-                         f"Communicator.scatter_compute_gather; only overlap_degree=1 is possible")
     return degree
 
 
 def check_own_first(comm: Any, own_first: Any) -> Union[bool, str]:
-    """``own_first``: a bool or ``'auto'`` (False where ``comm``'s core cannot put its own rows first)."""
+    """``own_first``: a bool or ``'auto'``."""
     _check_own_first_value(own_first)
-    if own_first and not _comm.has_own_first(comm):
-        if own_first == "auto":
-            return False
-        raise ValueError("own_first=True: this moecomm core's Communicator.scatter_compute_gather has no "
-                         "own_first argument; pass own_first=False")
     return own_first
 
 
 def check_algorithm(comm: Any, algorithm: Optional[str]) -> Optional[str]:
-    """``algorithm``: None or one of ``ALGORITHMS``, and accepted by ``comm``'s core."""
-    if algorithm is None:
-        return None
-    _check_algorithm_value(algorithm)
-    if algorithm != "flat" and not _comm.a2a_accepts_algorithm(comm):
-        raise ValueError(f"algorithm={algorithm!r}: this moecomm core has no 'algorithm' argument in "
-                         f"Communicator.all_to_all_v (only 'flat' or None is possible)")
+    """``algorithm``: None or one of ``ALGORITHMS``."""
+    if algorithm is not None:
+        _check_algorithm_value(algorithm)
     return algorithm
