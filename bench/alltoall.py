@@ -52,7 +52,6 @@ from ._topology import RankZeroParser, parse_bytes
 __all__ = ["main", "parse_size", "count_matrix", "plan_sizes", "build_parser"]
 
 
-
 def parse_size(text: str) -> int:
     """'64K' -> 65536 (binary units, like nccl-tests); sizes must be > 0."""
     try:

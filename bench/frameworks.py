@@ -49,7 +49,6 @@ from ._common import DTYPES, FLOAT_DTYPES, prog
 __all__ = ["main", "build_parser"]
 
 
-
 def _size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper()

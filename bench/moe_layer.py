@@ -47,7 +47,6 @@ from .host_profile import host_profile, sync_report
 __all__ = ["main", "build_parser"]
 
 
-
 def _own_first(text: str) -> list:
     values = [v.strip() for v in text.split(",")]
     if not values or any(v not in ("0", "1", "auto") for v in values):

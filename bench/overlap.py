@@ -60,7 +60,6 @@ from .host_profile import host_profile, sync_report
 __all__ = ["main", "build_parser"]
 
 
-
 def _parse_degrees(text: str) -> list:
     out: list = []
     for part in text.split(","):

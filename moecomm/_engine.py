@@ -39,6 +39,7 @@ def warn_if_graph_lost(t: Any, op: str) -> None:
                       f"autograd graph; use moecomm.functional.all_to_all_v (or .detach() the input to silence "
                       f"this)", UserWarning, stacklevel=3)
 
+
 class Engine:
     """One backend with its pool, timeout and count buffers, and the primitives built on them.
 

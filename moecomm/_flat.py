@@ -35,7 +35,6 @@ NCCL's grouped send/recv is as fast or faster (bench/results/README.md). The sta
 experts matters more."""
 
 
-
 def _on_gpu(splits: Any) -> bool:
     return isinstance(splits, torch.Tensor) and splits.device.type != "cpu"
 
@@ -165,6 +164,7 @@ def start_records(engine: Engine, check: PeerCheck) -> Optional[tuple]:
     theirs = torch.empty_like(mine)
     return engine.backend.alltoall(mine, theirs), mine, theirs
 
+
 def settle(engine: Engine, records: Optional[tuple]) -> None:
     """Records from :func:`start_records` that no request took over (the call failed
     after sending them): wait for them, as every rank sends its records first, so that
@@ -175,6 +175,7 @@ def settle(engine: Engine, records: Optional[tuple]) -> None:
         engine.wait_host(records[0], "count records (of a call that failed)", None)
     except BaseException:  # noqa: BLE001 - the caller's error is the one to report
         engine.keep(records)
+
 
 def exchange_records(engine: Engine, check: PeerCheck, counts: Optional[torch.Tensor] = None
                      ) -> tuple[list[int], list[int], list[str], bool]:
@@ -189,6 +190,7 @@ def exchange_records(engine: Engine, check: PeerCheck, counts: Optional[torch.Te
         check.sent = [[mine[p * n]] for p in range(engine.size)]
     theirs, issues, stuck = check.compare(got)
     return [s[0] for s in check.sent], [t[0] for t in theirs], issues, stuck
+
 
 def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
                          row_bytes: int) -> tuple[torch.Tensor, list[int], list[int], Request]:
@@ -212,6 +214,7 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
     out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     request.join()  # (the kernels ran on the caller's stream: nothing to order)
     return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes)
+
 
 def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],
               check: Optional[PeerCheck] = None, issues: Optional[list[str]] = None,

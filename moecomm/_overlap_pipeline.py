@@ -335,7 +335,6 @@ class Collect(torch.autograd.Function):
         return (None,) + tuple(run.token() for _ in range(run.plan.stages))
 
 
-
 def run_pipeline(run: Run, x: torch.Tensor, fn: Fn) -> torch.Tensor:
     """Issue every stage's scatter, run ``fn`` on each stage as it arrives and send its result
     home; the output (differentiable through the four functions above)."""

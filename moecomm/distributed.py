@@ -24,6 +24,7 @@ from .splits import Splits
 
 __all__ = ["all_to_all_single", "all_to_all", "communicator_for"]
 
+
 def __getattr__(name: str) -> Any:
     import torch.distributed as dist
 

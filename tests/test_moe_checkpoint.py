@@ -12,7 +12,6 @@ import torch
 from tests.mpi_util import ROOT, run_ranks
 
 
-
 def cli(*args, ok=True):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "moecomm.moe.checkpoint", *args], cwd=ROOT, env=env,

@@ -10,7 +10,6 @@ import pytest
 from tests.mpi_util import run_ranks
 
 
-
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_layer_matches_dense_reference(nprocs):
     out = run_ranks(nprocs, "tests.ranks.moe_layer_checks", "all")

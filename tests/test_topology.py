@@ -24,7 +24,6 @@ def _png_pixels(path):
     return matplotlib.image.imread(str(path))
 
 
-
 def test_fits_recover_parameters():
     alpha, msg, beta = 20e-6, 3e-6, 5e9
     pts = [(p, m, alpha + (p - 1) * (msg + m / beta)) for p in (2, 8) for m in (256, 4096, 1 << 16, 1 << 20)]

@@ -195,7 +195,6 @@ def _check_header(ck: dict, path: str) -> None:
                           f"{El if S == 1 else 1} expert(s) on this rank (world_size={W}, num_experts={E})")
 
 
-
 def layout(num_experts: int, size: int, what: str) -> tuple[int, int]:
     """``(local experts, shards per expert)`` of ``num_experts`` over ``size`` ranks; ValueError if impossible."""
     if num_experts >= size:

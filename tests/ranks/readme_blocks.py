@@ -76,7 +76,6 @@ def main(argv: list[str]) -> None:
     rank, size = _launcher_rank_size()
     torchrun_vars = {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    import torch
 
     blocks = [(path, line, code) for path in readmes for line, code in code_blocks(path, "python")]
     ran = skipped = 0
