@@ -12,6 +12,9 @@
 //   dequantize_rows(q[N,D] uint8, scales, wire, block, dtype) -> [N,D] dtype
 //   quantize_pack(x[N,D], wire, block, row_bytes)      -> [N,row_bytes] uint8
 //   unpack_dequantize(p[N,row_bytes], D, wire, block, dtype, out?) -> [N,D] dtype (into out if given)
+//   gather_quantize_pack(x[N,D], index[M], scale[M]?, wire, block, row_bytes) -> [M,row_bytes] uint8:
+//     quantize_pack of moecomm_ext.reference.gather_rows(x, index, scale) (row m: x[index[m]],
+//     times scale[m] in float32 rounded to x's dtype; zeros where index[m] == -1), in one pass
 // wire: 0 = float8_e4m3fn, 1 = float8_e5m2.  Packed row: D fp8 bytes, zeros to a multiple
 // of 4, nb float32 scales, zeros to row_bytes.
 
@@ -29,6 +32,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -443,6 +447,67 @@ at::Tensor quantize_pack(const at::Tensor& x, int64_t wire, int64_t block, int64
   return p;
 }
 
+template <typename fp8_t>
+void gather_quantize_into(const at::Tensor& x, const int64_t* index, const float* row_scale, int64_t m,
+                          int64_t block, uint8_t* p, int64_t row_bytes) {
+  using W = WireOf<fp8_t>;
+  const int64_t d = x.size(1), nb = num_blocks(d, block), soff = scale_offset(d);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gather_quantize_pack", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int level = simd_level();
+    const auto row_fn = level == 2 ? &quantize_row_avx512<scalar_t, W>
+                        : level == 1 ? &quantize_row_avx2<scalar_t, W> : &quantize_row_base<scalar_t, W>;
+    const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, d * static_cast<int64_t>(sizeof(scalar_t))));
+    at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) {
+      std::vector<scalar_t> row(d);  // a scaled or a missing row
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t src = index[r];
+        TORCH_CHECK(src >= -1 && src < x.size(0), "gather_quantize_pack: index[", r, "] = ", src,
+                    " is outside [-1, ", x.size(0), ")");
+        const scalar_t* xr = xp + src * d;
+        if (src < 0) {
+          std::fill(row.begin(), row.end(), static_cast<scalar_t>(0.0f));
+          xr = row.data();
+        } else if (row_scale != nullptr) {
+          for (int64_t i = 0; i < d; ++i) store(row.data(), i, load(xr, i) * row_scale[r]);
+          xr = row.data();
+        }
+        uint8_t* pr = p + r * row_bytes;
+        row_fn(xr, d, block, pr, pr + soff);
+        std::memset(pr + d, 0, soff - d);
+        std::memset(pr + soff + 4 * nb, 0, row_bytes - soff - 4 * nb);
+      }
+    });
+  });
+}
+
+at::Tensor gather_quantize_pack(const at::Tensor& x, const at::Tensor& index, const std::optional<at::Tensor>& scale,
+                                int64_t wire, int64_t block, int64_t row_bytes) {
+  check_x(x, "gather_quantize_pack");
+  check_wire_block(wire, block, "gather_quantize_pack");
+  TORCH_CHECK(index.device().is_cpu() && index.dim() == 1 && index.is_contiguous() && index.scalar_type() == at::kLong,
+              "gather_quantize_pack: 'index' must be a contiguous 1-D int64 CPU tensor");
+  const int64_t m = index.size(0), d = x.size(1);
+  const float* sp = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->device().is_cpu() && scale->dim() == 1 && scale->size(0) == m && scale->is_contiguous() &&
+                    scale->scalar_type() == at::kFloat,
+                "gather_quantize_pack: 'scale' must be a contiguous float32 [M] CPU tensor");
+    sp = scale->data_ptr<float>();
+  }
+  TORCH_CHECK(d == 0 ? row_bytes == 0 : row_bytes >= scale_offset(d) + 4 * num_blocks(d, block),
+              "gather_quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+  at::Tensor p = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
+  if (m == 0 || d == 0) return p;
+  const int64_t* ip = index.data_ptr<int64_t>();
+  if (wire == 0) {
+    gather_quantize_into<c10::Float8_e4m3fn>(x, ip, sp, m, block, p.data_ptr<uint8_t>(), row_bytes);
+  } else {
+    gather_quantize_into<c10::Float8_e5m2>(x, ip, sp, m, block, p.data_ptr<uint8_t>(), row_bytes);
+  }
+  return p;
+}
+
 at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, int64_t wire, int64_t block,
                            at::ScalarType dtype) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte,
@@ -500,6 +565,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moecomm_ext CPU FP8 row quantization (moecomm.quant)";
   m.def("quantize_rows", &quantize_rows, "(q uint8 [N,D], scales float32 [N,nb])", py::arg("x"),
         py::arg("wire"), py::arg("block"));
+  m.def("gather_quantize_pack", &gather_quantize_pack, "[M,row_bytes] uint8: the rows x[index] (* scale) packed",
+        py::arg("x"), py::arg("index"), py::arg("scale"), py::arg("wire"), py::arg("block"), py::arg("row_bytes"));
   m.def("dequantize_rows", &dequantize_rows, "[N,D] dtype from q uint8 and scales", py::arg("q"),
         py::arg("scales"), py::arg("wire"), py::arg("block"), py::arg("dtype"));
   m.def("quantize_pack", &quantize_pack, "[N,row_bytes] uint8 packed rows", py::arg("x"), py::arg("wire"),
