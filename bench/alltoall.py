@@ -32,6 +32,9 @@ Methods (``--compare`` adds the last two):
 ``wire_dtype=``, quantization and dequantization included in the time. The ``wire``
 column gives the bytes a rank sends (rows as they travel: FP8 plus block scales for those
 methods), ``vs plain`` the time against the same method without ``wire_dtype``.
+On the CPU each rank runs torch with one intra-op thread unless ``--threads`` says
+otherwise: the quantization kernels run on those threads, and more threads than the cores
+the rank has to itself make them far slower (ranks of one host share its cores).
 """
 
 from __future__ import annotations
@@ -364,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")
     p.add_argument("--wire-dtype", choices=["float8_e4m3fn", "float8_e5m2"], default=None,
                    help="also time the exchanges with rows sent in this FP8 dtype (all_to_all_v(wire_dtype=))")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads per rank (the CPU quantization kernels of --wire-dtype use them); "
+                        "default 1 on the CPU, where ranks share the host's cores, torch's default on a GPU")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -374,7 +380,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.row_elems < 1:
         parser.error("need -b <= -e, -f >= 2, -n >= 1 and --row-elems >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     bench = Bench(args)
+    if args.threads is not None or not bench.cuda:
+        torch.set_num_threads(args.threads or 1)
     row_bytes = bench.row_bytes()
     plan = plan_sizes(args.minbytes, args.maxbytes, args.stepfactor, row_bytes)
     patterns = [p for p in args.patterns.split(",") if p]
@@ -395,7 +405,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if rank0:
         name = torch.cuda.get_device_name(bench.device) if bench.cuda else "cpu"
         header = (f"# moecomm all-to-all: {bench.comm.size} ranks, backend {bench.comm.backend}, {name}, "
-                  f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters, torch {torch.__version__}"
+                  f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters, torch {torch.__version__}, "
+                  f"{torch.get_num_threads()} torch thread(s) per rank"
                   + (f", wire dtype {args.wire_dtype}" if args.wire_dtype else ""))
         print(format_table(results, header), flush=True)
         bad = [r for r in results if not r["check"]]

@@ -21,7 +21,8 @@ pure-torch reference of this module (:func:`quantize_rows_reference`,
 :func:`dequantize_rows_reference`); both give the same bits.
 
 The *packed* form (:func:`pack_rows` / :func:`unpack_rows`) is what ``wire_dtype``
-exchanges send: one ``uint8`` row per input row holding the row's ``D`` FP8 bytes, zero
+exchanges send (:func:`gather_pack_rows`: the MoE dispatch gather and the packing in one
+pass): one ``uint8`` row per input row holding the row's ``D`` FP8 bytes, zero
 bytes up to a multiple of 4, its ``ceil(D / block)`` float32 scales (native byte order),
 and zero bytes up to a multiple of 16 (the peer-memory transport moves 16-byte vectors).
 """
@@ -44,6 +45,8 @@ __all__ = [
     "num_blocks",
     "packed_row_bytes",
     "pack_rows",
+    "gather_pack_rows",
+    "gather_pack_rows_reference",
     "unpack_rows",
     "check_wire_dtype",
     "check_block",
@@ -241,6 +244,38 @@ def pack_rows(x: torch.Tensor, wire_dtype: torch.dtype, block: int = 128, *,
         out[:, :d] = q.reshape(n, d).view(torch.uint8)
         out[:, off:off + 4 * scales.shape[1]] = scales.view(torch.uint8)
     return out
+
+
+def gather_pack_rows(x: torch.Tensor, index: torch.Tensor, wire_dtype: torch.dtype, block: int = 128, *,
+                     scale: Optional[torch.Tensor] = None, use_native: Optional[bool] = None) -> torch.Tensor:
+    """:func:`pack_rows` of the gathered rows ``x[index] * scale`` (the MoE dispatch gather,
+    :func:`moecomm_ext.gather_rows`) in one pass: the gathered rows are never written out.
+
+    ``x``: ``[N, *row_shape]`` contiguous float32/bfloat16/float16; ``index``: ``[M]`` int64
+    on ``x``'s device, entries in ``[-1, N)`` (``-1``: a zero row; the CPU kernel checks the
+    range, on a GPU it is the caller's promise); ``scale``: ``[M]`` floating or None (the
+    product is taken in float32 and rounded to ``x.dtype``, as ``gather_rows`` does).
+    Returns ``[M, packed_row_bytes(D, block)]`` uint8, equal to
+    :func:`gather_pack_rows_reference` bit for bit. No further validation (as :func:`pack_rows`).
+    """
+    n, d = x.shape[0], math.prod(x.shape[1:])
+    mod = _native(x.device.type, use_native)
+    if mod is None:
+        return gather_pack_rows_reference(x, index, wire_dtype, block, scale=scale)
+    s = None if scale is None else scale.to(torch.float32).contiguous()
+    return mod.gather_quantize_pack(x.reshape(n, d), index.contiguous(), s, _WIRE_CODE[wire_dtype], block,
+                                    packed_row_bytes(d, block))
+
+
+def gather_pack_rows_reference(x: torch.Tensor, index: torch.Tensor, wire_dtype: torch.dtype, block: int = 128, *,
+                               scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`gather_pack_rows` in plain torch: ``moecomm_ext.reference.gather_rows`` then
+    :func:`pack_rows` of the pure-torch reference."""
+    from moecomm_ext import reference
+
+    n, d = x.shape[0], math.prod(x.shape[1:])
+    rows = reference.gather_rows(x.reshape(n, d), index, scale)
+    return pack_rows(rows, wire_dtype, block, use_native=False)
 
 
 def unpack_rows(packed: torch.Tensor, row_shape: tuple, dtype: torch.dtype, wire_dtype: torch.dtype,

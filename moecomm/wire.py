@@ -23,7 +23,7 @@ from ._topology import Topology
 from .errors import CountMismatchError
 from .splits import Splits
 
-__all__ = ["WIRE_BLOCK", "start_all_to_all_v", "exchange_rows", "reverse_rows", "wire_bytes", "check_input"]
+__all__ = ["WIRE_BLOCK", "start_all_to_all_v", "start_packed_all_to_all_v", "exchange_rows", "reverse_rows", "wire_bytes", "check_input"]
 
 WIRE_BLOCK = 128
 """Elements per scale block of a ``wire_dtype`` exchange."""
@@ -76,15 +76,33 @@ def start_all_to_all_v(
     x = check_input(engine, input, wire_dtype)
     if engine.validate:
         cross_check(engine, x, wire_dtype, op)
-    row_shape = tuple(x.shape[1:])
     packed = quant.pack_rows(x, wire_dtype, WIRE_BLOCK)
+    return start_packed_all_to_all_v(engine, topology, packed, tuple(x.shape[1:]), x.dtype, send_splits, recv_splits,
+                                     algorithm, wire_dtype)
+
+
+def start_packed_all_to_all_v(
+    engine: Engine,
+    topology: Optional[Topology],
+    packed: torch.Tensor,
+    row_shape: tuple,
+    dtype: torch.dtype,
+    send_splits: Splits,
+    recv_splits: Optional[Splits],
+    algorithm: str,
+    wire_dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[int], list[int], Any, Any]:
+    """As :func:`start_all_to_all_v` for rows already packed (``[N, packed_row_bytes(D)]``
+    uint8 from :func:`moecomm.quant.pack_rows` or :func:`moecomm.quant.gather_pack_rows`
+    with block :data:`WIRE_BLOCK`; the caller's checks): the output is
+    ``[sum(recv), *row_shape]`` in ``dtype``."""
     landing, send, recv, request = hierarchical.start_all_to_all_v(engine, topology, packed, send_splits, recv_splits,
                                                                    algorithm)
-    out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+    out = torch.empty((sum(recv),) + tuple(row_shape), dtype=dtype, device=packed.device)
 
     def unpack() -> None:
         if out.numel():
-            quant.unpack_rows(landing, row_shape, x.dtype, wire_dtype, WIRE_BLOCK, out=out)
+            quant.unpack_rows(landing, row_shape, dtype, wire_dtype, WIRE_BLOCK, out=out)
 
     return out, send, recv, engine.then(request, unpack), getattr(request, "plan", None)
 

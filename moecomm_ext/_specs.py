@@ -29,7 +29,8 @@ KINDS = (CPU, CUDA, QUANT_CPU, QUANT_CUDA)
 CUDA_KINDS = (CUDA, QUANT_CUDA)  # need nvcc and a torch with CUDA
 
 HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
-_QUANT_FUNCTIONS = ("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize")
+_QUANT_FUNCTIONS = ("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize",
+                    "gather_quantize_pack")
 
 
 @dataclass(frozen=True)

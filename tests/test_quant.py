@@ -257,3 +257,64 @@ def test_empty_and_strided_rows(native):
     q, s = quant.quantize_rows(x, torch.float8_e5m2, use_native=native)
     q2, s2 = quant.quantize_rows_reference(x.contiguous(), torch.float8_e5m2)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+
+
+# -- the dispatch gather fused with the packing -----------------------------------------------
+
+def _gather_case(seed: int, n: int, m: int, d: int, dtype: torch.dtype, scale_dtype, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, d, generator=g) * torch.logspace(-2, 2, n).unsqueeze(1)).to(dtype)
+    if n and d > 128:
+        x[0, :128] = 0  # a zero block
+    index = torch.randint(-1, max(n, 1), (m,), generator=g) if n else torch.full((m,), -1)
+    scale = None if scale_dtype is None else (torch.rand(m, generator=g) * 3 - 1).to(scale_dtype)
+    to = (lambda t: None if t is None else t.to(device))
+    return x.to(device), index.to(device), to(scale)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(0, 5), m=st.integers(0, 7),
+       d=st.sampled_from([1, 100, 128, 129, 300]), dtype=st.sampled_from(DTYPES), wire=st.sampled_from(WIRES),
+       scale_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float64]))
+def test_gather_pack_rows_matches_reference(seed, n, m, d, dtype, wire, scale_dtype):
+    import moecomm_ext
+
+    x, index, scale = _gather_case(seed, n, m, d, dtype, scale_dtype)
+    want = quant.gather_pack_rows_reference(x, index, wire, scale=scale)
+    assert want.shape == (m, quant.packed_row_bytes(d))
+    # the reference is the composition it stands for
+    gathered = moecomm_ext.gather_rows(x, index, scale, use_native=False)
+    assert torch.equal(want, quant.pack_rows(gathered, wire, use_native=False))
+    for native in (True, False):
+        assert torch.equal(quant.gather_pack_rows(x, index, wire, scale=scale, use_native=native), want)
+    # against what the layer does unfused: the native dispatch gather, then the native packing
+    assert torch.equal(quant.pack_rows(moecomm_ext.gather_rows(x, index, scale, use_native=True), wire), want)
+
+
+def test_gather_pack_rows_bad_index():
+    x = torch.randn(4, 130)
+    with pytest.raises(RuntimeError, match="index"):
+        quant.gather_pack_rows(x, torch.tensor([0, 4]), torch.float8_e4m3fn, use_native=True)
+    with pytest.raises(RuntimeError, match="index"):
+        quant.gather_pack_rows(x, torch.tensor([-2]), torch.float8_e4m3fn, use_native=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("scale_dtype", [None, torch.float32, torch.bfloat16])
+def test_cuda_gather_pack_rows_matches_reference(dtype, wire, scale_dtype):
+    import moecomm_ext
+    from moecomm_ext._quant import quant_module
+
+    assert quant_module("cuda", True) is not None, "the CUDA quantization extension did not build"
+    for seed, n, m, d in [(1, 300, 1000, 2048), (2, 7, 33, 129), (3, 5, 0, 64), (4, 0, 9, 300)]:
+        x, index, scale = _gather_case(seed, n, m, d, dtype, scale_dtype, "cuda")
+        want = quant.gather_pack_rows_reference(x.cpu(), index.cpu(), wire, scale=None if scale is None else scale.cpu())
+        got = quant.gather_pack_rows(x, index, wire, scale=scale, use_native=True)
+        assert got.is_cuda and torch.equal(got.cpu(), want)
+        # the CUDA reference path and the unfused CUDA kernels give the same bytes
+        assert torch.equal(quant.gather_pack_rows(x, index, wire, scale=scale, use_native=False).cpu(), want)
+        unfused = quant.pack_rows(moecomm_ext.gather_rows(x, index, scale, use_native=True), wire)
+        assert torch.equal(unfused.cpu(), want)

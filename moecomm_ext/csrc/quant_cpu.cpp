@@ -12,6 +12,9 @@
 //   dequantize_rows(q[N,D] uint8, scales, wire, block, dtype) -> [N,D] dtype
 //   quantize_pack(x[N,D], wire, block, row_bytes)      -> [N,row_bytes] uint8
 //   unpack_dequantize(p[N,row_bytes], D, wire, block, dtype, out?) -> [N,D] dtype (into out if given)
+//   gather_quantize_pack(x[N,D], index[M], scale[M]?, wire, block, row_bytes) -> [M,row_bytes] uint8:
+//     quantize_pack of moecomm_ext.reference.gather_rows(x, index, scale) (row m: x[index[m]],
+//     times scale[m] in float32 rounded to x's dtype; zeros where index[m] == -1), in one pass
 // wire: 0 = float8_e4m3fn, 1 = float8_e5m2.  Packed row: D fp8 bytes, zeros to a multiple
 // of 4, nb float32 scales, zeros to row_bytes.
 
@@ -29,6 +32,11 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -57,14 +65,21 @@ MOECOMM_INLINE float u2f(uint32_t u) {
 // vectorize; tests/test_quant.py compares them with torch's casts.
 struct E4M3 {
   static constexpr float kMax = 448.0f;
+  // The encoder's constants, for the AVX-512 version (avx512::encode16) as well:
+  static constexpr uint32_t kSubMagic = 141u << 23, kSubBelow = 121u << 23, kBigFrom = 1087u << 20;
+  static constexpr uint32_t kRound = (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu, kShift = 20, kBig = 0x7Eu;
+  // The decoder's: value bits = (code & 0x7F) << kShift, plus kNormalBias (normal) or
+  // kSubBias minus kSubOffset as a float (subnormal: exact by Sterbenz).
+  static constexpr uint32_t kNormalBias = 120u << 23, kSubBias = 121u << 23, kSubCodes = 8u;
+  static constexpr float kSubOffset = 0x1p-6f;
   static MOECOMM_INLINE uint8_t encode(float f) {
     uint32_t b = f2u(f);
     const uint32_t sign = b & 0x80000000u;
     b ^= sign;
-    const uint32_t sub = f2u(u2f(b) + u2f(141u << 23)) - (141u << 23);
-    const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
-    const uint32_t big = b > 0x7F800000u ? 0x7Fu : 0x7Eu;
-    const uint32_t r = b >= (1087u << 20) ? big : (b < (121u << 23) ? sub : normal);
+    const uint32_t sub = f2u(u2f(b) + u2f(kSubMagic)) - kSubMagic;
+    const uint32_t normal = (b + kRound + ((b >> kShift) & 1u)) >> kShift;
+    const uint32_t big = b > 0x7F800000u ? 0x7Fu : kBig;
+    const uint32_t r = b >= kBigFrom ? big : (b < kSubBelow ? sub : normal);
     return static_cast<uint8_t>(r | (sign >> 24));
   }
   static MOECOMM_INLINE float decode(uint32_t c) {
@@ -79,14 +94,18 @@ struct E4M3 {
 
 struct E5M2 {
   static constexpr float kMax = 57344.0f;
+  static constexpr uint32_t kSubMagic = 134u << 23, kSubBelow = 113u << 23, kBigFrom = 143u << 23;
+  static constexpr uint32_t kRound = (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu, kShift = 21, kBig = 0x7Cu;
+  static constexpr uint32_t kNormalBias = 112u << 23, kSubBias = 113u << 23, kSubCodes = 4u;
+  static constexpr float kSubOffset = 0x1p-14f;
   static MOECOMM_INLINE uint8_t encode(float f) {
     uint32_t b = f2u(f);
     const uint32_t sign = b & 0x80000000u;
     b ^= sign;
-    const uint32_t sub = f2u(u2f(b) + u2f(134u << 23)) - (134u << 23);
-    const uint32_t normal = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu + ((b >> 21) & 1u)) >> 21;
-    const uint32_t big = b > (255u << 23) ? 0x7Fu : 0x7Cu;
-    const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? sub : normal);
+    const uint32_t sub = f2u(u2f(b) + u2f(kSubMagic)) - kSubMagic;
+    const uint32_t normal = (b + kRound + ((b >> kShift) & 1u)) >> kShift;
+    const uint32_t big = b > (255u << 23) ? 0x7Fu : kBig;
+    const uint32_t r = b >= kBigFrom ? big : (b < kSubBelow ? sub : normal);
     return static_cast<uint8_t>(r | (sign >> 24));
   }
   static MOECOMM_INLINE float decode(uint32_t c) {
@@ -164,18 +183,147 @@ MOECOMM_INLINE void dequantize_row_body(const uint8_t* q, const uint8_t* s, int6
   }
 }
 
-// Each row function three times: for AVX-512 and for AVX2 (chosen at run time where the CPU
-// has them; no FMA, so the arithmetic is the same) and for the baseline ISA.
+// Each row function three times: for AVX-512 (explicit vectors below: what the compiler
+// made of the loops above ran about half as fast) and for AVX2 (chosen at run time where the
+// CPU has them) and for the baseline ISA. No FMA anywhere, so the arithmetic is the same.
 #define MOECOMM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,prefer-vector-width=512")))
+#if defined(__x86_64__)
+namespace avx512 {
+
+MOECOMM_AVX512 MOECOMM_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+MOECOMM_AVX512 MOECOMM_INLINE __m512 load16(const c10::BFloat16* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+MOECOMM_AVX512 MOECOMM_INLINE __m512 load16(const c10::Half* p) {  // exact, as c10's conversion
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+MOECOMM_AVX512 MOECOMM_INLINE void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+MOECOMM_AVX512 MOECOMM_INLINE void store16(c10::BFloat16* p, __m512 v) {  // as store() above
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+MOECOMM_AVX512 MOECOMM_INLINE void store16(c10::Half* p, __m512 v) {  // IEEE round to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// W::encode on 16 lanes
+template <typename W>
+MOECOMM_AVX512 MOECOMM_INLINE __m128i encode16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i b = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i magic = _mm512_set1_epi32(static_cast<int>(W::kSubMagic));
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(magic))), magic);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, W::kShift), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(static_cast<int>(W::kRound))), lsb), W::kShift);
+  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(b, _mm512_set1_epi32(static_cast<int>(W::kSubBelow)));
+  const __mmask16 is_big = _mm512_cmpge_epu32_mask(b, _mm512_set1_epi32(static_cast<int>(W::kBigFrom)));
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(b, _mm512_set1_epi32(0x7F800000));
+  __m512i r = _mm512_mask_blend_epi32(is_sub, normal, sub);
+  r = _mm512_mask_blend_epi32(is_big, r, _mm512_set1_epi32(static_cast<int>(W::kBig)));
+  r = _mm512_mask_blend_epi32(is_nan, r, _mm512_set1_epi32(0x7F));
+  r = _mm512_or_si512(r, _mm512_srli_epi32(_mm512_andnot_si512(_mm512_set1_epi32(0x7FFFFFFF), bits), 24));
+  return _mm512_cvtepi32_epi8(r);
+}
+
+// W::decode on 16 codes
+template <typename W>
+MOECOMM_AVX512 MOECOMM_INLINE __m512 decode16(__m128i codes) {
+  const __m512i c = _mm512_cvtepu8_epi32(codes);
+  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+  const __m512i sh = _mm512_slli_epi32(mag, W::kShift);
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(sh, _mm512_set1_epi32(static_cast<int>(W::kNormalBias))));
+  const __m512 sub = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_add_epi32(sh, _mm512_set1_epi32(static_cast<int>(W::kSubBias)))),
+                                   _mm512_set1_ps(W::kSubOffset));
+  __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(static_cast<int>(W::kSubCodes))),
+                                  normal, sub);
+  if constexpr (std::is_same<W, E4M3>::value) {
+    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), v,
+                             _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  } else {
+    v = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7C)), v,
+                             _mm512_castsi512_ps(_mm512_set1_epi32(0x7F800000)));
+    v = _mm512_mask_blend_ps(_mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7C)), v,
+                             _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  }
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+
+template <typename T>
+constexpr bool kVectorized = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value ||
+                             std::is_same<T, c10::Half>::value;  // (double is dispatched, never called)
+
+}  // namespace avx512
+
 template <typename scalar_t, typename W>
 MOECOMM_AVX512 void quantize_row_avx512(const scalar_t* x, int64_t d, int64_t block, uint8_t* q, uint8_t* s) {
-  quantize_row_body<scalar_t, W>(x, d, block, q, s);
+  if constexpr (!avx512::kVectorized<scalar_t>) {
+    quantize_row_body<scalar_t, W>(x, d, block, q, s);
+    return;
+  } else {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  for (int64_t b0 = 0, k = 0; b0 < d; b0 += block, ++k) {
+    const int64_t len = std::min(d - b0, block), full = len & ~int64_t{15};
+    const scalar_t* xb = x + b0;
+    __m512i m = _mm512_setzero_si512();
+    for (int64_t i = 0; i < full; i += 16) {
+      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(avx512::load16(xb + i)), abs_mask));
+    }
+    uint32_t amax_bits = _mm512_reduce_max_epu32(m);
+    for (int64_t i = full; i < len; ++i) amax_bits = std::max(amax_bits, abs_bits(xb, i));
+    const float amax = u2f(amax_bits);
+    const float scale = amax == 0.0f ? 1.0f : amax / W::kMax;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    uint8_t* qb = q + b0;
+    for (int64_t i = 0; i < full; i += 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i),
+                       avx512::encode16<W>(_mm512_div_ps(avx512::load16(xb + i), vscale)));
+    }
+    for (int64_t i = full; i < len; ++i) qb[i] = W::encode(load(xb, i) / scale);
+    std::memcpy(s + 4 * k, &scale, 4);
+  }
+  }
 }
 template <typename scalar_t, typename W>
 MOECOMM_AVX512 void dequantize_row_avx512(const uint8_t* q, const uint8_t* s, int64_t d, int64_t block,
                                           scalar_t* out) {
+  if constexpr (!avx512::kVectorized<scalar_t>) {
+    dequantize_row_body<scalar_t, W>(q, s, d, block, out);
+    return;
+  } else {
+  for (int64_t b0 = 0, k = 0; b0 < d; b0 += block, ++k) {
+    const int64_t len = std::min(d - b0, block), full = len & ~int64_t{15};
+    float scale;
+    std::memcpy(&scale, s + 4 * k, 4);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const uint8_t* qb = q + b0;
+    for (int64_t i = 0; i < full; i += 16) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + i));
+      avx512::store16(out + b0 + i, _mm512_mul_ps(avx512::decode16<W>(codes), vscale));
+    }
+    for (int64_t i = full; i < len; ++i) store(out + b0, i, W::decode(qb[i]) * scale);
+  }
+  }
+}
+#else
+template <typename scalar_t, typename W>
+void quantize_row_avx512(const scalar_t* x, int64_t d, int64_t block, uint8_t* q, uint8_t* s) {
+  quantize_row_body<scalar_t, W>(x, d, block, q, s);
+}
+template <typename scalar_t, typename W>
+void dequantize_row_avx512(const uint8_t* q, const uint8_t* s, int64_t d, int64_t block, scalar_t* out) {
   dequantize_row_body<scalar_t, W>(q, s, d, block, out);
 }
+#endif
 template <typename scalar_t, typename W>
 __attribute__((target("avx2"))) void quantize_row_avx2(const scalar_t* x, int64_t d, int64_t block, uint8_t* q,
                                                        uint8_t* s) {
@@ -299,6 +447,67 @@ at::Tensor quantize_pack(const at::Tensor& x, int64_t wire, int64_t block, int64
   return p;
 }
 
+template <typename fp8_t>
+void gather_quantize_into(const at::Tensor& x, const int64_t* index, const float* row_scale, int64_t m,
+                          int64_t block, uint8_t* p, int64_t row_bytes) {
+  using W = WireOf<fp8_t>;
+  const int64_t d = x.size(1), nb = num_blocks(d, block), soff = scale_offset(d);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gather_quantize_pack", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int level = simd_level();
+    const auto row_fn = level == 2 ? &quantize_row_avx512<scalar_t, W>
+                        : level == 1 ? &quantize_row_avx2<scalar_t, W> : &quantize_row_base<scalar_t, W>;
+    const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, d * static_cast<int64_t>(sizeof(scalar_t))));
+    at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) {
+      std::vector<scalar_t> row(d);  // a scaled or a missing row
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t src = index[r];
+        TORCH_CHECK(src >= -1 && src < x.size(0), "gather_quantize_pack: index[", r, "] = ", src,
+                    " is outside [-1, ", x.size(0), ")");
+        const scalar_t* xr = xp + src * d;
+        if (src < 0) {
+          std::fill(row.begin(), row.end(), static_cast<scalar_t>(0.0f));
+          xr = row.data();
+        } else if (row_scale != nullptr) {
+          for (int64_t i = 0; i < d; ++i) store(row.data(), i, load(xr, i) * row_scale[r]);
+          xr = row.data();
+        }
+        uint8_t* pr = p + r * row_bytes;
+        row_fn(xr, d, block, pr, pr + soff);
+        std::memset(pr + d, 0, soff - d);
+        std::memset(pr + soff + 4 * nb, 0, row_bytes - soff - 4 * nb);
+      }
+    });
+  });
+}
+
+at::Tensor gather_quantize_pack(const at::Tensor& x, const at::Tensor& index, const std::optional<at::Tensor>& scale,
+                                int64_t wire, int64_t block, int64_t row_bytes) {
+  check_x(x, "gather_quantize_pack");
+  check_wire_block(wire, block, "gather_quantize_pack");
+  TORCH_CHECK(index.device().is_cpu() && index.dim() == 1 && index.is_contiguous() && index.scalar_type() == at::kLong,
+              "gather_quantize_pack: 'index' must be a contiguous 1-D int64 CPU tensor");
+  const int64_t m = index.size(0), d = x.size(1);
+  const float* sp = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->device().is_cpu() && scale->dim() == 1 && scale->size(0) == m && scale->is_contiguous() &&
+                    scale->scalar_type() == at::kFloat,
+                "gather_quantize_pack: 'scale' must be a contiguous float32 [M] CPU tensor");
+    sp = scale->data_ptr<float>();
+  }
+  TORCH_CHECK(d == 0 ? row_bytes == 0 : row_bytes >= scale_offset(d) + 4 * num_blocks(d, block),
+              "gather_quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+  at::Tensor p = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
+  if (m == 0 || d == 0) return p;
+  const int64_t* ip = index.data_ptr<int64_t>();
+  if (wire == 0) {
+    gather_quantize_into<c10::Float8_e4m3fn>(x, ip, sp, m, block, p.data_ptr<uint8_t>(), row_bytes);
+  } else {
+    gather_quantize_into<c10::Float8_e5m2>(x, ip, sp, m, block, p.data_ptr<uint8_t>(), row_bytes);
+  }
+  return p;
+}
+
 at::Tensor dequantize_rows(const at::Tensor& q, const at::Tensor& s, int64_t wire, int64_t block,
                            at::ScalarType dtype) {
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kByte,
@@ -356,6 +565,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moecomm_ext CPU FP8 row quantization (moecomm.quant)";
   m.def("quantize_rows", &quantize_rows, "(q uint8 [N,D], scales float32 [N,nb])", py::arg("x"),
         py::arg("wire"), py::arg("block"));
+  m.def("gather_quantize_pack", &gather_quantize_pack, "[M,row_bytes] uint8: the rows x[index] (* scale) packed",
+        py::arg("x"), py::arg("index"), py::arg("scale"), py::arg("wire"), py::arg("block"), py::arg("row_bytes"));
   m.def("dequantize_rows", &dequantize_rows, "[N,D] dtype from q uint8 and scales", py::arg("q"),
         py::arg("scales"), py::arg("wire"), py::arg("block"), py::arg("dtype"));
   m.def("quantize_pack", &quantize_pack, "[N,row_bytes] uint8 packed rows", py::arg("x"), py::arg("wire"),

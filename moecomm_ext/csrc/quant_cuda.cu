@@ -1,7 +1,10 @@
 // CUDA kernels of moecomm.quant: FP8 row quantization with per-block float32 scales, fused
 // with the packing of a wire_dtype exchange (one pass over HBM each way).  Same functions,
 // arguments and results as quant_cpu.cpp (see there and moecomm/quant.py for the rule):
-//   quantize_rows, dequantize_rows, quantize_pack, unpack_dequantize.
+//   quantize_rows, dequantize_rows, quantize_pack, unpack_dequantize, and
+//   gather_quantize_pack: the MoE dispatch gather (moecomm_ext.reference.gather_rows: row m
+//   is x[index[m]] * scale[m] rounded to x's dtype, zeros where index[m] == -1) and
+//   quantize_pack in one pass: the gathered rows never go through HBM.
 // The FP8 and bf16/fp16 conversions are c10's (round to nearest even, the ones torch's own
 // casts use); the scale is a true IEEE division (nvcc's default -prec-div=true, no fast
 // math), so results equal the CPU kernel's and the torch reference's bit for bit.
@@ -45,12 +48,23 @@ struct Wire<c10::Float8_e5m2> {
   static constexpr float kMax = 57344.0f;
 };
 
+// Element i of row r as quantized: x[r][i], or with `index` the gathered row's element
+// (gather_rows: float(x) * scale in float32, rounded to scalar_t; 0 for index -1).
+template <typename scalar_t>
+__device__ __forceinline__ float source_value(const scalar_t* xr, const float* row_scale, int64_t r, int64_t i) {
+  if (xr == nullptr) return 0.0f;
+  if (row_scale == nullptr) return static_cast<float>(xr[i]);
+  return static_cast<float>(static_cast<scalar_t>(static_cast<float>(xr[i]) * row_scale[r]));
+}
+
 // q row r at q + r * q_stride; its scales (float32) at s + r * s_stride (bytes; 4-aligned).
-// pad_to > 0: packed rows of pad_to bytes whose gaps are zeroed.
+// pad_to > 0: packed rows of pad_to bytes whose gaps are zeroed. index (nullable): row r
+// is x's row index[r] (none: zeros where -1), times row_scale[r] when row_scale is given.
 template <typename scalar_t, typename fp8_t>
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t d, int64_t block, uint8_t* __restrict__ q,
-                int64_t q_stride, uint8_t* __restrict__ s, int64_t s_stride, int64_t pad_to) {
+                int64_t q_stride, uint8_t* __restrict__ s, int64_t s_stride, int64_t pad_to,
+                const int64_t* __restrict__ index, const float* __restrict__ row_scale) {
   const int lane = threadIdx.x & 31;
   const int64_t nb = num_blocks(d, block);
   const int64_t total = n * nb;
@@ -58,14 +72,15 @@ quantize_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t d, int64_t bl
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); w < total; w += step) {
     const int64_t r = w / nb, k = w - r * nb;
     const int64_t b0 = k * block, b1 = min(d, b0 + block);
-    const scalar_t* xr = x + r * d;
+    const int64_t src = index == nullptr ? r : index[r];
+    const scalar_t* xr = src < 0 ? nullptr : x + src * d;
     float amax = 0.0f;
-    for (int64_t i = b0 + lane; i < b1; i += 32) amax = fmaxf(amax, fabsf(static_cast<float>(xr[i])));
+    for (int64_t i = b0 + lane; i < b1; i += 32) amax = fmaxf(amax, fabsf(source_value(xr, row_scale, r, i)));
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const float scale = amax == 0.0f ? 1.0f : amax / Wire<fp8_t>::kMax;
     uint8_t* qr = q + r * q_stride;
-    for (int64_t i = b0 + lane; i < b1; i += 32) qr[i] = fp8_t(static_cast<float>(xr[i]) / scale).x;
+    for (int64_t i = b0 + lane; i < b1; i += 32) qr[i] = fp8_t(source_value(xr, row_scale, r, i) / scale).x;
     if (lane == 0) reinterpret_cast<float*>(s + r * s_stride)[k] = scale;
     if (pad_to > 0 && k == nb - 1) {
       const int64_t soff = scale_offset(d), send = soff + 4 * nb;
@@ -109,19 +124,21 @@ void check_wire_block(int64_t wire, int64_t block, const char* fn) {
   TORCH_CHECK(block > 0 && block % 16 == 0, fn, ": 'block' must be a positive multiple of 16");
 }
 
-void launch_quantize(const at::Tensor& x, int64_t wire, int64_t block, uint8_t* q, int64_t q_stride, uint8_t* s,
-                     int64_t s_stride, int64_t pad_to) {
-  const int64_t n = x.size(0), d = x.size(1);
+// n rows: x's (index null) or index's
+void launch_quantize(const at::Tensor& x, int64_t n, int64_t wire, int64_t block, uint8_t* q, int64_t q_stride,
+                     uint8_t* s, int64_t s_stride, int64_t pad_to, const int64_t* index = nullptr,
+                     const float* row_scale = nullptr) {
+  const int64_t d = x.size(1);
   const int grid = grid_for(n * num_blocks(d, block), kWarps);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_cuda", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     if (wire == 0) {
       quantize_kernel<scalar_t, c10::Float8_e4m3fn><<<grid, kThreads, 0, stream>>>(xp, n, d, block, q, q_stride, s,
-                                                                                  s_stride, pad_to);
+                                                                                  s_stride, pad_to, index, row_scale);
     } else {
       quantize_kernel<scalar_t, c10::Float8_e5m2><<<grid, kThreads, 0, stream>>>(xp, n, d, block, q, q_stride, s,
-                                                                                s_stride, pad_to);
+                                                                                s_stride, pad_to, index, row_scale);
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -156,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_cuda(const at::Tensor& x, int64
   at::Tensor q = at::empty({n, d}, x.options().dtype(at::kByte));
   at::Tensor s = at::empty({n, nb}, x.options().dtype(at::kFloat));
   if (n == 0 || d == 0) return {q, s};
-  launch_quantize(x, wire, block, q.mutable_data_ptr<uint8_t>(), d,
+  launch_quantize(x, n, wire, block, q.mutable_data_ptr<uint8_t>(), d,
                   reinterpret_cast<uint8_t*>(s.mutable_data_ptr<float>()), 4 * nb, 0);
   return {q, s};
 }
@@ -171,7 +188,35 @@ at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, 
   at::Tensor p = at::empty({n, row_bytes}, x.options().dtype(at::kByte));
   if (n == 0 || d == 0) return p;
   uint8_t* pp = p.mutable_data_ptr<uint8_t>();
-  launch_quantize(x, wire, block, pp, row_bytes, pp + scale_offset(d), row_bytes, row_bytes);
+  launch_quantize(x, n, wire, block, pp, row_bytes, pp + scale_offset(d), row_bytes, row_bytes);
+  return p;
+}
+
+at::Tensor gather_quantize_pack_cuda(const at::Tensor& x, const at::Tensor& index,
+                                     const std::optional<at::Tensor>& row_scale, int64_t wire, int64_t block,
+                                     int64_t row_bytes) {
+  check_x(x, "gather_quantize_pack");
+  check_wire_block(wire, block, "gather_quantize_pack");
+  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(index.device() == x.device() && index.dim() == 1 && index.is_contiguous() &&
+                  index.scalar_type() == at::kLong,
+              "gather_quantize_pack: 'index' must be a contiguous 1-D int64 tensor on x's device");
+  const int64_t m = index.size(0), d = x.size(1);
+  const float* sp = nullptr;
+  if (row_scale.has_value()) {
+    const at::Tensor& rs = *row_scale;
+    TORCH_CHECK(rs.device() == x.device() && rs.dim() == 1 && rs.size(0) == m && rs.is_contiguous() &&
+                    rs.scalar_type() == at::kFloat,
+                "gather_quantize_pack: 'scale' must be a contiguous float32 [M] tensor on x's device");
+    sp = rs.const_data_ptr<float>();
+  }
+  TORCH_CHECK(d == 0 ? row_bytes == 0 : (row_bytes >= scale_offset(d) + 4 * num_blocks(d, block) && row_bytes % 4 == 0),
+              "gather_quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+  at::Tensor p = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
+  if (m == 0 || d == 0) return p;
+  uint8_t* pp = p.mutable_data_ptr<uint8_t>();
+  launch_quantize(x, m, wire, block, pp, row_bytes, pp + scale_offset(d), row_bytes, row_bytes,
+                  index.const_data_ptr<int64_t>(), sp);
   return p;
 }
 

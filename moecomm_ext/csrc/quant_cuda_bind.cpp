@@ -10,6 +10,9 @@
 namespace moecomm_ext {
 std::tuple<at::Tensor, at::Tensor> quantize_rows_cuda(const at::Tensor& x, int64_t wire, int64_t block);
 at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes);
+at::Tensor gather_quantize_pack_cuda(const at::Tensor& x, const at::Tensor& index,
+                                     const std::optional<at::Tensor>& row_scale, int64_t wire, int64_t block,
+                                     int64_t row_bytes);
 at::Tensor dequantize_rows_cuda(const at::Tensor& q, const at::Tensor& s, int64_t wire, int64_t block,
                                 at::ScalarType dtype);
 at::Tensor unpack_dequantize_cuda(const at::Tensor& p, int64_t d, int64_t wire, int64_t block, at::ScalarType dtype,
@@ -27,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales"), py::arg("wire"), py::arg("block"), py::arg("dtype"));
   m.def("quantize_pack", &moecomm_ext::quantize_pack_cuda, "[N,row_bytes] uint8 packed rows", py::arg("x"),
         py::arg("wire"), py::arg("block"), py::arg("row_bytes"));
+  m.def("gather_quantize_pack", &moecomm_ext::gather_quantize_pack_cuda,
+        "[M,row_bytes] uint8: the rows x[index] (* scale) quantized and packed", py::arg("x"), py::arg("index"),
+        py::arg("scale"), py::arg("wire"), py::arg("block"), py::arg("row_bytes"));
   m.def("unpack_dequantize", &moecomm_ext::unpack_dequantize_cuda, "[N,D] dtype from packed rows",
         py::arg("packed"), py::arg("d"), py::arg("wire"), py::arg("block"), py::arg("dtype"),
         py::arg("out") = py::none());

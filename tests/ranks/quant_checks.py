@@ -1,7 +1,8 @@
 """``wire_dtype`` exchanges against the quantization reference, bit for bit, on real MPI ranks
 (run by tests/test_quant_mpi.py): flat and 2DH (``local_size=2`` when the rank count is even
 and at least 4), known and unknown counts, sync and async, empty splits, the functional
-gradient (straight-through, with and without ``grad_wire_dtype``) and ``validate=True``.
+gradient (straight-through, with and without ``grad_wire_dtype``), ``validate=True``, and the
+dispatch gather fused with the packing (``quant.gather_pack_rows``) sent as packed rows.
 
 Argument: ``mpi`` (default), ``nccl`` or ``nccl-p2p`` (GPUs: one rank per GPU under mpirun;
 ``nccl-p2p`` gives the communicators peer memory and moves every known-counts exchange by
@@ -324,9 +325,34 @@ def check_cuda_graph() -> None:
     collective_assert(ok, "captured wire exchange")
 
 
+def check_gather_packed() -> None:
+    """The dispatch gather fused with the packing (quant.gather_pack_rows), exchanged as
+    packed rows (wire.start_packed_all_to_all_v): the unfused gather then wire exchange."""
+    from moecomm import wire
+    from moecomm_ext import reference  # the torch gather: no native build inside the ranks' timeout
+
+    for comm, algorithm in [(COMM, "flat")] + ([(HIER, "2dh")] if HIER is not None else []):
+        for i, (dtype, wd, scaled) in enumerate([(torch.bfloat16, WIRES[0], True), (torch.float32, WIRES[1], False),
+                                                 (torch.float16, WIRES[0], True)]):
+            m = count_matrix(300 + i, W, 4, 0.3)
+            send, recv = [int(v) for v in m[R]], [int(v) for v in m[:, R]]
+            g = torch.Generator().manual_seed(1000 * i + R)
+            x = (torch.randn(6, 2, 100, generator=g) * 10.0).to(dtype).to(DEV)
+            index = torch.randint(-1, 6, (sum(send),), generator=g).to(DEV)
+            scale = (torch.rand(sum(send), generator=g).to(DEV)) if scaled else None
+            packed = quant.gather_pack_rows(x, index, wd, wire.WIRE_BLOCK, scale=scale)
+            out, _, got, request, _ = wire.start_packed_all_to_all_v(comm.engine, comm.topology, packed, (2, 100),
+                                                                     dtype, send, recv, algorithm, wd)
+            comm.engine.complete(request, "all_to_all_v", None)
+            rows_ = reference.gather_rows(x.reshape(6, 200), index, scale).reshape(-1, 2, 100)
+            want, _ = comm.all_to_all_v(rows_, send, recv, algorithm=algorithm, wire_dtype=wd)
+            collective_assert(got == recv and same_bits(out, want),
+                              f"fused gather + pack exchange ({algorithm}, {dtype}->{wd}, scale={scaled})")
+
+
 if __name__ == "__main__":
-    CHECKS = [_exchange_check(COMM, "flat"), check_async_in_flight, check_gradient, check_bad_input, check_validate,
-              check_scatter_compute_gather, check_moe_layer, check_cuda_graph]
+    CHECKS = [_exchange_check(COMM, "flat"), check_async_in_flight, check_gradient, check_gather_packed, check_bad_input,
+              check_validate, check_scatter_compute_gather, check_moe_layer, check_cuda_graph]
     if HIER is not None:
         CHECKS.insert(1, _exchange_check(HIER, "2dh"))
     if ONLY:
