@@ -354,6 +354,43 @@ class Communicator:
         then = (lambda: t.copy_(work_tensor)) if work_tensor is not t else None
         return self._engine.finish(request, name, True if async_op else None, async_op, then=then)
 
+    def allreduce_ints(self, values: Sequence[int], op: str = "max") -> list[int]:
+        """Element-wise ``op`` over all ranks of a short list of host integers (token counts,
+        sizes, flags), returned as a list of Python ints; every rank passes the same number
+        of values.
+
+        Over the communicator's host channel where it has one (an MPI launch, or a torch group
+        with gloo: see the README, "Host agreements"), this never touches the GPU: the host
+        does not wait for the work queued on it. Without one (an NCCL-only process group) it
+        goes through the device and waits for the GPU. Blocks the host until every rank has
+        called it. Collective. Works during a CUDA graph capture only over a host channel
+        (the agreement then happens at capture time, not at replay).
+
+        Args:
+            values: ints (numpy ints too, not bools) in int64's range; may be empty.
+            op: ``"max"``, ``"min"`` or ``"sum"`` (in int64: a sum must fit int64).
+
+        Raises:
+            TypeError: ``values`` not a sequence of ints; ValueError: a value out of int64's
+                range, or ``op`` not one of those; both before anything is sent.
+            CountMismatchError: the ranks passed different numbers of values (on every rank).
+            TimeoutError: some rank did not call it within ``timeout`` (the communicator is aborted).
+            CommunicatorClosedError: the communicator is closed or aborted.
+        """
+        from ._host_channel import OPS, int_list
+
+        vals = int_list(values, "values")
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        return self._engine.allreduce_ints(vals, op, "allreduce_ints")
+
+    @property
+    def host_channel(self) -> Optional[str]:
+        """The kind of host channel the integer agreements use: ``"mpi"``, ``"gloo"``, or None
+        (they go through the device; a communicator of one rank needs none)."""
+        host = self._engine.host
+        return None if host is None else host.kind
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """In-place broadcast of ``tensor`` from rank ``src``.
 
