@@ -33,3 +33,30 @@ def test_gloo_capable_follows_the_groups_cpu_backend(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", get_backend)
     assert gloo_capable("g") and gloo_capable("mixed")
     assert not gloo_capable("n") and not gloo_capable(types.SimpleNamespace())
+
+
+_TWO_GPUS = pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@_TWO_GPUS
+def test_nccl_agreements_skip_the_gpu_under_mpiexec():
+    out = run_ranks(2, "tests.ranks.host_channel_gpu", env={"NCCL_NVLS_ENABLE": "0"})
+    assert "3 checks passed on 2 ranks" in out
+
+
+@pytest.mark.gpu
+@_TWO_GPUS
+def test_nccl_agreements_skip_the_gpu_under_torchrun():
+    import os
+    import subprocess
+    import sys
+
+    from tests.mpi_util import ROOT
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), NCCL_NVLS_ENABLE="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.ranks.host_channel_gpu"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    assert "3 checks passed on 2 ranks" in proc.stdout
