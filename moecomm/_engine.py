@@ -310,10 +310,10 @@ class Engine:
             return [int(v) for v in values]
         if self.host is not None:
             return self._on_host(lambda: self.host.allreduce(values, op, timeout=self.timeout, what=what))
-        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         if self.capturing():
             raise RuntimeError(f"moecomm: {what} returns host ints, which a CUDA graph capture cannot give: this "
                                f"communicator has no host channel (see the README, \"Host agreements\")")
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
         self.complete(self.backend.allreduce(t, op), what, None)
         return [int(v) for v in t.tolist()]
 

@@ -16,6 +16,7 @@ import torch
 from . import _flat, hierarchical, overlap, wire
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES, float8_dtypes
 from ._engine import Engine, warn_if_graph_lost
+from ._host_channel import OPS, int_list
 from ._requests import Work
 from ._topology import Topology
 from .backends.base import DoneRequest, Request, reduce_op_name
@@ -42,6 +43,8 @@ class Communicator:
         timeout: seconds any wait may last before the communicator is aborted.
         validate: check that ranks agree on counts, dtype and row shape on every exchange,
             before anything moves (without it, only exchanges that exchange counts are checked).
+        host_channel: the kind of host channel of the integer agreements (``"mpi"``, ``"gloo"``
+            or None: through the device).
         engine, topology: internal (:mod:`moecomm._engine`, :mod:`moecomm._topology`).
     """
 
@@ -377,8 +380,6 @@ class Communicator:
             TimeoutError: some rank did not call it within ``timeout`` (the communicator is aborted).
             CommunicatorClosedError: the communicator is closed or aborted.
         """
-        from ._host_channel import OPS, int_list
-
         vals = int_list(values, "values")
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")

@@ -176,14 +176,14 @@ class _Recording:
         return self._inner.split(color, key, table)
 
 
-def _fake_nccl(monkeypatch_create):
-    """``NcclBackend.create`` replaced by a CPU stand-in (``monkeypatch_create(size, rank)``),
+def _fake_nccl(make):
+    """``NcclBackend.create`` replaced by a CPU stand-in (``make(size, rank)``),
     and no CUDA device needed: the construction path of ``backend="nccl"`` without a GPU."""
     from moecomm import _make_backend
     from moecomm.backends.nccl import NcclBackend
 
     saved = (NcclBackend.__dict__["create"], NcclBackend.__dict__["new_unique_id"], _make_backend._cuda_device)
-    NcclBackend.create = classmethod(lambda cls, size, rank, uid, dev, timeout_s, max_ctas: monkeypatch_create(size, rank))
+    NcclBackend.create = classmethod(lambda cls, size, rank, uid, dev, timeout_s, max_ctas: make(size, rank))
     NcclBackend.new_unique_id = staticmethod(lambda: b"fake-unique-id")
     _make_backend._cuda_device = lambda device, local_rank: torch.device("cpu")
 
