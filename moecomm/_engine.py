@@ -21,6 +21,7 @@ import torch
 
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES
 from ._flat import COPY_ENGINE_MIN_BYTES
+from ._host_channel import OPS, HostChannel
 from ._requests import ThenRequest, Work
 from .backends.base import Backend, Request
 from .errors import CommunicatorClosedError, CountMismatchError
@@ -28,6 +29,9 @@ from .pool import StagingPool
 from .splits import Splits, normalize_splits
 
 __all__ = ["Engine", "warn_if_graph_lost"]
+
+_FRAME = 16
+"""Values of :meth:`Engine.allreduce_ints` that travel with the length check in one collective."""
 
 
 def warn_if_graph_lost(t: Any, op: str) -> None:
@@ -44,14 +48,18 @@ class Engine:
     """One backend with its pool, timeout and count buffers, and the primitives built on them.
 
     ``peer``: the peer-memory transport (:class:`moecomm.backends.p2p.PeerTransport`), made
-    beforehand over an engine of the same backend without one; ``copy_engine_min_bytes``:
+    beforehand over an engine of the same backend without one; ``host``: the host channel
+    (:class:`moecomm._host_channel.HostChannel`) of the short integer agreements, closed and
+    aborted with the engine (None: they go through the backend, on its device); ``copy_engine_min_bytes``:
     see :data:`moecomm._flat.COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
     (the hierarchy groups) are closed and aborted with this one.
     """
 
     def __init__(self, backend: Backend, pool: StagingPool, *, timeout: float, validate: bool,
-                 peer: Any = None, copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES) -> None:
+                 peer: Any = None, host: Optional[HostChannel] = None,
+                 copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES) -> None:
         self.backend = backend
+        self.host = host
         self.pool = pool
         self.timeout = timeout
         self.validate = bool(validate)
@@ -128,6 +136,8 @@ class Engine:
             self.closed_as = "closed"
             for sub in self._owned:
                 sub.close()
+            if self.host is not None:
+                self.host.close()
             self.backend.close()
 
     def abort(self) -> None:
@@ -136,6 +146,8 @@ class Engine:
             self.closed_as = "aborted"
             for sub in self._owned:
                 sub.abort()
+            if self.host is not None:
+                self.host.abort()
             self.backend.abort()
 
     def split(self, color: Optional[int], key: int, *, owned: bool = False) -> tuple[Optional["Engine"], list[int]]:
@@ -145,10 +157,18 @@ class Engine:
         self.check_open("split")
         table = self.gather_ints([-1 if color is None else color, key], "split")
         sub_backend = self.backend.split(color, key, table)
+        sub_host = None
+        if self.host is not None:
+            try:
+                sub_host = self.host.split(color, key, timeout=self.timeout)
+            except BaseException:
+                if sub_backend is not None:
+                    sub_backend.abort()
+                raise
         if color is None:
             return None, []
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
-        sub = Engine(sub_backend, self.pool, timeout=self.timeout, validate=self.validate)
+        sub = Engine(sub_backend, self.pool, timeout=self.timeout, validate=self.validate, host=sub_host)
         if owned:
             self._owned.append(sub)
         return sub, members
@@ -265,20 +285,75 @@ class Engine:
         return self.exchange_ints(send_splits, 1, "all_to_all_v (count exchange)")
 
     def gather_ints(self, values: list[int], op: str) -> list[list[int]]:
-        """All-gather a short list of ints from every rank (blocks the host)."""
+        """All-gather a short list of ints (the same length on every rank) from every rank
+        (blocks the host; over the host channel where there is one, so it never waits for
+        the GPU)."""
         n = len(values)
+        what = f"{op} (metadata)"
+        self.check_open(what)
+        if self.size == 1:
+            return [[int(v) for v in values]]
+        if self.host is not None:
+            return self._on_host(lambda: self.host.allgather(values, timeout=self.timeout, what=what))
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         table = torch.empty(self.size * n, dtype=torch.int64, device=self.device)
-        self.wait_host(self.backend.allgather(mine, table), f"{op} (metadata)", None)
+        self.wait_host(self.backend.allgather(mine, table), what, None)
         flat = table.tolist()
         return [flat[r * n:(r + 1) * n] for r in range(self.size)]
 
+    def reduce_ints(self, values: list[int], op: str, what: str) -> list[int]:
+        """Element-wise ``op`` ("max", "min", "sum") of a short list of ints (the same length
+        on every rank) over all ranks, in int64 (blocks the host; over the host channel where
+        there is one, else through the backend on its device)."""
+        self.check_open(what)
+        if self.size == 1:
+            return [int(v) for v in values]
+        if self.host is not None:
+            return self._on_host(lambda: self.host.allreduce(values, op, timeout=self.timeout, what=what))
+        if self.capturing():
+            raise RuntimeError(f"moecomm: {what} returns host ints, which a CUDA graph capture cannot give: this "
+                               f"communicator has no host channel (see the README, \"Host agreements\")")
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        self.complete(self.backend.allreduce(t, op), what, None)
+        return [int(v) for v in t.tolist()]
+
     def max_int(self, value: int, op: str) -> int:
         """The largest ``value`` over all ranks (one allreduce, blocks the host)."""
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self.check_open(op)
-        self.complete(self.backend.allreduce(t, "max"), op, None)
-        return int(t.item())
+        return self.reduce_ints([value], "max", op)[0]
+
+    def allreduce_ints(self, values: list[int], op: str, what: str) -> list[int]:
+        """:meth:`reduce_ints` for values from a user: every call also agrees on the number of
+        values (ranks that pass different lengths all raise :class:`CountMismatchError`
+        instead of reducing mismatched messages). Lists of up to :data:`_FRAME` values take
+        one collective, longer ones two."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        n = len(values)
+        head = values[:_FRAME]
+        # max and min: (n, -n) reduce to the largest and smallest length; sum: (n, n*n) to
+        # sums that match size * n only where every n is equal (Cauchy-Schwarz).
+        frame = [n, n * n if op == "sum" else -n] + head + [0] * (_FRAME - len(head))
+        out = self.reduce_ints(frame, op, what)
+        if op == "sum":
+            equal = out[0] * out[0] == self.size * out[1] and out[0] == self.size * n
+        else:
+            equal = out[0] == -out[1] == n
+        if not equal:
+            raise CountMismatchError(f"moecomm: {what}: the ranks passed lists of different lengths (this rank "
+                                     f"{self.rank}: {n} values); every rank must pass the same number")
+        result = out[2:2 + len(head)]
+        if n > _FRAME:
+            result += self.reduce_ints(values[_FRAME:], op, what)
+        return result
+
+    def _on_host(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on the host channel; its timeout aborts the engine (a collective is left
+        in flight on some rank)."""
+        try:
+            return call()
+        except TimeoutError as exc:
+            self.abort()
+            raise TimeoutError(f"{exc}; the communicator was aborted") from None
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (at most ``timeout`` seconds)."""

@@ -5,6 +5,11 @@ launcher; ``backend="auto"`` resolved there.
 Every path joins an agreement among the ranks before a backend is created, so that a rank
 whose arguments :func:`moecomm.init` refused (``problem``) makes every peer raise instead of
 waiting for it.
+
+Beside the backend it makes the host channel of the short integer agreements
+(:mod:`moecomm._host_channel`), where the launch has one: under an MPI launcher a duplicate of
+``COMM_WORLD`` for NCCL (the MPI backend's own communicator for MPI); over a torch group whose
+CPU collectives run on gloo, that group. An NCCL-only group (and a single process) has none.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _exit
+from ._host_channel import GlooHostChannel, HostChannel, MpiHostChannel, gloo_capable
 from .backends.base import Backend
 from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
@@ -22,12 +28,15 @@ from .layout import Layout
 __all__ = ["make_backend"]
 
 
+Made = tuple[Backend, list[str], int, Optional[HostChannel]]
+
+
 def make_backend(backend: str, process_group: Any, device: Any, timeout_s: float, local_size: Optional[int],
-                 max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]
-                 ) -> tuple[Backend, list[str], int]:
-    """The backend, every rank's host name and this rank, over ``process_group`` when given,
-    else over the launch. ``problem``: what this rank's own checks refused (raised to every
-    rank through the agreement, or here where there are no peers).
+                 max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]) -> Made:
+    """The backend, every rank's host name, this rank and the host channel (None: none), over
+    ``process_group`` when given, else over the launch. ``problem``: what this rank's own
+    checks refused (raised to every rank through the agreement, or here where there are no
+    peers).
 
     Raises:
         TypeError, ValueError: this rank's arguments were refused (``problem``), or the
@@ -68,7 +77,7 @@ def _nccl_only(options: dict, backend: str) -> None:
 
 
 def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Optional[int], max_ctas: Optional[int],
-                   p2p_bytes: Optional[int], problem: Optional[Exception]) -> tuple[Backend, list[str], int]:
+                   p2p_bytes: Optional[int], problem: Optional[Exception]) -> Made:
     """Under an MPI launcher: MPI or NCCL (its unique id agreed over MPI); under torchrun or
     in a process that made a torch.distributed group: :func:`_from_process_group`; alone:
     :func:`_single_process`."""
@@ -122,14 +131,21 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     if backend == "mpi":
         from .backends.mpi import MpiBackend
 
-        return MpiBackend(world, timeout_s), hosts, rank
+        mpi = MpiBackend(world, timeout_s)
+        return mpi, hosts, rank, MpiHostChannel(mpi.mpi_comm, timeout_s, duplicate=False, owned=False)
     try:
         dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
         outcome = NcclBackend.new_unique_id() if rank == 0 else b""
     except Exception as exc:  # noqa: BLE001 - named to every rank by the agreement
         outcome = exc
     uid = mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init (NCCL unique id)")[0]
-    return NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s, max_ctas), hosts, rank
+    host = MpiHostChannel(world, timeout_s)  # every rank passed the agreement: all make it
+    try:
+        nccl = NcclBackend.create(world.Get_size(), rank, uid, dev, timeout_s, max_ctas)
+    except BaseException:
+        host.abort()
+        raise
+    return nccl, hosts, rank, host
 
 
 def _torch_dist_initialized() -> bool:
@@ -138,8 +154,7 @@ def _torch_dist_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict
-                    ) -> tuple[Backend, list[str], int]:
+def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict) -> Made:
     """A communicator of size 1 without a launcher and without mpi4py."""
     _nccl_only(nccl_only, backend)
     if backend == "nccl":
@@ -147,13 +162,13 @@ def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict
 
         dev = _cuda_device(device, 0)
         return NcclBackend.create(1, 0, NcclBackend.new_unique_id(), dev, timeout_s, nccl_only["max_ctas"]), \
-            [host_name()], 0
+            [host_name()], 0, None
     if device is not None and torch.device(device if not isinstance(device, int) else "cuda").type != "cpu":
         raise ValueError(f"device: a single-process {backend!r} communicator runs on the CPU, got {device!r}")
     if backend == "self":
         from .backends.single import SelfBackend
 
-        return SelfBackend(), [host_name()], 0
+        return SelfBackend(), [host_name()], 0, None
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -163,11 +178,11 @@ def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict
 
 
 def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float, local_size: Optional[int],
-                        max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]
-                        ) -> tuple[Backend, list[str], int]:
+                        max_ctas: Optional[int], p2p_bytes: Optional[int], problem: Optional[Exception]) -> Made:
     """Over a torch.distributed ``group``: NCCL (unique id broadcast through the group) for
     an NCCL group under ``"auto"``, else the torch backend; the host-name exchange is the
-    agreement that every rank's arguments passed."""
+    agreement that every rank's arguments passed. The host channel: ``group`` itself where
+    its CPU collectives run on gloo (so never for an NCCL-only group)."""
     nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
     import torch.distributed as dist
 
@@ -200,13 +215,14 @@ def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float,
     if failed:
         raise RuntimeError("moecomm.init failed on " + "; ".join(f"rank {r}: {msg}" for r, msg in failed))
     hosts = [h for h, _ in rows]
+    host = GlooHostChannel(group, timeout_s) if gloo_capable(group) else None
     if backend == "torch":
         dev = torch.device("cpu") if "nccl" not in pg_backend else _cuda_device(device, _local_rank(rank, hosts, local_size))
-        return TorchBackend(group, dev), hosts, rank
+        return TorchBackend(group, dev), hosts, rank, host
     dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
     box = [NcclBackend.new_unique_id() if rank == 0 else None]
     if "nccl" in pg_backend:
         torch.cuda.set_device(dev)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return NcclBackend.create(size, rank, box[0], dev, timeout_s, max_ctas), hosts, rank
+    return NcclBackend.create(size, rank, box[0], dev, timeout_s, max_ctas), hosts, rank, host
 

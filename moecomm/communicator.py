@@ -16,6 +16,7 @@ import torch
 from . import _flat, hierarchical, overlap, wire
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES, float8_dtypes
 from ._engine import Engine, warn_if_graph_lost
+from ._host_channel import OPS, int_list
 from ._requests import Work
 from ._topology import Topology
 from .backends.base import DoneRequest, Request, reduce_op_name
@@ -42,6 +43,8 @@ class Communicator:
         timeout: seconds any wait may last before the communicator is aborted.
         validate: check that ranks agree on counts, dtype and row shape on every exchange,
             before anything moves (without it, only exchanges that exchange counts are checked).
+        host_channel: the kind of host channel of the integer agreements (``"mpi"``, ``"gloo"``
+            or None: through the device).
         engine, topology: internal (:mod:`moecomm._engine`, :mod:`moecomm._topology`).
     """
 
@@ -353,6 +356,41 @@ class Communicator:
         request = self._engine.backend.allreduce(work_tensor, op_name)
         then = (lambda: t.copy_(work_tensor)) if work_tensor is not t else None
         return self._engine.finish(request, name, True if async_op else None, async_op, then=then)
+
+    def allreduce_ints(self, values: Sequence[int], op: str = "max") -> list[int]:
+        """Element-wise ``op`` over all ranks of a short list of host integers (token counts,
+        sizes, flags), returned as a list of Python ints; every rank passes the same number
+        of values.
+
+        Over the communicator's host channel where it has one (an MPI launch, or a torch group
+        with gloo: see the README, "Host agreements"), this never touches the GPU: the host
+        does not wait for the work queued on it. Without one (an NCCL-only process group) it
+        goes through the device and waits for the GPU. Blocks the host until every rank has
+        called it. Collective. Works during a CUDA graph capture only over a host channel
+        (the agreement then happens at capture time, not at replay).
+
+        Args:
+            values: ints (numpy ints too, not bools) in int64's range; may be empty.
+            op: ``"max"``, ``"min"`` or ``"sum"`` (in int64: a sum must fit int64).
+
+        Raises:
+            TypeError: ``values`` not a sequence of ints; ValueError: a value out of int64's
+                range, or ``op`` not one of those; both before anything is sent.
+            CountMismatchError: the ranks passed different numbers of values (on every rank).
+            TimeoutError: some rank did not call it within ``timeout`` (the communicator is aborted).
+            CommunicatorClosedError: the communicator is closed or aborted.
+        """
+        vals = int_list(values, "values")
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        return self._engine.allreduce_ints(vals, op, "allreduce_ints")
+
+    @property
+    def host_channel(self) -> Optional[str]:
+        """The kind of host channel the integer agreements use: ``"mpi"``, ``"gloo"``, or None
+        (they go through the device; a communicator of one rank needs none)."""
+        host = self._engine.host
+        return None if host is None else host.kind
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """In-place broadcast of ``tensor`` from rank ``src``.

@@ -2,7 +2,8 @@
 
 The checks that need no peer are here; the backend for the launch is made by
 :mod:`moecomm._make_backend`, then the engine (:mod:`moecomm._engine`, with the peer-memory
-transport where it is on) and the topology (:mod:`moecomm._topology`).
+transport where it is on, and the host channel of :mod:`moecomm._host_channel` where the
+launch gives one) and the topology (:mod:`moecomm._topology`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from . import _topology, env
 from ._engine import Engine
 from ._flat import COPY_ENGINE_MIN_BYTES
+from ._host_channel import HostChannel
 from ._make_backend import make_backend
 from ._p2p_default import resolve_p2p_bytes
 from .communicator import Communicator
@@ -189,14 +191,14 @@ def init(
     """
     backend, timeout_s, validate, pool, problem = _first_checks(
         backend, timeout, validate, pool_bytes, max_ctas, p2p_bytes, p2p_min_bytes, hierarchy, local_size)
-    backend_obj, hosts, rank = make_backend(backend, process_group, device, timeout_s, local_size, max_ctas,
-                                            p2p_bytes, problem)
+    backend_obj, hosts, rank, host = make_backend(backend, process_group, device, timeout_s, local_size, max_ctas,
+                                                  p2p_bytes, problem)
     layout = (
         Layout.from_local_size(rank, len(hosts), local_size) if local_size is not None
         else Layout.from_hosts(rank, hosts)
     )
     engine, topology = _engine_and_topology(
-        backend_obj, layout, hosts, pool, timeout_s, validate, p2p_bytes=p2p_bytes, p2p_min_bytes=p2p_min_bytes,
+        backend_obj, layout, hosts, pool, timeout_s, validate, host=host, p2p_bytes=p2p_bytes, p2p_min_bytes=p2p_min_bytes,
         process_group=process_group, hierarchy=hierarchy, profile=profile,
         local_size_given=local_size is not None)
     comm = Communicator(engine, layout, topology=topology)
@@ -224,18 +226,20 @@ def _first_checks(backend: Optional[str], timeout: Any, validate: Any, pool_byte
 
 
 def _engine_and_topology(backend_obj: Any, layout: Layout, hosts: list[str], pool: StagingPool, timeout_s: float,
-                         validate: bool, *, p2p_bytes: Optional[int], p2p_min_bytes: Optional[int],
+                         validate: bool, *, host: Optional[HostChannel], p2p_bytes: Optional[int],
+                         p2p_min_bytes: Optional[int],
                          process_group: Any, hierarchy: Optional[bool], profile: Any, local_size_given: bool
                          ) -> tuple[Engine, Optional[_topology.Topology]]:
     """The engine over ``backend_obj`` (with the peer-memory transport where
     :func:`moecomm._p2p_default.resolve_p2p_bytes` gives it bytes) and the topology (the
-    hierarchy groups); on failure the engine is aborted."""
-    engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate)
+    hierarchy groups); ``host``: the host channel, owned by the engine. On failure the engine
+    is aborted."""
+    engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate, host=host)
     try:
         p2p_bytes = resolve_p2p_bytes(engine, layout.num_nodes, p2p_bytes, hosts, _whole_launch(process_group))
         if p2p_bytes:
             min_bytes = COPY_ENGINE_MIN_BYTES if p2p_min_bytes is None else p2p_min_bytes
-            engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate,
+            engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate, host=host,
                             peer=_peer_transport(engine, p2p_bytes, hosts), copy_engine_min_bytes=min_bytes)
         topology = _topology.build(engine, layout, sub_communicator=Communicator, hierarchy=hierarchy,
                                    profile=profile, hosts=hosts, local_size_given=local_size_given)

@@ -80,11 +80,9 @@ def all_to_all_nograd(x: torch.Tensor, comm: "moecomm.Communicator", send: Seque
 
 
 def allreduce_max(comm: "moecomm.Communicator", values: Sequence[int]) -> list[int]:
-    """Element-wise max of small integer lists over all ranks (blocks the host)."""
-    t = torch.tensor(list(values), dtype=torch.int64, device=comm.device)
-    if comm.size > 1:
-        comm.allreduce(t, "max")
-    return [int(v) for v in t.tolist()]
+    """Element-wise max of small integer lists over all ranks (blocks the host; over the host
+    channel where the communicator has one, so without waiting for the GPU)."""
+    return comm.allreduce_ints(values, "max")
 
 
 def allreduce_sum_(comm: "moecomm.Communicator", t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""The host channel of the short integer agreements (moecomm._host_channel): real MPI ranks
+run tests/ranks/host_channel_checks.py (channels of every size from 1 to the world's, against
+numpy); the choice of channel for a group, without ranks."""
+
+import types
+
+import pytest
+
+from tests.mpi_util import run_ranks
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nprocs", [4])  # channels of 1, 2, 3 and 4 ranks, split from the 4
+def test_host_channel_on_ranks(nprocs):
+    out = run_ranks(nprocs, "tests.ranks.host_channel_checks")
+    assert f"checks passed on {nprocs} ranks" in out
+
+
+def test_gloo_capable_follows_the_groups_cpu_backend(monkeypatch):
+    """A group whose CPU collectives run on gloo gets a channel; an NCCL-only group, or an
+    object torch does not know as a group, does not (its agreements stay on the device)."""
+    import torch.distributed as dist
+
+    from moecomm._host_channel import gloo_capable
+
+    names = {"g": "gloo", "mixed": "cpu:gloo,cuda:nccl", "n": "nccl"}
+
+    def get_backend(group):
+        if group not in names:
+            raise ValueError("Invalid process group specified")
+        return names[group]
+
+    monkeypatch.setattr(dist, "get_backend", get_backend)
+    assert gloo_capable("g") and gloo_capable("mixed")
+    assert not gloo_capable("n") and not gloo_capable(types.SimpleNamespace())
+
+
+_TWO_GPUS = pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@_TWO_GPUS
+def test_nccl_agreements_skip_the_gpu_under_mpiexec():
+    out = run_ranks(2, "tests.ranks.host_channel_gpu", env={"NCCL_NVLS_ENABLE": "0"})
+    assert "3 checks passed on 2 ranks" in out
+
+
+@pytest.mark.gpu
+@_TWO_GPUS
+def test_nccl_agreements_skip_the_gpu_under_torchrun():
+    import os
+    import subprocess
+    import sys
+
+    from tests.mpi_util import ROOT
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), NCCL_NVLS_ENABLE="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tests.ranks.host_channel_gpu"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    assert "3 checks passed on 2 ranks" in proc.stdout
