@@ -211,7 +211,6 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self.experts = self._build_experts(cfg, seed, device)
         for name, p in self.experts.named_parameters():
             p.skip_allreduce = True  # Tutel's marker: expert weights are not data-parallel
-            p._moe_expert = True
             if cfg.scan_expert_func is not None:
                 cfg.scan_expert_func(name, p)
         self.result_func = cfg.result_func
