@@ -9,6 +9,7 @@ import torch
 from . import hierarchical, wire
 from .communicator import Communicator
 from .init import default_communicator
+from .quant import WIRE_DTYPES, check_grad_wire_dtype
 from .splits import Splits
 
 __all__ = ["all_to_all_v"]
@@ -34,22 +35,32 @@ class _AllToAllV(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):  # type: ignore[override]
         # What arrived goes back where it came from; both sides' counts are known already.
         # The quantization of the forward is treated as the identity (straight-through).
-        engine, topology = ctx.comm.engine, ctx.comm.topology
-        if ctx.grad_wire_dtype is not None:
+        gw = ctx.grad_wire_dtype
+        if gw in WIRE_DTYPES:
+            engine, topology = ctx.comm.engine, ctx.comm.topology
             if ctx.plan is not None:
-                grad_input = wire.reverse_rows(engine, topology, ctx.plan, grad_output, ctx.grad_wire_dtype)
+                grad_input = wire.reverse_rows(engine, topology, ctx.plan, grad_output, gw)
             else:
                 grad_input = wire.exchange_rows(engine, topology, grad_output.contiguous(), ctx.recv, ctx.send, "flat",
-                                                ctx.grad_wire_dtype)
-            return grad_input, None, None, None, None, None, None, None
-        if ctx.plan is not None:
-            grad_input = hierarchical.reverse_all_to_all_v(engine, topology, ctx.plan, grad_output)
-            return grad_input, None, None, None, None, None, None, None
-        grad_input, _ = ctx.comm.all_to_all_v(grad_output.contiguous(), ctx.recv, ctx.send)
+                                                gw)
+        elif gw is not None and gw != grad_output.dtype:
+            grad_input = _send_back(ctx, grad_output.to(gw)).to(grad_output.dtype)
+        else:
+            grad_input = _send_back(ctx, grad_output)
         return grad_input, None, None, None, None, None, None, None
+
+
+def _send_back(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` exchanged along the forward's reversed splits, as it is (the reversed phases
+    of a 2DH forward)."""
+    if ctx.plan is not None:
+        return hierarchical.reverse_all_to_all_v(ctx.comm.engine, ctx.comm.topology, ctx.plan, grad)
+    grad_input, _ = ctx.comm.all_to_all_v(grad.contiguous(), ctx.recv, ctx.send)
+    return grad_input
 
 
 def all_to_all_v(
@@ -70,24 +81,25 @@ def all_to_all_v(
     itself hierarchical (the forward's phases reversed).
 
     ``wire_dtype``: the forward's rows travel in that FP8 dtype (as in
-    :meth:`Communicator.all_to_all_v`); ``grad_wire_dtype``: the backward's gradient rows do
-    (None: in the gradient's own dtype, exactly). The gradient with respect to ``input`` is
-    the straight-through one: the quantization counts as the identity.
+    :meth:`Communicator.all_to_all_v`). ``grad_wire_dtype``: the dtype the backward's
+    gradient rows travel in: an FP8 dtype (block-scaled, the rule of ``wire_dtype``), or
+    ``torch.bfloat16``/``float16``/``float32`` (the gradient is cast to it for the exchange
+    and back to its own dtype: half the bytes of a float32 gradient in bf16), or None (its own
+    dtype, exactly). The gradient with respect to ``input`` is the straight-through one: the
+    quantization counts as the identity.
 
     Raises:
         TypeError: ``comm`` is not a Communicator (or None).
         TypeError, ValueError: as :meth:`Communicator.all_to_all_v`; ``grad_wire_dtype`` not
-            an FP8 dtype (checked before the forward exchange).
+            None or one of :data:`moecomm.quant.GRAD_WIRE_DTYPES` (checked before the forward
+            exchange).
         CountMismatchError: ranks disagree on counts, dtype or row shape.
     """
     if comm is not None and not isinstance(comm, Communicator):
         raise TypeError(f"comm must be a moecomm.Communicator or None (the default communicator), "
                         f"got {comm!r} ({type(comm).__name__})")
     comm = default_communicator() if comm is None else comm
-    if grad_wire_dtype is not None:
-        from .quant import check_wire_dtype
-
-        check_wire_dtype(grad_wire_dtype, "grad_wire_dtype")
+    check_grad_wire_dtype(grad_wire_dtype)
     counts: list[list[int]] = []
     output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm, wire_dtype, grad_wire_dtype)
     return output, counts[0]

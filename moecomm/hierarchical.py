@@ -77,7 +77,7 @@ class _Chain(Request):
             self._run_ordered()
         else:
             h.pending.append(self)
-            self._advance()
+            self.advance()
 
     # -- buffers --
 
@@ -133,18 +133,20 @@ class _Chain(Request):
         if self._current is None:
             self._finish()
 
-    def _unissued_on(self, sub: Engine) -> bool:
+    def unissued_on(self, sub: Engine) -> bool:
+        """Whether a phase not yet issued exchanges on ``sub`` (then a later chain waits for it)."""
         return any(isinstance(s, Exchange) and s.sub is sub for s in self._steps[self._i:])
 
     def _may_issue(self, sub: Engine) -> bool:
         for chain in self._h.pending:
             if chain is self:
                 return True
-            if chain._unissued_on(sub):
+            if chain.unissued_on(sub):
                 return False
         return True
 
-    def _advance(self) -> None:
+    def advance(self) -> None:
+        """Issue and complete the phases that can go now, without blocking (host-progressed chains)."""
         try:
             while not self._done:
                 if self._current is not None:
@@ -203,8 +205,8 @@ class _Chain(Request):
         for chain in list(self._h.pending):
             if chain is self:
                 break
-            chain._advance()
-        self._advance()
+            chain.advance()
+        self.advance()
         return self._done
 
     def join(self) -> None:
@@ -221,7 +223,7 @@ class _Flush(Request):
 
     def test(self) -> bool:
         for chain in list(self._h.pending):
-            chain._advance()
+            chain.advance()
         return not self._h.pending
 
 

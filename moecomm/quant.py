@@ -49,6 +49,8 @@ __all__ = [
     "gather_pack_rows_reference",
     "unpack_rows",
     "check_wire_dtype",
+    "GRAD_WIRE_DTYPES",
+    "check_grad_wire_dtype",
     "check_block",
 ]
 
@@ -69,6 +71,20 @@ def check_wire_dtype(wire_dtype: object, name: str = "wire_dtype") -> torch.dtyp
     if wire_dtype not in FP8_MAX:
         raise TypeError(f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {wire_dtype!r}")
     return wire_dtype  # type: ignore[return-value]
+
+
+GRAD_WIRE_DTYPES: tuple = WIRE_DTYPES + INPUT_DTYPES
+"""The dtypes a gradient may travel in (``grad_wire_dtype``): an FP8 dtype (block-scaled, as
+``wire_dtype``) or a floating dtype the gradient is cast to for the exchange and back."""
+
+
+def check_grad_wire_dtype(grad_wire_dtype: object, name: str = "grad_wire_dtype") -> Optional[torch.dtype]:
+    """``grad_wire_dtype`` if it is None or one of :data:`GRAD_WIRE_DTYPES`, else
+    ``TypeError`` naming ``name``."""
+    if grad_wire_dtype is not None and grad_wire_dtype not in GRAD_WIRE_DTYPES:
+        raise TypeError(f"{name} must be None, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, "
+                        f"torch.float16 or torch.float32, got {grad_wire_dtype!r}")
+    return grad_wire_dtype  # type: ignore[return-value]
 
 
 def check_block(block: object, name: str = "block") -> int:

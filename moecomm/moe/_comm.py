@@ -8,9 +8,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 import moecomm
+from moecomm import functional
 from moecomm.hierarchical import ALGORITHMS
 
-__all__ = ["resolve_comm", "AllToAll", "all_to_all", "allreduce_max", "allreduce_sum_", "ALGORITHMS"]
+__all__ = ["resolve_comm", "exchange", "exchange_counts", "allreduce_max", "allreduce_sum_", "scatter_compute_gather",
+           "ALGORITHMS"]
 
 
 def resolve_comm(comm: Any) -> "moecomm.Communicator":
@@ -40,42 +42,25 @@ def resolve_comm(comm: Any) -> "moecomm.Communicator":
     )
 
 
-def _a2a_kwargs(comm: "moecomm.Communicator", algorithm: Optional[str]) -> dict:
-    """``algorithm=`` for ``comm.all_to_all_v`` (None: the core's default)."""
-    return {} if algorithm is None else {"algorithm": algorithm}
-
-
-class AllToAll(torch.autograd.Function):
-    """Differentiable ``comm.all_to_all_v`` with both sides' counts known (no count exchange);
-    the backward sends the gradient back along the reversed splits."""
-
-    @staticmethod
-    def forward(ctx, x, comm, send, recv, algorithm):  # type: ignore[override]
-        ctx.comm, ctx.send, ctx.recv, ctx.algorithm = comm, send, recv, algorithm
-        out, _ = comm.all_to_all_v(x.contiguous(), send, recv, **_a2a_kwargs(comm, algorithm))
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
-        comm = ctx.comm
-        out, _ = comm.all_to_all_v(grad.contiguous(), ctx.recv, ctx.send, **_a2a_kwargs(comm, ctx.algorithm))
-        return out, None, None, None, None
-
-
-def all_to_all(x: torch.Tensor, comm: "moecomm.Communicator", send: Sequence[int], recv: Sequence[int],
-               algorithm: Optional[str] = None) -> torch.Tensor:
-    """Differentiable all-to-all of rows (identity on one rank)."""
+def exchange(x: torch.Tensor, comm: "moecomm.Communicator", send: Sequence[int], recv: Sequence[int],
+             algorithm: Optional[str] = None, wire_dtype: Optional[torch.dtype] = None,
+             grad_wire_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The layer's differentiable exchange of rows, both sides' counts known (no count
+    exchange): :func:`moecomm.functional.all_to_all_v`, ``algorithm`` None meaning ``"flat"``
+    (the core's default). The identity on one rank: nothing travels, so nothing is quantized."""
     if comm.size == 1:
         return x
-    return AllToAll.apply(x, comm, list(send), list(recv), algorithm)
+    out, _ = functional.all_to_all_v(x.contiguous(), list(send), list(recv), comm=comm, algorithm=algorithm or "flat",
+                                     wire_dtype=wire_dtype, grad_wire_dtype=grad_wire_dtype)
+    return out
 
 
-def all_to_all_nograd(x: torch.Tensor, comm: "moecomm.Communicator", send: Sequence[int], recv: Sequence[int],
-                      algorithm: Optional[str] = None) -> torch.Tensor:
+def exchange_counts(counts: torch.Tensor, comm: "moecomm.Communicator", per_rank: int) -> torch.Tensor:
+    """``per_rank`` integers to every rank and as many from each (not differentiable; the
+    identity on one rank)."""
     if comm.size == 1:
-        return x
-    out, _ = comm.all_to_all_v(x.contiguous(), list(send), list(recv), **_a2a_kwargs(comm, algorithm))
+        return counts
+    out, _ = comm.all_to_all_v(counts.contiguous(), [per_rank] * comm.size, [per_rank] * comm.size)
     return out
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 import moecomm_ext
 
-from . import _comm, _wire
+from . import _comm
 from .experts import Segments, WeightGradSum
 from .routing import Routing, dropless_slots, pipelined_capacity_slots
 
@@ -85,7 +85,7 @@ class ExpertParallelPath:
             send, weights = self._dispatch(x_c, r, sm, S)
             n = r.counts  # [E] routes per expert (all kept)
             send_cnt = n if S == 1 else n.repeat_interleave(S)  # rank e*S+s gets expert e's rows
-            recv_cnt = _comm.all_to_all_nograd(send_cnt.contiguous(), comm, [El_dest] * W, [El_dest] * W)
+            recv_cnt = _comm.exchange_counts(send_cnt, comm, El_dest)
             host = torch.cat([send_cnt, recv_cnt]).tolist()  # the one host sync of a dropless step
             mine, got = host[:W * El_dest], host[W * El_dest:]
             send_splits = [sum(mine[w * El_dest:(w + 1) * El_dest]) for w in range(W)]
@@ -94,10 +94,10 @@ class ExpertParallelPath:
             seg = Segments(blocks, El_dest, counts_dev=recv_cnt.view(W, El_dest))
 
         if degree == 1 and not own_first:
-            got_rows = _comm.all_to_all(send, comm, send_splits, recv_splits, algo) if wire is None else \
-                _wire.all_to_all_wire(send, comm, send_splits, recv_splits, algo, wire, self.grad_wire_dtype)
+            got_rows = _comm.exchange(send, comm, send_splits, recv_splits, algo, wire,
+                                      None if wire is None else self.grad_wire_dtype)
             y = self._run_experts(got_rows, seg)
-            back = _comm.all_to_all(y.contiguous(), comm, recv_splits, send_splits, algo)
+            back = _comm.exchange(y, comm, recv_splits, send_splits, algo)
         else:
             wgrad_sum = WeightGradSum()  # the stages' weight gradients summed inside the GEMMs
 

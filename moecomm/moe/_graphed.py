@@ -20,12 +20,13 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["StepGraphs"]
+__all__ = ["StepGraphs", "StepAccess", "CallResults"]
 
 _WARMUP = 3
 _MAX_GRAPHS = 8
@@ -33,6 +34,43 @@ _CAPTURE_MODE = "thread_local"
 """The captures protect themselves only from this thread's unsafe CUDA calls: under torch's
 default ("global") any thread's call (a data loader pinning memory, a library's watchdog
 querying an event) invalidates a capture that happens to be under way on first use."""
+
+
+class CallResults(NamedTuple):
+    """What a call of the layer leaves besides its output: the loss tensors (the same tensor
+    may be several of them), the router logits kept for a later z-loss, and the routing."""
+
+    aux_loss: Optional[Tensor]
+    balance_loss: Optional[Tensor]
+    z_loss: Optional[Tensor]
+    z_logits: Optional[Tensor]
+    routing: Any
+
+
+@dataclass(frozen=True)
+class StepAccess:
+    """The layer as the captured steps see it, handed over by the layer at every call.
+
+    An explicit interface instead of the layer's private members: the eager step, the token
+    agreement, and its per-call results to read and to set. Not kept beyond the call, so the
+    graphs (and their memory pools) hold no reference to their layer.
+    """
+
+    layer: nn.Module
+    """The layer: its parameters, ``training``, ``gates``, ``model_dim``, ``comm`` and the
+    routing options that key a graph, and its public ``last_parallel_mode``."""
+    run: Callable[..., Tensor]
+    """The eager step: ``(x, gate, k, cf, degree, own, algorithm, dropless, ineq, mode, wire) -> y``."""
+    agreed_tokens: Callable[[int, torch.device], int]
+    """``(T, device) -> the largest token count of all ranks`` (a blocking agreement)."""
+    results: Callable[[], CallResults]
+    """The last call's :class:`CallResults`."""
+    set_results: Callable[[CallResults], None]
+    """Make these the last call's results."""
+
+    def clear_losses(self) -> None:
+        """Drop the loss tensors (the z logits and the routing stay)."""
+        self.set_results(self.results()._replace(aux_loss=None, balance_loss=None, z_loss=None))
 
 
 class _Token:
@@ -51,16 +89,16 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 class _Step:
     """One captured forward + backward of the layer at one shape and set of options."""
 
-    def __init__(self, layer: Any, x: Tensor, call: Callable[[Tensor], Tensor]) -> None:
+    def __init__(self, access: StepAccess, x: Tensor, call: Callable[[Tensor], Tensor]) -> None:
         dev = x.device
-        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.params = [p for p in access.layer.parameters() if p.requires_grad]
         self.x = x.detach().clone().requires_grad_(x.requires_grad)
         self.x_grad = x.requires_grad
         inputs = ([self.x] if x.requires_grad else []) + self.params
 
         def outputs(y: Tensor) -> list:
             """y, then the distinct loss tensors of the call (aux, balance, z), None where absent."""
-            aux, bal, z = layer.aux_loss, layer.balance_loss, layer._z_loss
+            aux, bal, z = access.results()[:3]
             return [y, aux, None if bal is aux else bal, None if (z is aux or z is bal) else z]
 
         def backward(outs: list, grads: Optional[list]) -> Optional[tuple]:
@@ -78,7 +116,7 @@ class _Step:
         torch.cuda.current_stream(dev).wait_stream(side)
         # let the warm-up's autograd graph go: it holds the parameters' AccumulateGrad nodes,
         # made on the side stream, which later backward passes would otherwise keep using
-        layer.aux_loss = layer.balance_loss = layer._z_loss = None
+        access.clear_losses()
 
         # two pools: the backward graph's outputs (the gradients, which autograd may keep as
         # .grad) must not lie in memory that the forward graph's temporaries reuse
@@ -94,10 +132,11 @@ class _Step:
             else:
                 self.slots.append(idx)
                 idx += 1
-        self.balance_is_aux = layer.balance_loss is layer.aux_loss and layer.aux_loss is not None
-        self.z_is_aux = layer._z_loss is not None and layer._z_loss is layer.aux_loss
-        self.z_logits = layer._z_logits
-        self.routing = layer.last_routing
+        captured = access.results()
+        self.balance_is_aux = captured.balance_loss is captured.aux_loss and captured.aux_loss is not None
+        self.z_is_aux = captured.z_loss is not None and captured.z_loss is captured.aux_loss
+        self.z_logits = captured.z_logits
+        self.routing = captured.routing
         self.grad_idx = [i for i, o in enumerate(self.outs) if o.requires_grad]
         self.nograd_idx = [i for i, o in enumerate(self.outs) if not o.requires_grad]
         self.grad_bufs = [torch.zeros_like(self.outs[i]) for i in self.grad_idx]
@@ -106,7 +145,7 @@ class _Step:
         with torch.cuda.graph(self.bwd, pool=torch.cuda.graph_pool_handle(), capture_error_mode=_CAPTURE_MODE):
             grads = backward(self.outs, self.grad_bufs)
         self.outs = [o.detach() for o in self.outs]  # the captured autograd graph is not needed
-        layer.aux_loss = layer.balance_loss = layer._z_loss = None
+        access.clear_losses()
         grads = list(grads) if grads is not None else [None] * len(inputs)
         self.gx = grads.pop(0) if self.x_grad else None
         self.gparams = grads
@@ -190,10 +229,11 @@ class StepGraphs:
         self._steps.clear()
         self.failed.clear()
 
-    def run(self, layer: Any, x: Tensor, gate_index: int, k: int, cf: float, degree: Any, own: Any,
+    def run(self, access: StepAccess, x: Tensor, gate_index: int, k: int, cf: float, degree: Any, own: Any,
             algo: Optional[str], ineq: bool, mode: str, wire: Optional[torch.dtype] = None) -> Optional[Tensor]:
         """The replayed step's output, or None where this call must run eagerly (its graph's
-        previous replay still awaits its backward)."""
+        previous replay still awaits its backward, or its capture failed)."""
+        layer = access.layer
         gate = layer.gates[gate_index]
         T = x.numel() // layer.model_dim
         params = [p for p in layer.parameters() if p.requires_grad]
@@ -203,7 +243,7 @@ class StepGraphs:
         # decided before the agreement below, so that an eager fallback agrees only once
         if any(s.local == local and s.busy() for s in self._steps.values()):
             return None
-        agreed = layer._agreed_tokens(T, x.device) if ineq else T  # eager: the one host step left
+        agreed = access.agreed_tokens(T, x.device) if ineq else T  # eager: the one host step left
         key = local + (agreed,)
         step = self._steps.get(key)
         if step is None:
@@ -211,15 +251,14 @@ class StepGraphs:
                 return None
 
             def call(xs: Tensor) -> Tensor:
-                return layer._run(xs, gate, k, cf, degree, own, algo, False, ineq, mode, wire)
+                return access.run(xs, gate, k, cf, degree, own, algo, False, ineq, mode, wire)
 
             try:
-                step = _Step(layer, x, call)
+                step = _Step(access, x, call)
             except RuntimeError as exc:
                 # the capture failed (cudaErrorStreamCaptureInvalidated, say): what it made was never
                 # computed, so nothing of it may be used; this key runs eagerly from now on
-                layer.aux_loss = layer.balance_loss = layer._z_loss = layer._z_logits = None
-                layer.last_routing = None
+                access.set_results(CallResults(None, None, None, None, None))
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 if len(self.failed) >= 64:
                     self.failed.pop(next(iter(self.failed)))
@@ -241,10 +280,10 @@ class StepGraphs:
             layer.comm.watch_stream("MoELayer cuda_graph replay")
         y = outs[0]
         aux_i, bal_i, z_i = step.slots
-        layer.aux_loss = outs[aux_i] if aux_i >= 0 else None
-        layer.balance_loss = outs[aux_i] if step.balance_is_aux else (outs[bal_i] if bal_i >= 0 else None)
-        layer._z_loss = outs[aux_i] if step.z_is_aux else (outs[z_i] if z_i >= 0 else None)
-        layer._z_logits = step.z_logits
-        layer.last_routing = step.routing
+        access.set_results(CallResults(
+            aux_loss=outs[aux_i] if aux_i >= 0 else None,
+            balance_loss=outs[aux_i] if step.balance_is_aux else (outs[bal_i] if bal_i >= 0 else None),
+            z_loss=outs[aux_i] if step.z_is_aux else (outs[z_i] if z_i >= 0 else None),
+            z_logits=step.z_logits, routing=step.routing))
         layer.last_parallel_mode = "expert"
         return y

@@ -19,7 +19,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from . import _comm, _wire
+from moecomm.quant import check_grad_wire_dtype, check_wire_dtype
+
+from . import _comm
 from ._args import float_arg, int_arg
 from .gates import GATE_TYPES, TopKGate
 from .losses import BALANCE_LOSSES
@@ -108,7 +110,9 @@ class MoEConfig:
         _check_degree_value(self.overlap_degree)
         _check_own_first_value(self.own_first)
         _check_algorithm_value(self.algorithm)
-        _wire.check_wire_args(self.wire_dtype, self.grad_wire_dtype)
+        if self.wire_dtype is not None:
+            check_wire_dtype(self.wire_dtype)
+        check_grad_wire_dtype(self.grad_wire_dtype)
         if self.seed is not None:
             int_arg("seed", self.seed, 0)
         self._check_gates()

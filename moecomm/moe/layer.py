@@ -9,12 +9,13 @@ import torch
 from torch import Tensor, nn
 
 import moecomm_ext
+from moecomm.quant import check_wire_dtype
 
-from . import _comm, _wire
+from . import _comm
 from ._args import float_arg, int_arg
 from ._data_parallel import DataParallelPath
 from ._expert_parallel import ExpertParallelPath
-from ._graphed import StepGraphs
+from ._graphed import CallResults, StepAccess, StepGraphs
 from ._routing_step import RoutingStep
 from .config import (PARALLEL_MODES, MoEConfig, bool_arg, check_algorithm, check_degree, check_own_first,
                      expert_layout)
@@ -210,7 +211,6 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self.experts = self._build_experts(cfg, seed, device)
         for name, p in self.experts.named_parameters():
             p.skip_allreduce = True  # Tutel's marker: expert weights are not data-parallel
-            p._moe_expert = True
             if cfg.scan_expert_func is not None:
                 cfg.scan_expert_func(name, p)
         self.result_func = cfg.result_func
@@ -315,7 +315,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         deg = self._call_degree(overlap_degree, a2a_ffn_overlap_degree)
         own = self.own_first if own_first is None else check_own_first(self.comm, own_first)
         wire = self.wire_dtype if wire_dtype is None else wire_dtype
-        _wire.check_wire_args(wire, None)
+        if wire is not None:
+            check_wire_dtype(wire)
         own_captured = True if own == "auto" else own  # what "auto" means in a captured step
         if own == "auto":
             own = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -328,7 +329,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
 
         y = None
         if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
-            y = self._graphed.run(self, x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode, wire)
+            y = self._graphed.run(self._step_access(), x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode, wire)
         if y is None:
             y = self._run(x, gate, kk, cf, deg, own, algo, drop_less, ineq, mode, wire)
         aux = self.aux_loss
@@ -374,6 +375,18 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         if not (x.is_cuda and cf > 0 and not drop_less and mode == "expert" and torch.is_grad_enabled()):
             return False
         return not (torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing())
+
+    def _step_access(self) -> StepAccess:
+        """What the captured steps (``cuda_graph=True``) need of this layer, handed over per call."""
+        return StepAccess(self, self._run, self._agreed_tokens, self._call_results, self._set_call_results)
+
+    def _call_results(self) -> CallResults:
+        """The last call's losses, z logits and routing (for the captured steps)."""
+        return CallResults(self.aux_loss, self.balance_loss, self._z_loss, self._z_logits, self.last_routing)
+
+    def _set_call_results(self, results: CallResults) -> None:
+        """Make ``results`` the last call's (a replayed step's, or none after a failed capture)."""
+        self.aux_loss, self.balance_loss, self._z_loss, self._z_logits, self.last_routing = results
 
     def _run(self, x: Tensor, gate: TopKGate, kk: int, cf: float, deg, own, algo, drop_less: bool, ineq: bool,
              mode: str, wire: Optional[torch.dtype] = None) -> Tensor:

@@ -133,6 +133,18 @@ def check_gradient() -> None:
                                  grad_wire_dtype=WIRES[1])
         (gx3,) = torch.autograd.grad(out3, x3, g)
         ok = ok and same_bits(gx3, roundtrip(gx2, WIRES[1]))
+        # gradient rows cast to a floating grad_wire_dtype and back (its own dtype: exactly)
+        xf = x.detach().float().requires_grad_()
+        plain, _ = comm.all_to_all_v(xf.detach(), send, recv, algorithm=algorithm)
+        for gw in (torch.bfloat16, torch.float16, torch.float32):
+            outf, _ = F.all_to_all_v(xf, send, recv, comm=comm, algorithm=algorithm, grad_wire_dtype=gw)
+            gf = torch.randn(outf.shape, generator=torch.Generator().manual_seed(R + 1)).to(DEV)
+            (gxf,) = torch.autograd.grad(outf, xf, gf)
+            # reference: the plain exchange of the gradient cast to gw, cast back to float32
+            gr = torch.zeros(x.shape[0], 200, dtype=gw, device=DEV).requires_grad_()
+            outr, _ = F.all_to_all_v(gr, send, recv, comm=comm, algorithm=algorithm)
+            (gxr,) = torch.autograd.grad(outr, gr, gf.to(gw))
+            ok = ok and same_bits(outf.detach(), plain) and same_bits(gxf, gxr.float())
         collective_assert(ok, f"functional wire gradient ({algorithm})")
 
 
@@ -153,12 +165,13 @@ def check_bad_input() -> None:
     except TypeError as e:
         if "input" not in str(e):
             errors.append(str(e))
-    try:
-        F.all_to_all_v(x, [1] * W, comm=COMM, grad_wire_dtype=torch.float16)
-        errors.append("grad_wire_dtype float16: no error")
-    except TypeError as e:
-        if "grad_wire_dtype" not in str(e):
-            errors.append(str(e))
+    for bad in (torch.int8, torch.float64, "bf16"):
+        try:
+            F.all_to_all_v(x, [1] * W, comm=COMM, grad_wire_dtype=bad)
+            errors.append(f"grad_wire_dtype {bad}: no error")
+        except TypeError as e:
+            if "grad_wire_dtype" not in str(e):
+                errors.append(str(e))
     collective_assert(not errors, "; ".join(errors))
 
 
