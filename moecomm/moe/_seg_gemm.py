@@ -221,8 +221,11 @@ def seg_sum(g: Tensor, seg: Segments) -> Tensor:
             # each block's column sums as a GEMM with a row of ones (float32 sums): reads g once
             # at the memory's speed, where the strided reduction over two dims does not
             blocks = g.view(-1, C, B)
-            ones = torch.ones(blocks.shape[0], 1, C, dtype=g.dtype, device=g.device)
-            return torch.bmm(ones, blocks, out_dtype=acc).view(-1, El, B).sum(0).to(g.dtype)
+            nb = blocks.shape[0]
+            ones = seg.consts.ones(nb * C, g.dtype, g.device) if seg.consts is not None else \
+                torch.ones(nb * C, dtype=g.dtype, device=g.device)
+            sums = torch.bmm(ones.view(nb, 1, C), blocks, out_dtype=acc)
+            return (sums.view(El, B) if nb == El else sums.view(-1, El, B).sum(0)).to(g.dtype)
         return g.view(-1, El, C, B).sum(dim=(0, 2), dtype=acc).to(g.dtype)
     if g.shape[0] == 0:
         return torch.zeros(El, B, dtype=g.dtype, device=g.device)
