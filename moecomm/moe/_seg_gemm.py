@@ -69,7 +69,15 @@ def _block_views(t: Tensor, seg: Segments) -> list[Tensor]:
 
 def _offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tensor:
     """int32 ends of block ``b``'s expert segments (of all blocks' segments, in row order,
-    for ``b=None``), on ``device`` without a host sync."""
+    for ``b=None``), on ``device`` without a host sync (kept on ``seg`` for its next GEMM)."""
+    key = (b, device)
+    t = seg._offsets.get(key)
+    if t is None:
+        t = seg._offsets[key] = _make_offsets(seg, b, device)
+    return t
+
+
+def _make_offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tensor:
     if seg.counts_dev is not None:
         return torch.cumsum(seg.counts_dev[b] if b is not None else seg.counts_dev.reshape(-1), 0,
                             dtype=torch.int32)
