@@ -18,7 +18,9 @@ class StepConstants:
 
     Nothing is stored while a CUDA graph is being captured (a tensor made then holds its
     values only once the graph is replayed) or under ``torch.inference_mode`` (an inference
-    tensor cannot be saved for a later backward); those calls get a fresh tensor."""
+    tensor cannot be saved for a later backward); those calls get a fresh tensor. Dropping
+    the tensors when full assumes no stream still reads them (the step that made the cache
+    full runs after the steps that used them, on their streams or after them)."""
 
     __slots__ = ("_kept", "limit")
 
@@ -27,16 +29,35 @@ class StepConstants:
         self.limit = limit
 
     def get(self, key: Hashable, make: Callable[[], Tensor], device: torch.device) -> Tensor:
-        """The tensor kept under ``key`` (made on ``device`` by ``make()`` on first use)."""
-        t = self._kept.get(key)
-        if t is not None:
+        """The tensor kept under ``key`` (made on ``device`` by ``make()`` on first use).
+
+        On a GPU the tensor is made on the current stream, and a stage of a pipelined call
+        may use it on another: until the kernels that made it are known to be done, every
+        use first makes its stream wait for them (an event; no host sync)."""
+        entry = self._kept.get(key)
+        if entry is not None:
+            t, made = entry
+            if made is None:
+                return t
+            if torch.cuda.is_current_stream_capturing():
+                return make()  # the event belongs to no capture: do not wait on it in one
+            if made.query():
+                self._kept[key] = (t, None)
+            else:
+                torch.cuda.current_stream(device).wait_event(made)
             return t
         t = make()
-        if torch.is_inference_mode_enabled() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if torch.is_inference_mode_enabled():
             return t
+        made = None
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return t
+            made = torch.cuda.Event()
+            made.record(torch.cuda.current_stream(device))
         if len(self._kept) >= self.limit:
             self._kept.clear()
-        self._kept[key] = t
+        self._kept[key] = (t, made)
         return t
 
     def arange(self, n: int, device: torch.device) -> Tensor:
