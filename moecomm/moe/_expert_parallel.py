@@ -55,7 +55,7 @@ class ExpertParallelPath:
 
     def _combine(self, back: Tensor, sm, weights: Optional[Tensor]) -> Tensor:
         return moecomm_ext.combine(back, sm.token_slots, weights, sm.slot_token, check=False,
-                                   use_native=self._use_native)
+                                   use_native=self._use_native, slot_route=sm.slot_route)
 
     def _run_experts(self, rows: Tensor, seg: Segments) -> Tensor:
         return self.experts(rows, seg)
