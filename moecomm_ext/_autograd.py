@@ -50,22 +50,26 @@ class _Combine(torch.autograd.Function):
     the token gradients into slots (``grad_y``) and row dot products (``grad_w``)."""
 
     @staticmethod
-    def forward(ctx, y, token_slots, token_weight, slot_token, use_native):  # type: ignore[override]
+    def forward(ctx, y, token_slots, token_weight, slot_token, use_native, slot_route=None):  # type: ignore[override]
         ctx.use_native = use_native
-        ctx.save_for_backward(y, token_slots, token_weight, slot_token)
+        ctx.save_for_backward(y, token_slots, token_weight, slot_token, slot_route)
         return run_gather_reduce_rows(y, token_slots, token_weight, use_native)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
-        y, token_slots, token_weight, slot_token = ctx.saved_tensors
+        y, token_slots, token_weight, slot_token, slot_route = ctx.saved_tensors
         use_native = ctx.use_native
         grad_out = grad_out.contiguous()
         M = slot_token.shape[0]
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             slot_weight = None
-            if token_weight is not None:
+            if token_weight is not None and slot_route is not None:
+                # weight of slot m = the flat token_weight entry of its route (0 for an empty slot)
+                flat_w = opmath(token_weight, y.dtype).reshape(-1, 1)
+                slot_weight = run_gather_rows(flat_w, slot_route, None, use_native).reshape(M)
+            elif token_weight is not None:
                 # weight of slot m = token_weight[t, j] for the (t, j) with
                 # token_slots[t, j] == m and t = slot_token[m]: gather the
                 # token's K slots and weights, keep the matching column.
@@ -76,7 +80,7 @@ class _Combine(torch.autograd.Function):
             grad_y = run_gather_rows(grad_out, slot_token, slot_weight, use_native)
         if token_weight is not None and ctx.needs_input_grad[2]:
             grad_w = run_gather_rowdot(grad_out, y.contiguous(), token_slots, use_native).to(token_weight.dtype)
-        return grad_y, None, grad_w, None, None
+        return grad_y, None, grad_w, None, None, None
 
 
 def dispatch(
@@ -145,6 +149,7 @@ def combine(
     *,
     check: bool = True,
     use_native: bool | None = None,
+    slot_route: Tensor | None = None,
 ) -> Tensor:
     """MoE combine (differentiable): weighted sum of each token's expert outputs.
 
@@ -162,6 +167,10 @@ def combine(
             ``gather_rows(grad, slot_token, scale=weight of the slot)``.
         check: verify index ranges and that the two maps are inverse.
         use_native: as in :func:`gather_rows`.
+        slot_route: ``[M]`` int64 flat index ``t * K + j`` of the route each slot holds
+            (``-1``: empty), if at hand: the backward then gathers each slot's weight with
+            it (one gather) instead of finding it among the token's ``K`` slots. The
+            caller promises it matches the maps (not checked).
 
     Returns:
         ``[T, D]`` tensor of ``y.dtype`` (accumulated in float32, or float64).
@@ -185,6 +194,11 @@ def combine(
         floating(fn, "token_weight", token_weight, "combine weights")
         shape_is(fn, "token_weight", token_weight, tuple(token_slots.shape), "[T, K] (= token_slots.shape)")
     same_device(fn, "y", y, token_slots=token_slots, token_weight=token_weight, slot_token=slot_token)
+    if slot_route is not None:
+        slot_route = index_arg(fn, "slot_route", slot_route, 1, "[M]")
+        shape_is(fn, "slot_route", slot_route, (slot_token.shape[0],), "[M] (= slot_token.shape)")
+        same_device(fn, "y", y, slot_route=slot_route)
+        slot_route = slot_route.contiguous()
     if check:
         check_slot_pair(fn, slot_token, token_slots)
-    return _Combine.apply(y, token_slots.contiguous(), token_weight, slot_token.contiguous(), use_native)
+    return _Combine.apply(y, token_slots.contiguous(), token_weight, slot_token.contiguous(), use_native, slot_route)

@@ -87,6 +87,32 @@ def test_combine_gradcheck(use_native, weighted):
     assert torch.autograd.gradcheck(f, inputs)
 
 
+@pytest.mark.parametrize("use_native", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_slot_route_gives_the_same_gradients(use_native, dtype):
+    """``slot_route`` (each slot's flat route, -1 when empty) only changes how the backward
+    finds each slot's weight: the gradients are the same bits."""
+    token_slots, slot_token = _routing(40, 3, 5, 9, seed=5)
+    flat = token_slots.reshape(-1)
+    slot_route = torch.full((slot_token.shape[0],), -1, dtype=torch.int64)
+    kept = flat >= 0
+    slot_route[flat[kept]] = torch.arange(flat.numel())[kept]
+    gen = torch.Generator().manual_seed(6)
+    y0 = torch.randn(slot_token.shape[0], 7, generator=gen).to(dtype)
+    w0 = torch.rand(40, 3, generator=gen)
+    g = torch.randn(40, 7, generator=gen).to(dtype)
+    grads = []
+    for sr in (None, slot_route):
+        y, w = y0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        out = me.combine(y, token_slots, w, slot_token, use_native=use_native, slot_route=sr)
+        out.backward(g)
+        grads.append((out.detach(), y.grad, w.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="slot_route"):
+        me.combine(y0, token_slots, w0, slot_token, slot_route=slot_route[:-1])
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     T=st.integers(0, 12),

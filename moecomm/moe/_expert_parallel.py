@@ -12,6 +12,7 @@ from torch import Tensor
 import moecomm_ext
 
 from . import _comm
+from ._step_cache import StepConstants
 from .experts import Segments, WeightGradSum
 from .routing import Routing, dropless_slots, pipelined_capacity_slots
 
@@ -31,6 +32,7 @@ class ExpertParallelPath:
     grad_wire_dtype: Optional[torch.dtype]
     experts: Any
     _use_native: bool
+    _consts: StepConstants
 
     def _slot_weights(self, r: Routing, S: int):
         g = r.gates
@@ -53,14 +55,14 @@ class ExpertParallelPath:
 
     def _combine(self, back: Tensor, sm, weights: Optional[Tensor]) -> Tensor:
         return moecomm_ext.combine(back, sm.token_slots, weights, sm.slot_token, check=False,
-                                   use_native=self._use_native)
+                                   use_native=self._use_native, slot_route=sm.slot_route)
 
     def _run_experts(self, rows: Tensor, seg: Segments) -> Tensor:
         return self.experts(rows, seg)
 
     def _expert_parallel(self, x_c: Tensor, r: Routing, degree, own_first: bool, algo: Optional[str],
                          cdtype, wire: Optional[torch.dtype] = None) -> Tensor:
-        comm = self.comm
+        comm, consts = self.comm, self._consts
         W, El, S, E = comm.size, self.num_local_experts, self.shards, self.num_experts
         El_dest = El if S == 1 else 1  # experts per destination rank, as the rows arrive
         own_first = own_first and W > 1
@@ -74,13 +76,13 @@ class ExpertParallelPath:
             # each destination block = `degree` equal chunks along the capacity, expert by expert
             Cc = -(-C // degree) if C else 0
             piece = El_dest * Cc  # rows of one chunk of one source: [El_dest][Cc]
-            sm = pipelined_capacity_slots(r, C, E, S, degree, El)
+            sm = pipelined_capacity_slots(r, C, E, S, degree, El, consts)
             send, weights = self._dispatch(x_c, r, sm, S)
             send_splits = recv_splits = [degree * El_dest * Cc] * W
             blocks = [[degree * Cc] * El_dest for _ in range(W)]
-            seg = Segments.uniform_blocks(W, El_dest, degree * Cc)
+            seg = Segments.uniform_blocks(W, El_dest, degree * Cc, consts=consts)
         else:
-            sm = dropless_slots(r, S, 1)
+            sm = dropless_slots(r, S, 1, consts)
             piece = 0  # no fixed layout: each chunk is regrouped from its counts
             send, weights = self._dispatch(x_c, r, sm, S)
             n = r.counts  # [E] routes per expert (all kept)
@@ -105,7 +107,7 @@ class ExpertParallelPath:
                 if piece and all(n % piece == 0 for n in chunk.source_splits):
                     # the capacity layout: every source's rows here are whole [El_dest][Cc] pieces
                     nb = sum(chunk.source_splits) // piece
-                    return self._run_experts(rows, Segments.uniform_blocks(nb, El_dest, Cc, wgrad_sum))
+                    return self._run_experts(rows, Segments.uniform_blocks(nb, El_dest, Cc, wgrad_sum, consts))
                 return self._run_experts(rows, Segments(chunk.group_splits(blocks), El_dest, wgrad_sum=wgrad_sum))
 
             if wire is not None and W > 1 and self.grad_wire_dtype not in (None, cdtype):

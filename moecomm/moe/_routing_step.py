@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _comm
+from ._step_cache import StepConstants
 from .gates import TopKGate
 from .losses import gshard_loss, load_importance_loss, router_z_loss
 from .routing import Routing, fixed_capacity, route
@@ -36,6 +37,7 @@ class RoutingStep:
     _z_loss: Optional[Tensor]
     _z_logits: Optional[Tensor]
     _agreed: dict
+    _consts: StepConstants
 
     @property
     def l_aux(self) -> Optional[Tensor]:
@@ -60,10 +62,12 @@ class RoutingStep:
         else:
             noisy = logits
         scores = F.softmax(noisy, dim=1)
-        r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, normalize=self.normalize_gate)
+        cc = self._consts
+        r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, normalize=self.normalize_gate,
+                  consts=cc)
 
         if self.balance_loss_type == "gshard":
-            bal = gshard_loss(scores, r.topk_idx[:, 0])
+            bal = gshard_loss(scores, r.topk_idx[:, 0], cc.ones(scores.shape[0], scores.dtype, scores.device))
         elif self.balance_loss_type == "load_importance":
             bal = load_importance_loss(F.softmax(logits, dim=1), noisy, r.topk_idx, gate.gate_noise)
         else:
@@ -71,11 +75,13 @@ class RoutingStep:
         if self.z_loss_weight != 0:
             z = router_z_loss(logits)
             aux = z * self.z_loss_weight if bal is None else bal + z * self.z_loss_weight
-            self._z_logits, self._z_loss = None, z
+            z_logits = None
         else:  # not part of the loss: computed (without a graph) only if someone reads layer.z_loss
             aux = bal if bal is not None else logits.new_zeros(())
-            self._z_logits, self._z_loss = logits.detach(), None
-        self.balance_loss, self.aux_loss = bal, aux
+            z, z_logits = None, logits.detach()
+        # plain attributes (none is a parameter, buffer or module): skip nn.Module.__setattr__'s lookups
+        d = self.__dict__
+        d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = z_logits, z, bal, aux
         return r
 
     def _capacity(self, r: Routing, T: int, k: int, cf: float, ineq: bool) -> int:

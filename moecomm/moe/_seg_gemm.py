@@ -27,15 +27,21 @@ def _gmm_shapes_ok(*dims: int, esize: int = 2) -> bool:
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs here for this dtype (bf16 only; tried once, then cached)."""
-    if device.type != "cuda" or not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
+    """Whether ``torch._grouped_mm`` runs here for this dtype: bf16 on a GPU; float32, bf16
+    and float16 on the CPU where this torch has the CPU kernel (tried once, then cached)."""
+    if not hasattr(torch, "_grouped_mm"):
         return False
-    key = (device.index, dtype)
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return False
+    elif device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    key = (device.type, device.index, dtype)
     ok = _GROUPED_MM_OK.get(key)
     if ok is None:
         try:
-            a = torch.randn(32, 16, device=device, dtype=dtype)
-            w = torch.randn(2, 16, 16, device=device, dtype=dtype)
+            a = torch.randn(32, 16, device=device).to(dtype)
+            w = torch.randn(2, 16, 16, device=device).to(dtype)
             offs = torch.tensor([16, 32], device=device, dtype=torch.int32)
             out = torch._grouped_mm(a, w, offs=offs)
             ref = torch.cat([a[:16] @ w[0], a[16:] @ w[1]])
@@ -49,6 +55,10 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return ok
 
 
+def _grouped(t: Tensor, *dims: int) -> bool:
+    return grouped_mm_available(t.device, t.dtype) and _gmm_shapes_ok(*dims, esize=t.element_size())
+
+
 def _block_views(t: Tensor, seg: Segments) -> list[Tensor]:
     out, start = [], 0
     for n in seg.block_rows():
@@ -57,11 +67,22 @@ def _block_views(t: Tensor, seg: Segments) -> list[Tensor]:
     return out
 
 
-def _offsets(seg: Segments, b: int, device: torch.device) -> Tensor:
+def _offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tensor:
+    """int32 ends of block ``b``'s expert segments (of all blocks' segments, in row order,
+    for ``b=None``), on ``device`` without a host sync (kept on ``seg`` for its next GEMM)."""
+    key = (b, device)
+    t = seg._offsets.get(key)
+    if t is None:
+        t = seg._offsets[key] = _make_offsets(seg, b, device)
+    return t
+
+
+def _make_offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tensor:
     if seg.counts_dev is not None:
-        return torch.cumsum(seg.counts_dev[b], 0).to(torch.int32)
+        return torch.cumsum(seg.counts_dev[b] if b is not None else seg.counts_dev.reshape(-1), 0,
+                            dtype=torch.int32)
     ends, acc = [], 0
-    for n in seg.counts[b]:
+    for n in (seg.counts[b] if b is not None else [n for block in seg.counts for n in block]):
         acc += n
         ends.append(acc)
     t = torch.tensor(ends, dtype=torch.int32)
@@ -97,14 +118,12 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
             else:
                 torch.bmm(xb[b], wt, out=ob[b])
         return out
-    if x.is_cuda and grouped_mm_available(x.device, x.dtype) and _gmm_shapes_ok(wt.shape[1], B):
+    if _grouped(x, wt.shape[1], B):
         outs = []
         for b, xb in enumerate(_block_views(x, seg)):
             if xb.shape[0]:
                 outs.append(torch._grouped_mm(xb, wt, offs=_offsets(seg, b, x.device)))
-        out = torch.cat(outs) if len(outs) != 1 else outs[0]
-        if not outs:
-            out = x.new_empty(0, B)
+        out = x.new_empty(0, B) if not outs else (outs[0] if len(outs) == 1 else torch.cat(outs))
         if bias is not None:
             out += bias.index_select(0, seg.row_expert(x.device)) * bias_scale
         return out
@@ -131,7 +150,7 @@ def seg_wgrad(a: Tensor, g: Tensor, seg: Segments, acc: Optional[Tensor] = None)
         for b in range(0 if acc is not None else 1, ab.shape[0]):
             out.baddbmm_(ab[b].transpose(1, 2), gb[b])
         return out
-    if a.is_cuda and grouped_mm_available(a.device, a.dtype) and _gmm_shapes_ok(A, B):
+    if _grouped(a, A, B):
         out = acc
         av, gv = _block_views(a, seg), _block_views(g, seg)
         for b in range(len(av)):
@@ -210,20 +229,28 @@ def seg_sum(g: Tensor, seg: Segments) -> Tensor:
             # each block's column sums as a GEMM with a row of ones (float32 sums): reads g once
             # at the memory's speed, where the strided reduction over two dims does not
             blocks = g.view(-1, C, B)
-            ones = torch.ones(blocks.shape[0], 1, C, dtype=g.dtype, device=g.device)
-            return torch.bmm(ones, blocks, out_dtype=acc).view(-1, El, B).sum(0).to(g.dtype)
+            nb = blocks.shape[0]
+            ones = seg.consts.ones(nb * C, g.dtype, g.device) if seg.consts is not None else \
+                torch.ones(nb * C, dtype=g.dtype, device=g.device)
+            sums = torch.bmm(ones.view(nb, 1, C), blocks, out_dtype=acc)
+            return (sums.view(El, B) if nb == El else sums.view(-1, El, B).sum(0)).to(g.dtype)
         return g.view(-1, El, C, B).sum(dim=(0, 2), dtype=acc).to(g.dtype)
-    if g.is_cuda:
-        lengths = seg.counts_dev.reshape(-1) if seg.counts_dev is not None else \
-            torch.tensor(seg.counts, dtype=torch.int64).reshape(-1).pin_memory().to(g.device, non_blocking=True)
-        try:
-            sums = torch.segment_reduce(g, "sum", lengths=lengths, axis=0)  # [blocks * El, B]
-            return sums.view(-1, El, B).sum(0, dtype=acc).to(g.dtype)
-        except (RuntimeError, NotImplementedError):
-            out = torch.zeros(El, B, dtype=acc, device=g.device)
-            out.index_add_(0, seg.row_expert(g.device), g.to(acc))
-            return out.to(g.dtype)
+    if g.shape[0] == 0:
+        return torch.zeros(El, B, dtype=g.dtype, device=g.device)
+    width = max(1, 16 // g.element_size())  # a ones block as wide as the GEMM's alignment asks
+    if _grouped(g, width, B):
+        # one grouped GEMM over every (block, expert) segment: ones[width, rows] @ g, as
+        # seg_wgrad's, so no host sync (torch.segment_reduce synchronises) and no atomics
+        ones = torch.ones(g.shape[0], width, dtype=g.dtype, device=g.device)
+        sums = torch._grouped_mm(ones.t(), g, offs=_offsets(seg, None, g.device))[:, 0]  # [blocks * El, B]
+        if len(seg.counts) == 1:
+            return sums
+        return sums.view(-1, El, B).sum(0, dtype=acc).to(g.dtype)
+    if g.is_cuda:  # no grouped GEMM for this dtype: one reduction per segment (host counts, no sync)
+        out = torch.zeros(El, B, dtype=acc, device=g.device)
+        for e, s, n in seg.items():
+            out[e] += g[s:s + n].sum(0, dtype=acc)
+        return out.to(g.dtype)
+    # the CPU's index_add_ is sequential (deterministic): each expert's rows added in row order
     out = torch.zeros(El, B, dtype=acc, device=g.device)
-    for e, s, n in seg.items():
-        out[e] += g[s:s + n].sum(0, dtype=acc)
-    return out.to(g.dtype)
+    return out.index_add_(0, seg.row_expert(g.device), g.to(acc)).to(g.dtype)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from ._seg_gemm import WeightGradSum
+    from ._step_cache import StepConstants
 
 __all__ = ["Segments"]
 
@@ -33,17 +34,22 @@ class Segments:
     """The counts as an int64 ``[blocks, num_local]`` tensor on the rows' device, if at hand."""
     wgrad_sum: Optional["WeightGradSum"] = field(default=None, compare=False)
     """Shared by the stages of one pipelined call: see :class:`WeightGradSum`."""
+    consts: Optional["StepConstants"] = field(default=None, compare=False, repr=False)
+    """A layer's cache of constant tensors (the uniform layout's row map), if any."""
     rows: int = field(init=False)
     _row_expert: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
+    _offsets: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The grouped GEMMs' segment ends, per (block or None, device): see ``_seg_gemm._offsets``."""
 
     def __post_init__(self) -> None:
         self.rows = sum(sum(b) for b in self.counts)
 
     @classmethod
     def uniform_blocks(cls, blocks: int, num_local: int, capacity: int,
-                       wgrad_sum: Optional["WeightGradSum"] = None) -> "Segments":
+                       wgrad_sum: Optional["WeightGradSum"] = None,
+                       consts: Optional["StepConstants"] = None) -> "Segments":
         return cls([[capacity] * num_local for _ in range(blocks)], num_local, uniform=capacity,
-                   wgrad_sum=wgrad_sum)
+                   wgrad_sum=wgrad_sum, consts=consts)
 
     def block_rows(self) -> list[int]:
         return [sum(b) for b in self.counts]
@@ -70,8 +76,14 @@ class Segments:
 
     def _make_row_expert(self, device: torch.device) -> Tensor:
         if self.uniform is not None:  # built on the device: no host copy (safe in CUDA graph capture)
-            ids = torch.arange(self.num_local, device=device).repeat_interleave(self.uniform)
-            return ids.repeat(len(self.counts))
+            blocks, El, C = len(self.counts), self.num_local, self.uniform
+
+            def make() -> Tensor:  # an int repeat_interleave may size its output with a host sync
+                return torch.arange(El, device=device).view(1, El, 1).expand(blocks, El, C).reshape(-1)
+
+            if self.consts is None:
+                return make()
+            return self.consts.get(("row_expert", blocks, El, C, device), make, device)
         if self.counts_dev is not None:
             ids = torch.arange(self.num_local, device=device).repeat(self.counts_dev.shape[0])
             return torch.repeat_interleave(ids, self.counts_dev.reshape(-1), output_size=self.rows)

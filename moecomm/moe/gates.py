@@ -52,8 +52,10 @@ class TopKGate(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.model_dim:
             raise ValueError(f"gate input must be [tokens, model_dim={self.model_dim}], got {tuple(x.shape)}")
         if self.fp32_gate:
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                return self.logits(x.float())
+            if torch.is_autocast_enabled(x.device.type):  # entering the context costs more than the check
+                with torch.autocast(device_type=x.device.type, enabled=False):
+                    return self.logits(x.float())
+            return self.logits(x.float())
         return self.logits(x)
 
 
@@ -75,8 +77,10 @@ class LinearTopKGate(TopKGate):
     def forward(self, x: Tensor) -> Tensor:
         w = self.wg.weight
         if self.fp32_gate and x.dim() == 2 and x.shape[1] == self.model_dim and wide_linear_applies(x, w):
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                return wide_linear(x, w)  # the same float32 logits, without a float32 copy of x
+            if torch.is_autocast_enabled(x.device.type):
+                with torch.autocast(device_type=x.device.type, enabled=False):
+                    return wide_linear(x, w)
+            return wide_linear(x, w)  # the same float32 logits, without a float32 copy of x
         return super().forward(x)
 
     def logits(self, x: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from ._data_parallel import DataParallelPath
 from ._expert_parallel import ExpertParallelPath
 from ._graphed import CallResults, StepAccess, StepGraphs
 from ._routing_step import RoutingStep
+from ._step_cache import StepConstants
 from .config import (PARALLEL_MODES, MoEConfig, bool_arg, check_algorithm, check_degree, check_own_first,
                      expert_layout)
 from .experts import BatchedExperts, ExpertList, FFNExperts
@@ -219,8 +220,10 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self._z_loss: Optional[Tensor] = None
         self._z_logits: Optional[Tensor] = None
         self._use_native = moecomm_ext.default_use_native()
-        self.last_routing: Optional[Routing] = None
+        self._last_routing: Optional[Routing] = None
+        self._last_route: Optional[Routing] = None  # the call's routing, detached when last_routing is read
         self.last_parallel_mode: Optional[str] = None
+        self._consts = StepConstants()  # the step's constant index tensors, per shape
         self._auto: dict = {}
         self.auto_trials = _AUTO_TRIALS
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
@@ -300,11 +303,6 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         inequivalent_tokens: Optional[bool] = None,
         wire_dtype: Optional[torch.dtype] = None,
     ) -> Tensor:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.model_dim:
-            raise ValueError(f"x must be [..., model_dim={self.model_dim}], got shape {tuple(x.shape)}")
-        gate_index = int_arg("gate_index", gate_index, 0, len(self.gates) - 1)
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.model_dim:
@@ -406,7 +404,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
             # identical on every rank (the choice must be): the capacity is agreed, T is not
             auto_key = (r.capacity, kk, cf, drop_less, deg, own, str(cdtype), algo, str(wire))
             mode = self._auto_choice(auto_key)
-        self.last_parallel_mode = mode
+        self.__dict__["last_parallel_mode"] = mode  # a plain attribute: skip nn.Module.__setattr__
         x_c = x2 if x2.dtype == cdtype else x2.to(cdtype)
         if mode == "expert":
             y = self._expert_parallel(x_c, r, deg, own, algo, cdtype, wire)
@@ -414,8 +412,22 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
             y = self._data_parallel(x_c, r, cdtype)
         else:  # a timed trial of both paths in auto mode
             y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype, wire)
-        self.last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
+        d = self.__dict__
+        d["_last_route"], d["_last_routing"] = r, None
         return y.reshape(*lead, self.output_dim)
+
+    @property
+    def last_routing(self) -> Optional[Routing]:
+        """The routing of the last call (gate weights detached), or None before the first."""
+        r = self._last_route
+        if r is not None:
+            self._last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
+            self._last_route = None
+        return self._last_routing
+
+    @last_routing.setter
+    def last_routing(self, value: Optional[Routing]) -> None:
+        self._last_routing, self._last_route = value, None
 
     def extra_repr(self) -> str:
         return (f"model_dim={self.model_dim}, num_experts={self.num_experts}, k={self.k}, "

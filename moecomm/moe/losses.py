@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -10,17 +12,18 @@ __all__ = ["gshard_loss", "load_importance_loss", "router_z_loss", "BALANCE_LOSS
 BALANCE_LOSSES = ("gshard", "load_importance", None)
 
 
-def gshard_loss(scores: Tensor, top1: Tensor) -> Tensor:
+def gshard_loss(scores: Tensor, top1: Tensor, ones: Optional[Tensor] = None) -> Tensor:
     """GShard balance loss: ``E * sum_e mean_t(scores[t, e]) * frac_t(top1 == e)``.
 
     ``scores``: ``[T, E]`` router probabilities (with noise, if any); ``top1``: ``[T]``
-    int64 first choices. Gradient flows through ``scores`` only. 0 for ``T == 0``.
+    int64 first choices; ``ones``: ``[T]`` ones of ``scores``' dtype, if at hand (a cached
+    constant). Gradient flows through ``scores`` only. 0 for ``T == 0``.
     """
     T, E = scores.shape
     if T == 0:
         return scores.sum() * 0.0
     counts = torch.zeros(E, dtype=scores.dtype, device=scores.device).scatter_add_(
-        0, top1, torch.ones_like(top1, dtype=scores.dtype))
+        0, top1, ones if ones is not None else torch.ones_like(top1, dtype=scores.dtype))
     return (scores.sum(0) * counts).sum() * (E / (T * T))
 
 

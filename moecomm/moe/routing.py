@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._step_cache import StepConstants
+
 __all__ = ["Routing", "route", "fixed_capacity", "SlotMap", "capacity_slots", "dropless_slots",
            "pipelined_capacity_slots", "chunk_sizes"]
 
@@ -40,16 +42,26 @@ class Routing:
     """``[T, k]`` bool: the route fits the capacity (all True when dropless)."""
 
 
-def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize: bool = True) -> Routing:
+def _consts(consts: Optional[StepConstants]) -> StepConstants:
+    return consts if consts is not None else StepConstants()
+
+
+def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize: bool = True,
+          consts: Optional[StepConstants] = None) -> Routing:
     """Choose ``k`` experts per token from ``scores`` (``[T, E]`` probabilities).
 
     No one-hot matrices: positions come from one stable sort of the ``k*T`` expert ids, so
-    the cost per route is the same for any ``k``.
+    the cost per route is the same for any ``k``. ``consts``: a cache of the constant
+    index tensors (a layer keeps one), else they are made afresh.
     """
     T, E = scores.shape
     dev = scores.device
-    topk_idx = torch.topk(scores, k, dim=1).indices if T else torch.empty(0, k, dtype=torch.int64, device=dev)
-    gates = scores.gather(1, topk_idx)
+    cc = _consts(consts)
+    if T:
+        gates, topk_idx = torch.topk(scores, k, dim=1)  # the values are scores.gather(1, topk_idx)
+    else:
+        topk_idx = torch.empty(0, k, dtype=torch.int64, device=dev)
+        gates = scores.gather(1, topk_idx)
     if normalize and k > 1:
         denom = gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
         gates = gates / denom
@@ -62,14 +74,15 @@ def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize:
     # Queue order: expert, then choice level j, then token (in priority order). One stable
     # sort of the token-major routes by the key e * k + j gives exactly that order.
     flat = prio.reshape(-1)  # route r = i * k + j
-    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    N = flat.numel()
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, cc.ones(N, torch.int64, dev))
     offsets = torch.cumsum(counts, 0) - counts
-    key = flat * k + torch.arange(k, device=dev).repeat(T) if k > 1 else flat
+    key = torch.add(cc.arange(k, dev), prio, alpha=k).view(-1) if k > 1 else flat  # e * k + j
     # narrow keys: the radix sort makes one pass per key byte
     span = E * k
     key = key.to(torch.int16) if span <= 2 ** 15 else (key.to(torch.int32) if span <= 2 ** 31 else key)
     perm = torch.sort(key, stable=True).indices
-    pos = torch.empty_like(flat).scatter_(0, perm, torch.arange(flat.numel(), device=dev))
+    pos = torch.empty_like(flat).scatter_(0, perm, cc.arange(N, dev))
     loc_prio = (pos - offsets.index_select(0, flat)).view(T, k)
     if order is None:
         locations = loc_prio
@@ -111,7 +124,7 @@ class SlotMap:
 
 
 def _slots(idx: Tensor, q: Tensor, chunk: Tensor, keep: Optional[Tensor], n: Tensor, shards: int,
-           num_slots: int) -> SlotMap:
+           num_slots: int, consts: Optional[StepConstants] = None) -> SlotMap:
     """slot(t, j, s) = B[c] + S * P[c, e] + s * n[c, e] + q  (see :class:`SlotMap`)."""
     T, k = idx.shape
     d, E = n.shape
@@ -126,29 +139,32 @@ def _slots(idx: Tensor, q: Tensor, chunk: Tensor, keep: Optional[Tensor], n: Ten
     n_route = n.reshape(-1).index_select(0, flat_ce.reshape(-1)).view(T, k)
     s = torch.arange(S, device=dev).view(1, 1, S)
     slots = start.unsqueeze(2) + s * n_route.unsqueeze(2)  # [T, k, S]
-    return _finish(slots, keep, num_slots, n)
+    return _finish(slots, keep, num_slots, n, consts)
 
 
-def _finish(slots: Tensor, keep: Optional[Tensor], num_slots: int, n: Optional[Tensor]) -> SlotMap:
+def _finish(slots: Tensor, keep: Optional[Tensor], num_slots: int, n: Optional[Tensor],
+            consts: Optional[StepConstants] = None) -> SlotMap:
     """Slot map from the ``[T, k, S]`` slots of every route copy (``keep``: False = dropped)."""
     T, k, S = slots.shape
     dev = slots.device
     if keep is not None:
-        slots = torch.where(keep.unsqueeze(2), slots, torch.full_like(slots, -1))
-    token_slots = slots.reshape(T, k * S)
-    # inverse map without host syncs: dropped routes write into a discarded extra slot
-    flat = token_slots.reshape(-1)
-    target = torch.where(flat >= 0, flat, torch.full_like(flat, num_slots))
+        keep = keep.unsqueeze(2)
+        token_slots = torch.where(keep, slots, -1).view(T, k * S)
+        # inverse map without host syncs: dropped routes write into a discarded extra slot
+        target = torch.where(keep, slots, num_slots).view(-1)
+    else:
+        token_slots = slots.reshape(T, k * S)
+        target = token_slots.reshape(-1)
     slot_route = torch.full((num_slots + 1,), -1, dtype=torch.int64, device=dev)
-    slot_route.scatter_(0, target, torch.arange(flat.numel(), device=dev))
+    slot_route.scatter_(0, target, _consts(consts).arange(target.numel(), dev))
     slot_route = slot_route[:num_slots]
-    kS = k * S
-    slot_token = torch.where(slot_route >= 0, torch.div(slot_route, max(kS, 1), rounding_mode="floor"),
-                             slot_route)
+    # empty slots (-1) stay -1: floor(-1 / kS) = -1
+    slot_token = torch.div(slot_route, max(k * S, 1), rounding_mode="floor")
     return SlotMap(token_slots, slot_route, slot_token, num_slots, n)
 
 
-def capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, degree: int = 1) -> SlotMap:
+def capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, degree: int = 1,
+                   consts: Optional[StepConstants] = None) -> SlotMap:
     """Padded layout: every expert gets exactly ``capacity`` slots (split into ``degree``
     chunks along the capacity); routes at or past the capacity are dropped."""
     dev = r.topk_idx.device
@@ -171,10 +187,10 @@ def capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, deg
         q = torch.where(in_big, safe - chunk * (base + 1), safe - big - (chunk - extra) * base)
         c_idx = torch.arange(degree, device=dev).view(degree, 1)
         n = (base + (c_idx < extra).to(torch.int64)).expand(degree, num_experts).contiguous()
-    return _slots(r.topk_idx, q, chunk, keep, n, shards, num_experts * shards * capacity)
+    return _slots(r.topk_idx, q, chunk, keep, n, shards, num_experts * shards * capacity, consts)
 
 
-def dropless_slots(r: Routing, shards: int, degree: int) -> SlotMap:
+def dropless_slots(r: Routing, shards: int, degree: int, consts: Optional[StepConstants] = None) -> SlotMap:
     """Exact layout: expert ``e`` gets its ``counts[e]`` routes, split into ``degree`` chunks."""
     loc = r.locations
     T, k = loc.shape
@@ -196,11 +212,11 @@ def dropless_slots(r: Routing, shards: int, degree: int) -> SlotMap:
         chunk = torch.where(in_big, torch.div(loc, b + 1, rounding_mode="floor"),
                             x + torch.div(loc - big, b.clamp(min=1), rounding_mode="floor"))
         q = torch.where(in_big, loc - chunk * (b + 1), loc - big - (chunk - x) * b)
-    return _slots(r.topk_idx, q, chunk, None, n, shards, shards * k * T)
+    return _slots(r.topk_idx, q, chunk, None, n, shards, shards * k * T, consts)
 
 
 def pipelined_capacity_slots(r: Routing, capacity: int, num_experts: int, shards: int, degree: int,
-                             experts_per_rank: int) -> SlotMap:
+                             experts_per_rank: int, consts: Optional[StepConstants] = None) -> SlotMap:
     """Padded layout for a pipelined all-to-all: the block for each destination rank holds
     ``degree`` equal chunks along the capacity (``ceil(capacity / degree)`` slots per expert
     each; the slots past ``capacity`` stay empty), each chunk expert by expert. Cutting every
@@ -215,7 +231,8 @@ def pipelined_capacity_slots(r: Routing, capacity: int, num_experts: int, shards
     keep = loc < capacity
     r.kept = keep
     if d == 1 and S == 1:  # the common case in few ops: slot = e * C + position
-        return _finish((r.topk_idx * capacity + loc).unsqueeze(2), keep, num_experts * capacity, None)
+        return _finish(torch.add(loc, r.topk_idx, alpha=capacity).unsqueeze(2), keep, num_experts * capacity, None,
+                       consts)
     safe = torch.where(keep, loc, torch.zeros_like(loc))
     c = torch.div(safe, max(Cc, 1), rounding_mode="floor")
     q = safe - c * Cc
@@ -229,4 +246,4 @@ def pipelined_capacity_slots(r: Routing, capacity: int, num_experts: int, shards
         slots = dest * (d * Cc) + (c * Cc + q).unsqueeze(2)
         W = num_experts * S
     n = torch.full((d, num_experts), Cc, dtype=torch.int64, device=dev)
-    return _finish(slots, keep, W * d * El * Cc, n)
+    return _finish(slots, keep, W * d * El * Cc, n, consts)
