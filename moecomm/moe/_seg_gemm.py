@@ -71,9 +71,9 @@ def _offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tensor:
     """int32 ends of block ``b``'s expert segments (of all blocks' segments, in row order,
     for ``b=None``), on ``device`` without a host sync (kept on ``seg`` for its next GEMM)."""
     key = (b, device)
-    t = seg._offsets.get(key)
+    t = seg.offsets_cache.get(key)
     if t is None:
-        t = seg._offsets[key] = _make_offsets(seg, b, device)
+        t = seg.offsets_cache[key] = _make_offsets(seg, b, device)
     return t
 
 

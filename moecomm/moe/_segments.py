@@ -38,7 +38,7 @@ class Segments:
     """A layer's cache of constant tensors (the uniform layout's row map), if any."""
     rows: int = field(init=False)
     _row_expert: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
-    _offsets: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    offsets_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """The grouped GEMMs' segment ends, per (block or None, device): see ``_seg_gemm._offsets``."""
 
     def __post_init__(self) -> None:
