@@ -23,6 +23,7 @@ from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES
 from ._flat import COPY_ENGINE_MIN_BYTES
 from ._host_channel import OPS, HostChannel
 from ._requests import ThenRequest, Work
+from .backends._deadline import poll_yielding
 from .backends.base import Backend, Request
 from .errors import CommunicatorClosedError, CountMismatchError
 from .pool import StagingPool
@@ -425,15 +426,9 @@ class Engine:
         deadline = start + limit
         test = request.test
         if self.backend.progress_on_test:
-            # MPI moves large messages only while it is polled (as MPI_Wait does): poll in a
-            # tight loop that yields the core, and look at the clock every 64 polls.
-            while True:
-                for _ in range(64):
-                    if test():
-                        return
-                    os.sched_yield()
-                if time.monotonic() > deadline:
-                    self._time_out(request, op, limit)
+            if not poll_yielding(test, deadline):
+                self._time_out(request, op, limit)
+            return
         pause = 0.0
         while not test():
             now = time.monotonic()

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import datetime
 import operator
-import os
 import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
+from .backends._deadline import poll_yielding
 
 __all__ = ["HostChannel", "MpiHostChannel", "GlooHostChannel", "OPS", "int_list", "gloo_capable"]
 
@@ -177,19 +178,10 @@ class MpiHostChannel(HostChannel):
         return self._comm
 
     def _poll(self, req: Any, keep: Any, what: str, timeout_s: float) -> None:
-        # MPI progresses only while polled: poll in a loop that yields the core, and look at
-        # the clock every 64 polls (as the engine's waits on the MPI backend do).
         if req.Test():
             return
-        deadline = time.monotonic() + timeout_s
-        test = req.Test
-        while True:
-            for _ in range(64):
-                if test():
-                    return
-                os.sched_yield()
-            if time.monotonic() > deadline:
-                raise self._timed_out(req, keep, what, timeout_s)
+        if not poll_yielding(req.Test, time.monotonic() + timeout_s):
+            raise self._timed_out(req, keep, what, timeout_s)
 
     def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str) -> list[int]:
         MPI = self._MPI

@@ -3,6 +3,7 @@ caller can give up on it when its deadline passes."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -40,3 +41,16 @@ def call_before_deadline(fn: Callable[[], Any], timeout_s: float, what: str, ran
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def poll_yielding(test: Callable[[], bool], deadline: float) -> bool:
+    """Call ``test`` until it returns True (then True) or ``time.monotonic()`` passes
+    ``deadline`` (then False), yielding the core between calls and looking at the clock every
+    64 calls: MPI moves messages only while a request is polled, as ``MPI_Wait`` would."""
+    while True:
+        for _ in range(64):
+            if test():
+                return True
+            os.sched_yield()
+        if time.monotonic() > deadline:
+            return False

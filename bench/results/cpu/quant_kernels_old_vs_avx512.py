@@ -1,9 +1,13 @@
 """Old (auto-vectorized, before this branch) against new (explicit AVX-512) CPU quant kernels, one process, one thread, interleaved."""
-import importlib.util, sys, time, glob, torch
+import importlib.util, sys, time, torch
 torch.set_num_threads(1)
+
+
 def load(path):
     spec = importlib.util.spec_from_file_location("moecomm_ext_quant_cpu", path)
     m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
+
+
 old = load(sys.argv[1]); new = load(sys.argv[2])
 rng = torch.Generator().manual_seed(0)
 print(f"# torch {torch.__version__}, 1 thread, medians of 101 interleaved calls; rows of 1024 elements")
