@@ -52,7 +52,7 @@ from ._loader import (
     load_native,
     native_available,
 )
-from ._autograd import combine, dispatch
+from ._autograd import combine, dispatch, dispatch_backward
 from ._ops import gather_reduce_rows, gather_rowdot, gather_rows
 from ._slots import invert_slots, slot_positions
 
@@ -61,6 +61,7 @@ __all__ = [
     "gather_reduce_rows",
     "gather_rowdot",
     "dispatch",
+    "dispatch_backward",
     "combine",
     "invert_slots",
     "slot_positions",
