@@ -1,7 +1,7 @@
 """The MoE layer's fused FP8 dispatch (the gather writes packed FP8 rows,
 ``moecomm/moe/_wire_dispatch.py``) against the unfused one (gather, then
 ``functional.all_to_all_v(wire_dtype=)``), bit for bit, on real ranks (run by
-tests/test_moe_wire_fused.py): the layer's output, aux loss, input gradient and every parameter
+tests/test_moe_wire_fused.py; from 3 ranks on also on sub-communicators of W - 1 ranks and of 1): the layer's output, aux loss, input gradient and every parameter
 gradient over capacity/dropless, k = 1..3, float32/bfloat16 in, both FP8 dtypes, prescore and
 postscore gates; the fused dispatch-exchange itself (also on one rank, where the layer does not
 exchange); and ``Communicator.all_to_all_v_packed`` against ``all_to_all_v(wire_dtype=)``.
@@ -29,6 +29,10 @@ MODE = sys.argv[1] if len(sys.argv) > 1 else "mpi"
 EXTRA = {"p2p_bytes": 0} if MODE == "nccl" else {}
 COMM = moecomm.init(backend=MODE, timeout=60, set_default=False, hierarchy=False, **EXTRA)
 W, R, DEV = COMM.size, COMM.rank, COMM.device
+# from 3 ranks on, the layer and dispatch checks also run on a sub-communicator of all ranks
+# but the last and on one of the last rank alone (1, 2 and 3 ranks in one launch of 3)
+SUB = COMM.split(0 if R < W - 1 else 1) if W >= 3 else None
+COMMS = [COMM] if SUB is None else [SUB, COMM]
 WIRES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
@@ -52,7 +56,15 @@ class _Counter:
 
 
 def check_layer_fused_vs_unfused() -> None:
-    D, H, E = 136, 24, 2 * W  # a row of one full and one short scale block
+    problems = []
+    for comm in COMMS:
+        problems += _layer_fused_vs_unfused(comm)
+    collective_assert(not problems, "fused vs unfused layer: " + "; ".join(problems[:6]))
+
+
+def _layer_fused_vs_unfused(comm) -> list:
+    W, R = comm.size, comm.rank
+    D, H, E = 136, 24, max(4, 2 * W)  # a row of one full and one short scale block
     counter = _Counter()
     _wire_dispatch.exchange = counter
     problems = []
@@ -60,7 +72,7 @@ def check_layer_fused_vs_unfused() -> None:
         cases = itertools.product([False, True], [1, 2, 3], [torch.float32, torch.bfloat16], WIRES, [False, True])
         for i, (dropless, k, dtype, wd, post) in enumerate(cases):
             gw = [torch.bfloat16, None, torch.float8_e5m2, torch.float32][i % 4]
-            kw = dict(k=k, comm=COMM, seed=3, wire_dtype=wd, grad_wire_dtype=gw, is_postscore=post, dtype=dtype,
+            kw = dict(k=k, comm=comm, seed=3, wire_dtype=wd, grad_wire_dtype=gw, is_postscore=post, dtype=dtype,
                       device=DEV, dropless=dropless, capacity_factor=1.5, overlap_degree=1, own_first=False)
             fused = MoELayer(D, H, E, **kw)
             plain = MoELayer(D, H, E, **kw)
@@ -81,16 +93,25 @@ def check_layer_fused_vs_unfused() -> None:
             names = ["output", "aux loss", "input grad"] + [n for n, _ in fused.named_parameters()]
             bad = [n for n, a, b in zip(names, *res) if not same_bits(a, b)]
             if bad:
-                problems.append(f"case {i} (dropless={dropless}, k={k}, {dtype}->{wd}, post={post}, gw={gw}): {bad}")
+                problems.append(f"{W} ranks, case {i} (dropless={dropless}, k={k}, {dtype}->{wd}, post={post}, "
+                                f"gw={gw}): {bad}")
     finally:
         _wire_dispatch.exchange = counter.inner
-    collective_assert(not problems, "fused vs unfused layer: " + "; ".join(problems[:6]))
+    return problems
 
 
 def check_dispatch_exchange() -> None:
     """The fused gather + packed exchange (autograd in x and the slot scale) against
     moecomm_ext.dispatch then functional.all_to_all_v(wire_dtype=), on every rank count
     (one rank included: the exchange still quantizes)."""
+    problems = []
+    for comm in COMMS:
+        problems += _dispatch_exchange(comm)
+    collective_assert(not problems, "fused dispatch exchange: " + "; ".join(problems))
+
+
+def _dispatch_exchange(comm) -> list:
+    W, R = comm.size, comm.rank
     problems = []
     for i, (dtype, wd, gw, scaled) in enumerate([(torch.float32, WIRES[0], torch.bfloat16, True),
                                                   (torch.bfloat16, WIRES[1], None, False),
@@ -119,17 +140,17 @@ def check_dispatch_exchange() -> None:
             s = None if s0 is None else s0.clone().requires_grad_()
             if fused:
                 packed = _wire_dispatch.pack(x, slot_token, s, wd, None)
-                out = _wire_dispatch.exchange(packed, x, slot_token, token_slots, s, COMM, send, recv, "flat", wd, gw,
+                out = _wire_dispatch.exchange(packed, x, slot_token, token_slots, s, comm, send, recv, "flat", wd, gw,
                                               None)
             else:
                 rows = moecomm_ext.dispatch(x, slot_token, token_slots, s, check=False)
-                out, _ = F.all_to_all_v(rows, send, recv, comm=COMM, wire_dtype=wd, grad_wire_dtype=gw)
+                out, _ = F.all_to_all_v(rows, send, recv, comm=comm, wire_dtype=wd, grad_wire_dtype=gw)
             out.backward(gout)
             res.append((out, x.grad, None if s is None else s.grad))
         bad = [n for n, a, b in zip(("output", "x grad", "scale grad"), *res) if not same_bits(a, b)]
         if bad:
-            problems.append(f"case {i} ({dtype}->{wd}, gw={gw}): {bad}")
-    collective_assert(not problems, "fused dispatch exchange: " + "; ".join(problems))
+            problems.append(f"{W} ranks, case {i} ({dtype}->{wd}, gw={gw}): {bad}")
+    return problems
 
 
 def check_packed_api() -> None:
