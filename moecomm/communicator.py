@@ -192,6 +192,55 @@ class Communicator:
                                                                 recv_splits, algorithm)
         return self._engine.finish(request, "all_to_all_v", (out, recv), async_op)
 
+    def all_to_all_v_packed(
+        self,
+        packed: torch.Tensor,
+        send_splits: Splits,
+        recv_splits: Optional[Splits] = None,
+        *,
+        row_shape: Sequence[int],
+        dtype: torch.dtype,
+        wire_dtype: torch.dtype,
+        async_op: bool = False,
+        algorithm: str = "flat",
+    ) -> Union[tuple[torch.Tensor, list[int]], Work]:
+        """:meth:`all_to_all_v` with ``wire_dtype`` for rows the caller has already quantized
+        and packed, e.g. by :func:`moecomm.quant.gather_pack_rows` (a gather fused with the
+        quantization, as the MoE layer's dispatch does): the packed rows travel as they are and
+        arrive unpacked and dequantized to ``dtype``. ``all_to_all_v(x, ..., wire_dtype=w)``
+        equals ``all_to_all_v_packed(quant.pack_rows(x, w, wire.WIRE_BLOCK), ...,
+        row_shape=x.shape[1:], dtype=x.dtype, wire_dtype=w)`` bit for bit. Not differentiable.
+
+        Args:
+            packed: ``[N, quant.packed_row_bytes(D, 128)]`` uint8 on :attr:`device`,
+                contiguous, ``D = prod(row_shape)``: rows packed with block
+                :data:`moecomm.wire.WIRE_BLOCK` (128) in ``wire_dtype``.
+            send_splits, recv_splits, async_op, algorithm: as in :meth:`all_to_all_v`.
+            row_shape: the shape of one unpacked row (``()`` or more dimensions).
+            dtype: float32, bfloat16 or float16: the dtype the rows are dequantized to.
+            wire_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, the dtype they were
+                packed in.
+
+        Returns:
+            ``(output, recv_splits)``: ``output`` is ``[sum(recv_splits), *row_shape]`` in
+            ``dtype``; or a :class:`Work` (``async_op``).
+
+        Raises:
+            TypeError, ValueError: ``packed`` not uint8 of that shape (named), ``row_shape``
+                not a tuple of non-negative ints, ``dtype`` or ``wire_dtype`` not one of the
+                above, bad splits or ``algorithm``, before anything is sent; with
+                ``validate=True`` also packed rows holding non-finite values (on every rank).
+            CountMismatchError, TimeoutError: as :meth:`all_to_all_v`.
+        """
+        op = "all_to_all_v_packed"
+        self._engine.check_open(op)
+        x, shape = wire.check_packed(self._engine, packed, row_shape, dtype, wire_dtype)
+        if self._engine.validate:
+            wire.cross_check_packed(self._engine, x, math.prod(shape), dtype, wire_dtype, op)
+        out, _, recv, request, _ = wire.start_packed_all_to_all_v(self._engine, self._topology, x, shape, dtype,
+                                                                  send_splits, recv_splits, algorithm, wire_dtype)
+        return self._engine.finish(request, op, (out, recv), async_op)
+
     # -- all-to-all overlapped with compute -------------------------------------------------
 
     def scatter_compute_gather(

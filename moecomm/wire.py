@@ -13,6 +13,7 @@ rounded up to 16) instead of ``D * element_size``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -23,7 +24,8 @@ from ._topology import Topology
 from .errors import CountMismatchError
 from .splits import Splits
 
-__all__ = ["WIRE_BLOCK", "start_all_to_all_v", "start_packed_all_to_all_v", "exchange_rows", "reverse_rows", "wire_bytes", "check_input"]
+__all__ = ["WIRE_BLOCK", "start_all_to_all_v", "start_packed_all_to_all_v", "exchange_rows", "reverse_rows", "wire_bytes",
+           "check_input", "check_packed", "cross_check_packed"]
 
 WIRE_BLOCK = 128
 """Elements per scale block of a ``wire_dtype`` exchange."""
@@ -54,6 +56,51 @@ def cross_check(engine: Engine, x: torch.Tensor, wire_dtype: torch.dtype, op: st
     if differ:
         raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another input dtype or "
                                  f"wire_dtype than rank 0 (rank {engine.rank}: {x.dtype} as {wire_dtype})")
+
+
+def check_packed(engine: Engine, packed: Any, row_shape: Any, dtype: Any, wire_dtype: Any) -> tuple[torch.Tensor, tuple]:
+    """The local checks of an exchange of packed rows (``TypeError``/``ValueError``):
+    ``(packed, row_shape as a tuple of ints)``."""
+    quant.check_wire_dtype(wire_dtype)
+    if dtype not in quant.INPUT_DTYPES:
+        raise TypeError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (the rows' dtype once "
+                        f"unpacked), got {dtype!r}")
+    if isinstance(row_shape, int) or not isinstance(row_shape, (tuple, list, torch.Size)) or \
+            not all(isinstance(n, int) and not isinstance(n, bool) for n in row_shape):
+        raise TypeError(f"row_shape must be a tuple of ints (the shape of one unpacked row), got {row_shape!r}")
+    row_shape = tuple(row_shape)
+    if any(n < 0 for n in row_shape):
+        raise ValueError(f"row_shape must not have negative sizes, got {row_shape}")
+    x = engine.check_tensor(packed, "packed", min_dim=2)
+    width = quant.packed_row_bytes(math.prod(row_shape), WIRE_BLOCK)
+    if x.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8 (rows of quant.pack_rows / quant.gather_pack_rows), got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"packed must have shape [N, {width}] (quant.packed_row_bytes({math.prod(row_shape)}, "
+                         f"{WIRE_BLOCK}) bytes per row of shape {row_shape}), got {tuple(x.shape)}")
+    return x, row_shape
+
+
+def cross_check_packed(engine: Engine, packed: torch.Tensor, row_elems: int, dtype: torch.dtype,
+                       wire_dtype: torch.dtype, op: str) -> None:
+    """``validate=True`` for packed rows: every rank raises together when any rank's rows hold
+    a non-finite FP8 value or scale (``ValueError``: the rows they were packed from were not
+    finite) or the ranks disagree on the dtypes (``CountMismatchError``)."""
+    nonfinite = 0
+    if packed.shape[0] and row_elems:
+        q = packed[:, :row_elems].contiguous().view(wire_dtype)
+        off = -(-row_elems // 4) * 4
+        scales = packed[:, off:off + 4 * quant.num_blocks(row_elems, WIRE_BLOCK)].contiguous().view(torch.float32)
+        nonfinite = int(not bool(torch.isfinite(q.float()).all()) or not bool(torch.isfinite(scales).all()))
+    table = engine.gather_ints([nonfinite, _CODES[dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
+    bad = [r for r, row in enumerate(table) if row[0]]
+    if bad:
+        raise ValueError(f"moecomm: {op} (validate=True): packed rows hold non-finite values (inf or NaN) on "
+                         f"rank(s) {bad}: the rows they were packed from were not finite")
+    differ = [r for r, row in enumerate(table) if row[1:] != table[0][1:]]
+    if differ:
+        raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another dtype or "
+                                 f"wire_dtype than rank 0 (rank {engine.rank}: {dtype} as {wire_dtype})")
 
 
 def start_all_to_all_v(

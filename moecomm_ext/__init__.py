@@ -15,7 +15,8 @@ An index entry of ``-1`` always means "no row".  Arithmetic is done in float32
 
 Autograd wrappers built only from those kernels: :func:`dispatch` and
 :func:`combine` (with the slot maps of :func:`invert_slots` /
-:func:`slot_positions`). The 2D hierarchical all-to-all's block reordering is
+:func:`slot_positions`); :func:`dispatch_backward` is dispatch's backward on its own, for a
+forward gather fused with something else (moecomm's FP8 dispatch). The 2D hierarchical all-to-all's block reordering is
 ``moecomm``'s own (``moecomm/_blocks.py``, on :func:`gather_rows`).
 
 Every op has a pure-torch reference in :mod:`moecomm_ext.reference`.  When the
@@ -52,7 +53,7 @@ from ._loader import (
     load_native,
     native_available,
 )
-from ._autograd import combine, dispatch
+from ._autograd import combine, dispatch, dispatch_backward
 from ._ops import gather_reduce_rows, gather_rowdot, gather_rows
 from ._slots import invert_slots, slot_positions
 
@@ -61,6 +62,7 @@ __all__ = [
     "gather_reduce_rows",
     "gather_rowdot",
     "dispatch",
+    "dispatch_backward",
     "combine",
     "invert_slots",
     "slot_positions",

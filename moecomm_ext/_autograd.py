@@ -10,7 +10,7 @@ from ._checks import check_ndim, floating, index_arg, same_device, shape_is, sha
 from ._kernels import opmath, run_gather_reduce_rows, run_gather_rowdot, run_gather_rows
 from ._slots import check_slot_pair
 
-__all__ = ["dispatch", "combine"]
+__all__ = ["dispatch", "dispatch_backward", "combine"]
 
 
 class _Dispatch(torch.autograd.Function):
@@ -27,22 +27,49 @@ class _Dispatch(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         x, slot_token, token_slots, slot_scale = ctx.saved_tensors
-        use_native = ctx.use_native
-        grad_out = grad_out.contiguous()
-        T, K = token_slots.shape
-        grad_x = grad_scale = None
-        if ctx.needs_input_grad[0]:
-            token_scale = None
-            if slot_scale is not None:
-                # weight of copy (t, j) = scale of the slot it went to
-                token_scale = run_gather_rows(
-                    opmath(slot_scale, x.dtype).unsqueeze(1), token_slots.reshape(-1), None, use_native
-                ).reshape(T, K)
-            grad_x = run_gather_reduce_rows(grad_out, token_slots, token_scale, use_native)
-        if slot_scale is not None and ctx.needs_input_grad[3]:
-            g = run_gather_rowdot(grad_out, x.contiguous(), slot_token.unsqueeze(1), use_native)
-            grad_scale = g.reshape(-1).to(slot_scale.dtype)
+        grad_x, grad_scale = dispatch_backward(grad_out, x, slot_token, token_slots, slot_scale,
+                                               need_x=ctx.needs_input_grad[0], need_scale=ctx.needs_input_grad[3],
+                                               use_native=ctx.use_native)
         return grad_x, None, None, grad_scale, None
+
+
+def dispatch_backward(
+    grad: Tensor,
+    x: Tensor,
+    slot_token: Tensor,
+    token_slots: Tensor,
+    slot_scale: Tensor | None = None,
+    *,
+    need_x: bool = True,
+    need_scale: bool = True,
+    use_native: bool | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The backward of :func:`dispatch`, for callers that fuse its forward gather with
+    something else (``moecomm.quant.gather_pack_rows``: the gather and the FP8 packing in one
+    pass) and so cannot use its autograd. No validation (the arguments of :func:`dispatch`,
+    already checked, and ``grad`` ``[M, D]`` of ``x``'s dtype).
+
+    Returns:
+        ``(grad_x, grad_scale)``: ``grad_x[t] = sum_j slot_scale[token_slots[t, j]] *
+        grad[token_slots[t, j]]`` (``[T, D]``, None unless ``need_x``); ``grad_scale[m] =
+        dot(grad[m], x[slot_token[m]])`` in ``slot_scale.dtype`` (``[M]``, None unless
+        ``need_scale`` and ``slot_scale`` is given). The same bits as :func:`dispatch`'s.
+    """
+    grad = grad.contiguous()
+    T, K = token_slots.shape
+    grad_x = grad_scale = None
+    if need_x:
+        token_scale = None
+        if slot_scale is not None:
+            # weight of copy (t, j) = scale of the slot it went to
+            token_scale = run_gather_rows(
+                opmath(slot_scale, x.dtype).unsqueeze(1), token_slots.reshape(-1), None, use_native
+            ).reshape(T, K)
+        grad_x = run_gather_reduce_rows(grad, token_slots, token_scale, use_native)
+    if slot_scale is not None and need_scale:
+        g = run_gather_rowdot(grad, x.contiguous(), slot_token.unsqueeze(1), use_native)
+        grad_scale = g.reshape(-1).to(slot_scale.dtype)
+    return grad_x, grad_scale
 
 
 class _Combine(torch.autograd.Function):

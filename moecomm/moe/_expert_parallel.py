@@ -11,7 +11,7 @@ from torch import Tensor
 
 import moecomm_ext
 
-from . import _comm
+from . import _comm, _wire_dispatch
 from ._step_cache import StepConstants
 from .experts import Segments, WeightGradSum
 from .routing import Routing, dropless_slots, pipelined_capacity_slots
@@ -33,25 +33,38 @@ class ExpertParallelPath:
     experts: Any
     _use_native: bool
     _consts: StepConstants
+    # the FP8 dispatch of the default path fused into the gather (False: gather, then
+    # quantize in the exchange; the same bits, kept for the tests that compare the two)
+    _fuse_wire_dispatch: bool = True
 
     def _slot_weights(self, r: Routing, S: int):
         g = r.gates
         return g if S == 1 else g.repeat_interleave(S, dim=1)
 
-    def _dispatch(self, x_c: Tensor, r: Routing, sm, S: int) -> tuple[Tensor, Optional[Tensor]]:
-        """Send buffer and the combine weights."""
+    def _dispatch_scale(self, r: Routing, sm, S: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The dispatch's per-slot scale (prescore gates: each slot's gate weight) and the
+        combine weights (postscore gates)."""
         w = self._slot_weights(r, S)
         if self.is_postscore:
-            send = moecomm_ext.dispatch(x_c, sm.slot_token, sm.token_slots, None, check=False,
-                                        use_native=self._use_native)
-            return send, w
+            return None, w
         flat = w.reshape(-1)
         safe = sm.slot_route.clamp(min=0)
         scale = torch.where(sm.slot_route >= 0, flat.index_select(0, safe) if flat.numel() else
                             flat.new_zeros(safe.shape), flat.new_zeros(()))
-        send = moecomm_ext.dispatch(x_c, sm.slot_token, sm.token_slots, scale, check=False,
+        return scale, None
+
+    def _dispatch(self, x_c: Tensor, r: Routing, sm, S: int) -> tuple[Tensor, Optional[Tensor]]:
+        """Send buffer and the combine weights."""
+        scale, weights = self._dispatch_scale(r, sm, S)
+        return self._gather(x_c, sm, scale), weights
+
+    def _gather(self, x_c: Tensor, sm, scale: Optional[Tensor], wire: Optional[torch.dtype] = None) -> Tensor:
+        """The send buffer: the slots' rows, or with ``wire`` those rows packed in that FP8
+        dtype by the same pass (the fused dispatch, :mod:`._wire_dispatch`)."""
+        if wire is not None:
+            return _wire_dispatch.pack(x_c, sm.slot_token, scale, wire, self._use_native)
+        return moecomm_ext.dispatch(x_c, sm.slot_token, sm.token_slots, scale, check=False,
                                     use_native=self._use_native)
-        return send, None
 
     def _combine(self, back: Tensor, sm, weights: Optional[Tensor]) -> Tensor:
         return moecomm_ext.combine(back, sm.token_slots, weights, sm.slot_token, check=False,
@@ -66,6 +79,9 @@ class ExpertParallelPath:
         W, El, S, E = comm.size, self.num_local_experts, self.shards, self.num_experts
         El_dest = El if S == 1 else 1  # experts per destination rank, as the rows arrive
         own_first = own_first and W > 1
+        # the default path with wire_dtype: the gather writes packed FP8 rows (one rank: nothing
+        # travels, so nothing is quantized)
+        fuse = wire is not None and W > 1 and not own_first and self._fuse_wire_dispatch
         if r.capacity is not None:
             C = r.capacity
             if degree == "auto":  # equal pair blocks: every pair gets the same number of pieces
@@ -77,14 +93,18 @@ class ExpertParallelPath:
             Cc = -(-C // degree) if C else 0
             piece = El_dest * Cc  # rows of one chunk of one source: [El_dest][Cc]
             sm = pipelined_capacity_slots(r, C, E, S, degree, El, consts)
-            send, weights = self._dispatch(x_c, r, sm, S)
+            fuse = fuse and degree == 1
+            scale, weights = self._dispatch_scale(r, sm, S)
+            send = self._gather(x_c, sm, scale, wire if fuse else None)
             send_splits = recv_splits = [degree * El_dest * Cc] * W
             blocks = [[degree * Cc] * El_dest for _ in range(W)]
             seg = Segments.uniform_blocks(W, El_dest, degree * Cc, consts=consts)
         else:
             sm = dropless_slots(r, S, 1, consts)
             piece = 0  # no fixed layout: each chunk is regrouped from its counts
-            send, weights = self._dispatch(x_c, r, sm, S)
+            fuse = fuse and degree == 1
+            scale, weights = self._dispatch_scale(r, sm, S)
+            send = self._gather(x_c, sm, scale, wire if fuse else None)
             n = r.counts  # [E] routes per expert (all kept)
             send_cnt = n if S == 1 else n.repeat_interleave(S)  # rank e*S+s gets expert e's rows
             recv_cnt = _comm.exchange_counts(send_cnt, comm, El_dest)
@@ -95,7 +115,13 @@ class ExpertParallelPath:
             recv_splits = [sum(b) for b in blocks]
             seg = Segments(blocks, El_dest, counts_dev=recv_cnt.view(W, El_dest))
 
-        if degree == 1 and not own_first:
+        if fuse:
+            got_rows = _wire_dispatch.exchange(send, x_c, sm.slot_token, sm.token_slots, scale, comm, send_splits,
+                                               recv_splits, algo or "flat", wire, self.grad_wire_dtype,
+                                               self._use_native)
+            y = self._run_experts(got_rows, seg)
+            back = _comm.exchange(y, comm, recv_splits, send_splits, algo)
+        elif degree == 1 and not own_first:
             got_rows = _comm.exchange(send, comm, send_splits, recv_splits, algo, wire,
                                       None if wire is None else self.grad_wire_dtype)
             y = self._run_experts(got_rows, seg)
