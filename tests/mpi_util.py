@@ -29,6 +29,9 @@ def run_ranks(nprocs: int, module: str, *args: str, timeout: float = RANKS_TIMEO
     full_env.setdefault("MOECOMM_TIMEOUT", RANKS_COMM_TIMEOUT_S)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    # Open MPI's mpiexec refuses root without these (the GPU machine runs as root); mpich ignores them
+    full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    full_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     if env:
         full_env.update(env)
     cmd = ["mpiexec", "-n", str(nprocs), sys.executable, "-m", module, *args]
