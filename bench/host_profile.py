@@ -41,23 +41,12 @@ def sync_report(step: Callable[[], object], sync: Callable[[], None] = lambda: N
     the host wait for the GPU (``.item()``, ``.tolist()``, a copy from pageable memory, a
     stream synchronisation), with the line that made it. A step that synchronises cannot
     run ahead of the GPU, and the GPU idles while the host issues what follows."""
-    import warnings
-
-    import torch
+    from moecomm.graphs import host_synchronizations
 
     step()
     sync()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    caught = host_synchronizations(step)
     sync()
-    # torch's one-time notice that the debug mode is a prototype is not a synchronisation
-    caught = [w for w in caught if "called a synchronizing" in str(w.message)]
     lines = [f"# host synchronisations in one step: {len(caught)}"]
-    for w in caught:
-        lines.append(f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}")
+    lines.extend(caught)
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-__all__ = ["capture"]
+__all__ = ["capture", "host_synchronizations"]
 
 
 def capture(step: Callable[[], Any], device: Optional[Union[torch.device, str, int]] = None,
@@ -69,3 +69,30 @@ def capture(step: Callable[[], Any], device: Optional[Union[torch.device, str, i
     with torch.cuda.graph(graph):
         result = step()
     return graph, result
+
+
+def host_synchronizations(fn: Callable[[], Any]) -> list[str]:
+    """Run ``fn()`` once under ``torch.cuda.set_sync_debug_mode("warn")`` and return every
+    host synchronisation it made (``.item()``, ``.tolist()``, a copy from pageable memory, a
+    stream synchronisation) as ``"file:line: message"``, in order.
+
+    A step that synchronises cannot run ahead of the GPU (the GPU idles while the host issues
+    what follows) and cannot be captured. torch's detection is a prototype and may miss some.
+
+    Raises:
+        RuntimeError: no CUDA device.
+    """
+    import warnings
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("host_synchronizations needs a CUDA device")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # torch's one-time notice that the debug mode is a prototype is not a synchronisation
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}" for w in caught
+            if "called a synchronizing" in str(w.message)]

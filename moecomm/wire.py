@@ -46,16 +46,22 @@ def check_input(engine: Engine, input: Any, wire_dtype: Any) -> torch.Tensor:
 def cross_check(engine: Engine, x: torch.Tensor, wire_dtype: torch.dtype, op: str) -> None:
     """``validate=True``: every rank raises together when any rank's rows are not all finite
     (``ValueError``) or the ranks disagree on the dtypes (``CountMismatchError``)."""
-    nonfinite = int(x.numel() > 0 and not bool(torch.isfinite(x).all()))
-    table = engine.gather_ints([nonfinite, _CODES[x.dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
+    nonfinite = x.numel() > 0 and not bool(torch.isfinite(x).all())
+    _agree(engine, nonfinite, x.dtype, wire_dtype, op,
+           f"input has non-finite values (inf or NaN), which wire_dtype={wire_dtype} cannot carry")
+
+
+def _agree(engine: Engine, nonfinite: bool, dtype: torch.dtype, wire_dtype: torch.dtype, op: str,
+           problem: str) -> None:
+    """One agreement of every rank on (non-finite rows?, dtype, wire_dtype): all raise together."""
+    table = engine.gather_ints([int(nonfinite), _CODES[dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
     bad = [r for r, row in enumerate(table) if row[0]]
     if bad:
-        raise ValueError(f"moecomm: {op} (validate=True): input has non-finite values (inf or NaN) on rank(s) "
-                         f"{bad}, which wire_dtype={wire_dtype} cannot carry")
+        raise ValueError(f"moecomm: {op} (validate=True): on rank(s) {bad}, {problem}")
     differ = [r for r, row in enumerate(table) if row[1:] != table[0][1:]]
     if differ:
-        raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another input dtype or "
-                                 f"wire_dtype than rank 0 (rank {engine.rank}: {x.dtype} as {wire_dtype})")
+        raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another dtype or "
+                                 f"wire_dtype than rank 0 (rank {engine.rank}: {dtype} as {wire_dtype})")
 
 
 def check_packed(engine: Engine, packed: Any, row_shape: Any, dtype: Any, wire_dtype: Any) -> tuple[torch.Tensor, tuple]:
@@ -86,21 +92,14 @@ def cross_check_packed(engine: Engine, packed: torch.Tensor, row_elems: int, dty
     """``validate=True`` for packed rows: every rank raises together when any rank's rows hold
     a non-finite FP8 value or scale (``ValueError``: the rows they were packed from were not
     finite) or the ranks disagree on the dtypes (``CountMismatchError``)."""
-    nonfinite = 0
+    nonfinite = False
     if packed.shape[0] and row_elems:
         q = packed[:, :row_elems].contiguous().view(wire_dtype)
         off = -(-row_elems // 4) * 4
         scales = packed[:, off:off + 4 * quant.num_blocks(row_elems, WIRE_BLOCK)].contiguous().view(torch.float32)
-        nonfinite = int(not bool(torch.isfinite(q.float()).all()) or not bool(torch.isfinite(scales).all()))
-    table = engine.gather_ints([nonfinite, _CODES[dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
-    bad = [r for r, row in enumerate(table) if row[0]]
-    if bad:
-        raise ValueError(f"moecomm: {op} (validate=True): packed rows hold non-finite values (inf or NaN) on "
-                         f"rank(s) {bad}: the rows they were packed from were not finite")
-    differ = [r for r, row in enumerate(table) if row[1:] != table[0][1:]]
-    if differ:
-        raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another dtype or "
-                                 f"wire_dtype than rank 0 (rank {engine.rank}: {dtype} as {wire_dtype})")
+        nonfinite = not bool(torch.isfinite(q.float()).all()) or not bool(torch.isfinite(scales).all())
+    _agree(engine, nonfinite, dtype, wire_dtype, op,
+           "packed rows hold non-finite values (inf or NaN): the rows they were packed from were not finite")
 
 
 def start_all_to_all_v(

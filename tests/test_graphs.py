@@ -30,6 +30,10 @@ def test_without_cuda_capture_says_so():
         capture(_never)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         capture(_never, "cuda:0")
+    from moecomm.graphs import host_synchronizations
+
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        host_synchronizations(_never)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,6 @@ reference to bfloat16 tolerance."""
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -24,19 +23,13 @@ def comm():
 
 
 def _syncs(fn) -> list:
-    """The sync warnings ``fn()`` raised, as ``file:line: message``."""
+    """The host synchronisations ``fn()`` made, as ``file:line: message``."""
+    from moecomm.graphs import host_synchronizations
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    found = host_synchronizations(fn)
     torch.cuda.synchronize()
-    # torch's one-time notice that the debug mode is a prototype also says "synchronizing"
-    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:100]}" for w in caught
-            if "called a synchronizing" in str(w.message)]
+    return found
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
