@@ -11,7 +11,7 @@ import torch
 
 from ._dtypes import DTYPE_CODES, float8_dtypes
 from ._engine import Engine
-from ._host_channel import OPS, int_list
+from ._host_channel import int_list
 from ._requests import Work
 from .backends.base import DoneRequest, Request, reduce_op_name
 from .errors import CountMismatchError
@@ -102,10 +102,7 @@ class OtherCollectives:
             TimeoutError: some rank did not call it within ``timeout`` (the communicator is aborted).
             CommunicatorClosedError: the communicator is closed or aborted.
         """
-        vals = int_list(values, "values")
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        return self._engine.allreduce_ints(vals, op, "allreduce_ints")
+        return self._engine.allreduce_ints(int_list(values, "values"), op, "allreduce_ints")  # it checks op
 
     @property
     def host_channel(self) -> Optional[str]:

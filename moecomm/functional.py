@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -10,9 +10,9 @@ from . import hierarchical, wire
 from .communicator import Communicator
 from .init import default_communicator
 from .quant import WIRE_DTYPES, check_grad_wire_dtype
-from .splits import Splits
+from .splits import Splits, normalize_splits
 
-__all__ = ["all_to_all_v"]
+__all__ = ["all_to_all_v", "all_to_all_v_backward"]
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -38,29 +38,27 @@ class _AllToAllV(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):  # type: ignore[override]
         # What arrived goes back where it came from; both sides' counts are known already.
-        # The quantization of the forward is treated as the identity (straight-through).
-        gw = ctx.grad_wire_dtype
-        if gw in WIRE_DTYPES:
-            engine, topology = ctx.comm.engine, ctx.comm.topology
-            if ctx.plan is not None:
-                grad_input = wire.reverse_rows(engine, topology, ctx.plan, grad_output, gw)
-            else:
-                grad_input = wire.exchange_rows(engine, topology, grad_output.contiguous(), ctx.recv, ctx.send, "flat",
-                                                gw)
-        elif gw is not None and gw != grad_output.dtype:
-            grad_input = _send_back(ctx, grad_output.to(gw)).to(grad_output.dtype)
-        else:
-            grad_input = _send_back(ctx, grad_output)
+        grad_input = _send_back(ctx.comm, grad_output, ctx.recv, ctx.send, "flat", ctx.grad_wire_dtype, ctx.plan)
         return grad_input, None, None, None, None, None, None, None
 
 
-def _send_back(ctx, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` exchanged along the forward's reversed splits, as it is (the reversed phases
-    of a 2DH forward)."""
-    if ctx.plan is not None:
-        return hierarchical.reverse_all_to_all_v(ctx.comm.engine, ctx.comm.topology, ctx.plan, grad)
-    grad_input, _ = ctx.comm.all_to_all_v(grad.contiguous(), ctx.recv, ctx.send)
-    return grad_input
+def _send_back(comm: Communicator, grad: torch.Tensor, send: list[int], recv: list[int], algorithm: str,
+               grad_wire_dtype: Optional[torch.dtype], plan: Any) -> torch.Tensor:
+    """``grad`` exchanged with ``send``/``recv`` splits (a forward's, reversed) in
+    ``grad_wire_dtype``: FP8 block-scaled, another floating dtype cast there and back, None as
+    it is; along the reversed phases of a 2DH forward's ``plan`` where there is one. The
+    forward's quantization counts as the identity (straight-through)."""
+    gw = grad_wire_dtype
+    if gw in WIRE_DTYPES:
+        if plan is not None:
+            return wire.reverse_rows(comm.engine, comm.topology, plan, grad, gw)
+        return wire.exchange_rows(comm.engine, comm.topology, grad.contiguous(), send, recv, algorithm, gw)
+    if gw is not None and gw != grad.dtype:
+        return _send_back(comm, grad.to(gw), send, recv, algorithm, None, plan).to(grad.dtype)
+    if plan is not None:
+        return hierarchical.reverse_all_to_all_v(comm.engine, comm.topology, plan, grad)
+    out, _ = comm.all_to_all_v(grad.contiguous(), send, recv, algorithm=algorithm)
+    return out
 
 
 def all_to_all_v(
@@ -103,3 +101,34 @@ def all_to_all_v(
     counts: list[list[int]] = []
     output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm, wire_dtype, grad_wire_dtype)
     return output, counts[0]
+
+
+def all_to_all_v_backward(
+    grad_output: torch.Tensor,
+    send_splits: Splits,
+    recv_splits: Splits,
+    *,
+    comm: Optional[Communicator] = None,
+    algorithm: str = "flat",
+    grad_wire_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """What :func:`all_to_all_v`'s backward does, for autograd Functions that run their own
+    forward exchange (of packed FP8 rows, say): ``grad_output`` (``[sum(recv_splits), *row_shape]``,
+    the gradient of the forward's output) sent back along the forward's ``send_splits`` /
+    ``recv_splits`` reversed, in ``grad_wire_dtype`` by the same rule. Returns
+    ``[sum(send_splits), *row_shape]`` in ``grad_output``'s dtype. Collective.
+
+    Raises:
+        TypeError: ``comm`` is not a Communicator (or None).
+        TypeError, ValueError: ``grad_wire_dtype`` not None or one of
+            :data:`moecomm.quant.GRAD_WIRE_DTYPES`; otherwise as :meth:`Communicator.all_to_all_v`.
+        CountMismatchError, TimeoutError: as :meth:`Communicator.all_to_all_v`.
+    """
+    if comm is not None and not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be a moecomm.Communicator or None (the default communicator), "
+                        f"got {comm!r} ({type(comm).__name__})")
+    comm = default_communicator() if comm is None else comm
+    check_grad_wire_dtype(grad_wire_dtype)
+    send = normalize_splits(send_splits, "send_splits", comm.size)
+    recv = normalize_splits(recv_splits, "recv_splits", comm.size)
+    return _send_back(comm, grad_output, recv, send, algorithm, grad_wire_dtype, None)

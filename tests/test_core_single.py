@@ -258,3 +258,24 @@ def test_capture_refuses_what_needs_the_host(monkeypatch):
     out, recv = c.all_to_all_v(x, [2], [2])  # known host counts pass the check
     assert recv == [2] and torch.equal(out, x)
     c.close()
+
+
+def test_all_to_all_v_backward_equals_autograd(comm):
+    """The public backward alone gives what autograd gives through all_to_all_v, in every
+    grad_wire_dtype rule (as is, a cast, FP8); bad arguments are named."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 130, generator=g, dtype=torch.float32)
+    grad = torch.randn(5, 130, generator=g, dtype=torch.float32)
+    for gw in (None, torch.bfloat16, torch.float8_e4m3fn):
+        xx = x.clone().requires_grad_()
+        y, recv = F.all_to_all_v(xx, [5], [5], comm=comm, grad_wire_dtype=gw)
+        y.backward(grad)
+        got = F.all_to_all_v_backward(grad, [5], recv, comm=comm, grad_wire_dtype=gw)
+        assert torch.equal(got, xx.grad), gw
+    assert not torch.equal(F.all_to_all_v_backward(grad, [5], [5], comm=comm, grad_wire_dtype=torch.float8_e4m3fn), grad)
+    with pytest.raises((TypeError, ValueError), match="grad_wire_dtype"):
+        F.all_to_all_v_backward(grad, [5], [5], comm=comm, grad_wire_dtype=torch.int8)
+    with pytest.raises(TypeError, match="comm"):
+        F.all_to_all_v_backward(grad, [5], [5], comm="world")
+    with pytest.raises(ValueError, match="recv_splits"):
+        F.all_to_all_v_backward(grad, [5], [5, 1], comm=comm)

@@ -5,7 +5,8 @@ activation dtype) and they travel as they are (:meth:`moecomm.Communicator.all_t
 Exactly :func:`moecomm_ext.dispatch` followed by :func:`moecomm.functional.all_to_all_v` with
 ``wire_dtype``, bit for bit, forward and backward: the backward sends the gradient home by the
 rule of ``grad_wire_dtype`` (straight-through: the quantization counts as the identity), then
-runs the dispatch's backward (:func:`moecomm_ext.dispatch_backward`).
+runs the dispatch's backward (:func:`moecomm_ext.dispatch_backward`); the first part is
+:func:`moecomm.functional.all_to_all_v_backward`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 
 import moecomm_ext
 from moecomm import quant
+from moecomm.functional import all_to_all_v_backward
 from moecomm.wire import WIRE_BLOCK
 
 __all__ = ["pack", "exchange"]
@@ -37,26 +39,12 @@ class _PackedDispatch(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         x, slot_token, token_slots, slot_scale = ctx.saved_tensors
-        grad_rows = _send_back(ctx.comm, grad_out.contiguous(), ctx.recv, ctx.send, ctx.algorithm, ctx.grad_wire_dtype)
+        grad_rows = all_to_all_v_backward(grad_out, ctx.send, ctx.recv, comm=ctx.comm, algorithm=ctx.algorithm,
+                                          grad_wire_dtype=ctx.grad_wire_dtype)
         grad_x, grad_scale = moecomm_ext.dispatch_backward(
             grad_rows, x, slot_token, token_slots, slot_scale, need_x=ctx.needs_input_grad[0],
             need_scale=ctx.needs_input_grad[1], use_native=ctx.use_native)
         return grad_x, grad_scale, None, None, None, None, None, None, None, None, None, None
-
-
-def _send_back(comm, g: Tensor, send: list[int], recv: list[int], algorithm: str,
-               grad_wire_dtype: Optional[torch.dtype]) -> Tensor:
-    """``g`` along the forward's reversed splits, in ``grad_wire_dtype`` by the rule of
-    :func:`moecomm.functional.all_to_all_v`'s backward (FP8 block-scaled, a cast there and back,
-    or as it is); the same bits whatever ``algorithm``."""
-    if grad_wire_dtype in quant.WIRE_DTYPES:
-        out, _ = comm.all_to_all_v(g, send, recv, algorithm=algorithm, wire_dtype=grad_wire_dtype)
-        return out
-    if grad_wire_dtype is not None and grad_wire_dtype != g.dtype:
-        out, _ = comm.all_to_all_v(g.to(grad_wire_dtype), send, recv, algorithm=algorithm)
-        return out.to(g.dtype)
-    out, _ = comm.all_to_all_v(g, send, recv, algorithm=algorithm)
-    return out
 
 
 def pack(x: Tensor, slot_token: Tensor, slot_scale: Optional[Tensor], wire_dtype: torch.dtype,
