@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -25,6 +26,135 @@ def run_ranks(nprocs: int, module: str, *args: str, timeout: float = RANKS_TIMEO
 
     Returns the ranks' combined output.
     """
+    cmd, rc, stdout, stderr = _launch_ranks(nprocs, module, *args, timeout=timeout, env=env)
+    if rc is None:
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n{stdout[-6000:]}")
+    if rc != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {rc}\n--- stdout ---\n{stdout[-8000:]}"
+                    f"\n--- stderr ---\n{stderr[-8000:]}")
+    return stdout
+
+
+# -- shared launches: the rank scripts of one world size in one launch ---------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankJob:
+    """``python -m module args`` on ``nprocs`` ranks, as one job of a shared launch.
+
+    ``env`` (pairs) is set inside the ranks for this job only; a value ``"{tmp}"`` becomes a
+    new empty directory. ``timeout`` limits the job, in seconds (every thread's stack is
+    printed and the launch ends).
+    """
+
+    nprocs: int
+    module: str
+    args: tuple = ()
+    env: tuple = ()
+    timeout: float = RANKS_TIMEOUT_S
+
+    def command(self) -> str:
+        """The job on its own (the same checks, one launch)."""
+        words = [f"{k}={v}" for k, v in self.env] + ["mpiexec", "-n", str(self.nprocs), "python", "-m", self.module]
+        return " ".join(words + list(self.args))
+
+    @classmethod
+    def from_marker(cls, marker, nprocs: int) -> "RankJob":
+        """From ``@pytest.mark.ranks_job(module, *args, env={...}, timeout=s)``; ``args`` may be a
+        function of the world size instead (``args=lambda n: [...]``)."""
+        args = marker.kwargs["args"](nprocs) if "args" in marker.kwargs else marker.args[1:]
+        return cls(nprocs, marker.args[0], tuple(str(a) for a in args),
+                   tuple(sorted((marker.kwargs.get("env") or {}).items())),
+                   float(marker.kwargs.get("timeout", RANKS_TIMEOUT_S)))
+
+
+# The launch limit of a shared launch: below pytest's own per-test limit (setup.cfg), which
+# the test that starts the launch pays for.
+SHARED_LAUNCH_TIMEOUT_S = 840.0
+_MARK = "@@ranks-job"
+
+
+class SharedLaunches:
+    """One launch per world size runs every selected job of that size (tests/ranks/suite.py);
+    a test reads its own job's section of the output. Made once per pytest session
+    (tests/conftest.py): ``plan`` holds the jobs of the collected tests, in test order."""
+
+    def __init__(self) -> None:
+        self.plan: dict[int, list[RankJob]] = {}
+        self.tmp_dir = None  # a callable giving a new empty directory (set by the fixture)
+        self.results: dict[int, dict] = {}
+
+    def add(self, job: RankJob) -> None:
+        jobs = self.plan.setdefault(job.nprocs, [])
+        if job not in jobs:
+            jobs.append(job)
+
+    def output(self, job: RankJob) -> str:
+        """The ranks' output of ``job`` (stdout, its section); fails the test unless the job
+        passed and the launch exited 0."""
+        res = self.results.setdefault(job.nprocs, {"ids": {}, "runs": []})
+        if job not in res["ids"]:  # the first test of this size (or a job the plan did not hold)
+            self.add(job)
+            self._launch(job.nprocs, [j for j in self.plan[job.nprocs] if j not in res["ids"]])
+        index, jid = res["ids"][job]
+        run = res["runs"][index]
+        status, rc = run["status"].get(jid), run["rc"]
+        ended = "did not finish in time" if rc is None else f"exited with {rc}"
+        others_failed = any(run["status"].get(j) != "passed" for j in run["jobs"])
+        if status == "passed" and (rc == 0 or others_failed):  # the job that failed accounts for the exit status
+            return run["sections"][jid]
+        if status == "passed":
+            why = f"its checks passed, but the launch {ended} (every job passed)"
+        elif status == "failed":
+            why = "a check failed on every rank"
+        elif jid in run["sections"]:
+            why = f"the launch {ended} while it ran"
+        else:
+            why = f"not reached: the launch {ended} before it"
+        pytest.fail(f"{job.command()}: {why}\n(one job of the shared launch {run['cmd']})\n"
+                    f"--- the job's output ---\n{run['sections'].get(jid, '')[-8000:]}\n"
+                    f"--- the launch's stdout, end ---\n{run['stdout'][-3000:]}\n"
+                    f"--- the launch's stderr, end ---\n{run['stderr'][-6000:]}")
+
+    def _launch(self, nprocs: int, jobs: list[RankJob]) -> None:
+        import json
+
+        res = self.results[nprocs]
+        index = len(res["runs"])
+        specs = []
+        for i, job in enumerate(jobs):
+            env = {k: (str(self.tmp_dir()) if v == "{tmp}" else v) for k, v in job.env}
+            jid = f"{i}:{job.module.rsplit('.', 1)[-1]}"
+            specs.append({"id": jid, "module": job.module, "args": list(job.args), "env": env,
+                          "timeout": job.timeout})
+            res["ids"][job] = (index, jid)
+        path = os.path.join(str(self.tmp_dir()), "jobs.json")
+        with open(path, "w") as f:
+            json.dump(specs, f, indent=1)
+        timeout = min(SHARED_LAUNCH_TIMEOUT_S, sum(j.timeout for j in jobs) + 60)
+        cmd, rc, stdout, stderr = _launch_ranks(nprocs, "tests.ranks.suite", path, timeout=timeout)
+        # rank 0 prints "@@ranks-job begin|passed|failed ID"; a section runs from one begin to the next
+        lines: dict[str, list[str]] = {}
+        status: dict[str, str] = {}
+        current = None
+        for line in stdout.splitlines(keepends=True):
+            if line.startswith(_MARK + " "):
+                what, _, jid = line[len(_MARK) + 1:].strip().partition(" ")
+                if what == "begin":
+                    current = jid
+                    lines[jid] = []
+                    continue
+                if what in ("passed", "failed"):
+                    status[jid] = what
+            if current is not None:
+                lines[current].append(line)
+        res["runs"].append({"cmd": " ".join(cmd) + "  # " + ", ".join(s["id"] for s in specs),
+                            "jobs": [s["id"] for s in specs], "rc": rc, "stdout": stdout, "stderr": stderr,
+                            "sections": {j: "".join(v) for j, v in lines.items()}, "status": status})
+
+
+def _launch_ranks(nprocs: int, module: str, *args: str, timeout: float, env: dict | None = None):
+    """``mpiexec -n nprocs python -m module args`` as run_ranks does; (cmd, rc or None, stdout, stderr)."""
     full_env = dict(os.environ)
     full_env.setdefault("MOECOMM_TIMEOUT", RANKS_COMM_TIMEOUT_S)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
@@ -38,14 +168,11 @@ def run_ranks(nprocs: int, module: str, *args: str, timeout: float = RANKS_TIMEO
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n{out[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-8000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-8000:]}"
-        )
-    return proc.stdout
+        def text(b):
+            return (b or b"").decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+        return cmd, None, text(exc.stdout) + f"\n[did not finish within {timeout} s]", text(exc.stderr)
+    return cmd, proc.returncode, proc.stdout, proc.stderr
 
 
 def under_torchrun() -> bool:
@@ -100,16 +227,34 @@ def world_barrier() -> None:
     _allgather(None)
 
 
+class CollectiveAssertionError(AssertionError):
+    """Raised by :func:`collective_assert` on every rank at once."""
+
+
+class CheckFailedEverywhere(Exception):
+    """rank_main inside a shared launch (tests/ranks/suite.py): a check failed on every rank at
+    once, and was reported; the launch goes on with its next job."""
+
+
+# True inside tests/ranks/suite.py: a check failing on every rank at once ends its own job only
+SHARED_LAUNCH = False
+
+
 def collective_assert(ok: bool, message: str = "") -> None:
     """Inside ranks: fail on every rank if any rank's ``ok`` is False (no hang)."""
     flags = _allgather((bool(ok), message))
     bad = [(r, m) for r, (f, m) in enumerate(flags) if not f]
     if bad:
-        raise AssertionError("; ".join(f"rank {r}: {m}" for r, m in bad))
+        raise CollectiveAssertionError("; ".join(f"rank {r}: {m}" for r, m in bad))
 
 
 def rank_main(checks: Sequence) -> None:
-    """Run ``checks`` (callables) in order on every rank; exit non-zero on any failure."""
+    """Run ``checks`` (callables) in order on every rank; exit non-zero on any failure.
+
+    In a shared launch (tests/ranks/suite.py) a check that failed on every rank at once
+    (:func:`collective_assert`) raises :class:`CheckFailedEverywhere` instead, after the same
+    report: the launch's next job runs. Any other failure ends the launch.
+    """
     import traceback
 
     rank = world_rank()
@@ -118,8 +263,10 @@ def rank_main(checks: Sequence) -> None:
             print(f"[rank 0] {check.__name__} ...", flush=True)
         try:
             check()
-        except BaseException:  # noqa: BLE001 - report and stop every rank
+        except BaseException as exc:  # noqa: BLE001 - report and stop every rank
             print(f"[rank {rank}] FAILED {check.__name__}\n{traceback.format_exc()}", flush=True)
+            if SHARED_LAUNCH and isinstance(exc, CollectiveAssertionError):
+                raise CheckFailedEverywhere(check.__name__) from exc
             if under_torchrun():
                 os._exit(1)
             from mpi4py import MPI
