@@ -1,22 +1,22 @@
-"""Every core collective on real MPI ranks (K = 1, 2, 3, 4, 8), MPI and torch (gloo) backends."""
+"""Every core collective on real MPI ranks (K = 1, 2, 3, 4, 8), MPI and torch (gloo) backends.
+
+The ranks_job tests run in the shared launch of their world size (tests/conftest.py)."""
 
 import pytest
-
-from tests.mpi_util import run_ranks
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 8])
-def test_collectives_mpi_backend(nprocs):
-    out = run_ranks(nprocs, "tests.ranks.core_collectives", "mpi")
-    assert f"checks passed on {nprocs} ranks" in out
+@pytest.mark.ranks_job("tests.ranks.core_collectives", "mpi")
+def test_collectives_mpi_backend(nprocs, ranks_job):
+    assert f"checks passed on {nprocs} ranks" in ranks_job()
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_collectives_torch_backend(nprocs):
-    out = run_ranks(nprocs, "tests.ranks.core_collectives", "torch")
-    assert f"checks passed on {nprocs} ranks" in out
+@pytest.mark.ranks_job("tests.ranks.core_collectives", "torch")
+def test_collectives_torch_backend(nprocs, ranks_job):
+    assert f"checks passed on {nprocs} ranks" in ranks_job()
 
 
 def test_collectives_under_torchrun():

@@ -4,12 +4,12 @@ round-robin (non-consecutive) node layouts and nodes of unequal size.
 Each launch runs, per layout: hypothesis-drawn variable splits with zeros over every
 dtype (bfloat16, bool, float8, ...) and row shape (incl. zero-width rows), known and
 unknown counts, sync and async; 2DH gradients against flat gradients; several async 2DH
-exchanges in flight at once, waited out of order; and ``algorithm="auto"`` without a profile.
+exchanges in flight at once, waited out of order; and ``algorithm="auto"`` without a profile
+(MOECOMM_PROFILE_DIR an empty directory). Each in the shared launch of its world size
+(tests/conftest.py).
 """
 
 import pytest
-
-from tests.mpi_util import run_ranks
 
 pytestmark = pytest.mark.mpi
 
@@ -21,7 +21,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("nprocs", sorted(LAYOUTS))
-def test_2dh_equals_flat(nprocs, tmp_path):
-    out = run_ranks(nprocs, "tests.ranks.hierarchical_equiv", *LAYOUTS[nprocs],
-                    env={"MOECOMM_PROFILE_DIR": str(tmp_path)})
-    assert f"checks passed on {nprocs} ranks" in out
+@pytest.mark.ranks_job("tests.ranks.hierarchical_equiv", args=lambda n: LAYOUTS[n],
+                       env={"MOECOMM_PROFILE_DIR": "{tmp}"})
+def test_2dh_equals_flat(nprocs, ranks_job):
+    assert f"checks passed on {nprocs} ranks" in ranks_job()

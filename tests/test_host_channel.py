@@ -11,9 +11,9 @@ from tests.mpi_util import run_ranks
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [4])  # channels of 1, 2, 3 and 4 ranks, split from the 4
-def test_host_channel_on_ranks(nprocs):
-    out = run_ranks(nprocs, "tests.ranks.host_channel_checks")
-    assert f"checks passed on {nprocs} ranks" in out
+@pytest.mark.ranks_job("tests.ranks.host_channel_checks")  # in the shared launch of 4 ranks (tests/conftest.py)
+def test_host_channel_on_ranks(nprocs, ranks_job):
+    assert f"checks passed on {nprocs} ranks" in ranks_job()
 
 
 def test_gloo_capable_follows_the_groups_cpu_backend(monkeypatch):

@@ -9,10 +9,11 @@ from tests.mpi_util import run_ranks
 pytestmark = pytest.mark.mpi
 
 
-def test_fused_wire_dispatch():
-    """One launch of 3 ranks: the layer and dispatch checks on 3 ranks, and on 2 and 1 (sub-communicators)."""
-    out = run_ranks(3, "tests.ranks.moe_wire_fused", timeout=300)
-    assert "checks passed on 3 ranks" in out
+@pytest.mark.ranks_job("tests.ranks.moe_wire_fused", nprocs=3, timeout=300)
+def test_fused_wire_dispatch(ranks_job):
+    """3 ranks (in the shared launch of 3, tests/conftest.py): the layer and dispatch checks on
+    3 ranks, and on 2 and 1 (sub-communicators)."""
+    assert "checks passed on 3 ranks" in ranks_job()
 
 
 @pytest.mark.gpu

@@ -116,9 +116,9 @@ def test_init_accepts_bools_and_pool_bytes():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
-def test_ranks_nothing_lost(nprocs):
-    out = run_ranks(nprocs, "tests.ranks.nothing_lost", timeout=120, env={"MOECOMM_TIMEOUT": "30"})
-    assert f"checks passed on {nprocs} ranks" in out
+@pytest.mark.ranks_job("tests.ranks.nothing_lost", timeout=120, env={"MOECOMM_TIMEOUT": "30"})
+def test_ranks_nothing_lost(nprocs, ranks_job):  # in the shared launch of its world size (tests/conftest.py)
+    assert f"checks passed on {nprocs} ranks" in ranks_job()
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""``wire_dtype`` exchanges on real MPI ranks (K = 1, 2, 3, 4, 8): tests/ranks/quant_checks.py."""
+"""``wire_dtype`` exchanges on real MPI ranks (K = 1, 2, 3, 4, 8): tests/ranks/quant_checks.py (on CPU
+in the shared launch of each world size, tests/conftest.py)."""
 
 import pytest
 import torch
@@ -9,9 +10,9 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 8])
-def test_wire_dtype_exchanges(nprocs):
-    out = run_ranks(nprocs, "tests.ranks.quant_checks", timeout=240)
-    assert f"checks passed on {nprocs} ranks" in out
+@pytest.mark.ranks_job("tests.ranks.quant_checks", timeout=240)
+def test_wire_dtype_exchanges(nprocs, ranks_job):
+    assert f"checks passed on {nprocs} ranks" in ranks_job()
 
 
 @pytest.mark.gpu
