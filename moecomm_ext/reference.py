@@ -28,6 +28,8 @@ __all__ = [
     "combine",
     "invert_slots",
     "slot_positions",
+    "route_capacity",
+    "route_backward",
 ]
 
 
@@ -124,3 +126,85 @@ def slot_positions(token_slots: Tensor, num_slots: int) -> Tensor:
     valid = flat >= 0
     out[flat[valid]] = torch.arange(flat.numel(), device=token_slots.device)[valid]
     return out
+
+
+def _denominator(v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sum, max(sum, eps))`` of each row of ``v`` ``[T, k]``, summed left to right."""
+    s = v[:, 0]
+    for j in range(1, v.shape[1]):
+        s = s + v[:, j]
+    s = s.unsqueeze(1)
+    return s, s.clamp(min=torch.finfo(v.dtype).eps)
+
+
+def route_capacity(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, capacity: int,
+                   normalize: bool = True) -> tuple[Tensor, ...]:
+    """Capacity routing of ``T`` tokens' ``k`` choices (see :func:`moecomm_ext.route_capacity`).
+
+    Returns ``(gates, locations, counts, first_counts, token_slots, slot_token, slot_route,
+    slot_gate)``. Queue positions come from one stable sort of the routes by ``(expert,
+    choice level)``: every first choice queues before every second choice, each level in
+    token order.
+    """
+    T, k = topk_idx.shape
+    E, C = num_experts, capacity
+    dev = topk_idx.device
+    if normalize and k > 1:
+        gates = topk_scores / _denominator(topk_scores)[1]
+    else:
+        gates = topk_scores.clone()
+    flat = topk_idx.reshape(-1)  # route r = t * k + j
+    counts = torch.bincount(flat, minlength=E)[:E] if flat.numel() else torch.zeros(E, dtype=torch.int64, device=dev)
+    first = topk_idx[:, 0] if k else flat
+    first_counts = (torch.bincount(first, minlength=E)[:E] if first.numel() else
+                    torch.zeros(E, dtype=torch.int64, device=dev)).to(topk_scores.dtype)
+    key = (topk_idx * k + torch.arange(k, device=dev)).reshape(-1)  # expert-major, then choice level
+    perm = torch.sort(key, stable=True).indices
+    rank = torch.empty_like(flat)
+    rank[perm] = torch.arange(flat.numel(), device=dev)
+    start = torch.cumsum(counts, 0) - counts
+    locations = (rank - start[flat]).view(T, k)
+    kept = locations < C
+    token_slots = torch.where(kept, topk_idx * C + locations, torch.full_like(locations, -1))
+    slot_token = torch.full((E * C,), -1, dtype=torch.int64, device=dev)
+    slot_route = torch.full((E * C,), -1, dtype=torch.int64, device=dev)
+    slot_gate = torch.zeros(E * C, dtype=topk_scores.dtype, device=dev)
+    valid = token_slots.reshape(-1) >= 0
+    slots = token_slots.reshape(-1)[valid]
+    routes = torch.arange(T * k, device=dev)[valid]
+    slot_token[slots] = torch.div(routes, max(k, 1), rounding_mode="floor")
+    slot_route[slots] = routes
+    slot_gate[slots] = gates.reshape(-1)[valid]
+    return gates, locations, counts, first_counts, token_slots, slot_token, slot_route, slot_gate
+
+
+def route_backward(grad_gates: Tensor, topk_scores: Tensor, topk_idx: Tensor, scores: Tensor,
+                   normalize: bool = True, aux_grad: Tensor | None = None, aux_counts: Tensor | None = None,
+                   aux_scale: float = 1.0, split_bf16: bool = False) -> Tensor:
+    """The gradient of the router logits (see :func:`moecomm_ext.route_backward`): the gates'
+    gradient through the renormalisation and the top-k selection, plus the GShard loss's
+    ``(aux_grad * aux_scale) * aux_counts[e]`` on every score of column ``e``, through the
+    softmax (``scores`` is its output)."""
+    k = topk_idx.shape[1]
+    gg = grad_gates
+    if normalize and k > 1:
+        s, d = _denominator(topk_scores)
+        # div's gradients (torch's formulas): grad / d, and -grad * ((v / d) / d) summed over k
+        per = -gg * ((topk_scores / d) / d)
+        gd = per[:, 0]
+        for j in range(1, k):
+            gd = gd + per[:, j]
+        gd = torch.where(s >= torch.finfo(s.dtype).eps, gd.unsqueeze(1), torch.zeros((), dtype=s.dtype,
+                                                                                         device=s.device))
+        gtop = gg / d + gd
+    else:
+        gtop = gg
+    gin = torch.zeros_like(scores).scatter_(1, topk_idx, gtop)
+    if aux_grad is not None:
+        gin = gin + (aux_grad * aux_scale) * aux_counts
+    dot = (gin * scores).sum(1, keepdim=True)
+    gl = scores * (gin - dot)
+    if not split_bf16:
+        return gl
+    hi = gl.to(torch.bfloat16)
+    return torch.cat([hi, (gl - hi.to(gl.dtype)).to(torch.bfloat16)], dim=1)

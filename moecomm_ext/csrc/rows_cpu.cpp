@@ -225,11 +225,12 @@ Result gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 
 }  // namespace
 
+#include "route.h"
 #include "source_hash.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
-  m.doc() = "moecomm_ext CPU row-gather kernels";
+  m.doc() = "moecomm_ext CPU row-gather and router kernels";
   m.def("gather_rows", &gather_rows,
         "(out, bad): out[i] = x[index[i]] * scale[i]; -1 -> zero row; bad = first out-of-range position or -1",
         py::arg("x"), py::arg("index"), py::arg("scale") = py::none());
@@ -238,5 +239,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight") = py::none());
   m.def("gather_rowdot", &gather_rowdot, "(out, bad): out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0",
         py::arg("a"), py::arg("b"), py::arg("index"));
+  MOECOMM_EXT_BIND_ROUTE(m, cpu);
   m.attr("device_type") = "cpu";
 }

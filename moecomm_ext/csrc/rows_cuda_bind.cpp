@@ -14,11 +14,12 @@ at::Tensor gather_reduce_rows_cuda(const at::Tensor& y, const at::Tensor& index,
 at::Tensor gather_rowdot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index);
 }  // namespace moecomm_ext
 
+#include "route.h"
 #include "source_hash.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
-  m.doc() = "moecomm_ext CUDA row-gather kernels";
+  m.doc() = "moecomm_ext CUDA row-gather and router kernels";
   m.def("gather_rows", &moecomm_ext::gather_rows_cuda,
         "out[i] = x[index[i]] * scale[i]; -1 -> zero row", py::arg("x"), py::arg("index"),
         py::arg("scale") = py::none());
@@ -28,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rowdot", &moecomm_ext::gather_rowdot_cuda,
         "out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0", py::arg("a"), py::arg("b"),
         py::arg("index"));
+  MOECOMM_EXT_BIND_ROUTE(m, cuda);
   m.attr("device_type") = "cuda";
 }
