@@ -14,7 +14,8 @@ from . import reference
 from ._checks import check_ndim, index_arg, same_device, shape_is, shape_str, tensor_arg
 from ._loader import module_for
 
-__all__ = ["CapacityRoutes", "route_capacity", "route_backward", "run_route_capacity", "run_route_backward"]
+__all__ = ["CapacityRoutes", "route_capacity", "route_backward", "run_route_capacity", "run_route_backward",
+           "step_ops"]
 
 ROUTE_DTYPES = (torch.float32, torch.float64)
 _CUDA_MAX_EXPERTS = 12 * 1024  # the CUDA kernels keep one int32 counter per expert in shared memory
@@ -48,6 +49,14 @@ def _native(device: torch.device, num_experts: int, use_native: bool | None):
     if device.type == "cuda" and num_experts > _CUDA_MAX_EXPERTS:
         return None
     return module_for(device.type, use_native)
+
+
+def step_ops(device: torch.device, num_experts: int, use_native: bool | None):
+    """The fused capacity step's glue for tensors on ``device``: the native module (its
+    ``step_*`` functions issue the operations from C++) or :mod:`moecomm_ext.reference`
+    (the same operations in torch, where the native kernels are not to be had)."""
+    mod = _native(device, num_experts, use_native)
+    return reference if mod is None else mod
 
 
 def run_route_capacity(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, capacity: int, normalize: bool,

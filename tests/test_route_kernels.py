@@ -177,6 +177,56 @@ def test_route_cuda_equals_cpu(shape, seed):
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=atol + 1e-30)
 
 
+def _step_case(seed, W, El, C, D, H, k, dtype, bias, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    E, T = W * El, 3 * C + 1
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    x, wg = rnd(T, D), rnd(E, D) * 0.3
+    w1, w2 = rnd(El, D, H) * 0.3, rnd(El, H, D) * 0.3
+    b1, b2 = (rnd(El, H), rnd(El, D)) if bias else (None, None)
+    return x, wg, w1, b1, w2, b2, k, E, T
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("W,El,C,k,bias", [(1, 4, 5, 2, True), (3, 2, 4, 3, False), (2, 3, 0, 1, True),
+                                           (1, 1, 7, 1, False)])
+def test_step_ops_native_equal_reference(device, dtype, W, El, C, k, bias):
+    """The fused step's five native calls (C++ glue) against the reference's (torch): the same
+    bits except the router's backward, whose sum over experts runs in another order."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 experts run the same glue as float32 on CUDA")
+    x, wg, w1, b1, w2, b2, k, E, T = _step_case(W * 100 + El * 10 + C, W, El, C, 8, 16, k, dtype, bias, device)
+    wide = device == "cuda" and dtype == torch.bfloat16
+    nat = me.unchecked.step_ops(x.device, E, None)
+    assert nat is not ref
+    fwd = [ops.step_route(x, wg, k, C, True, True, wide) for ops in (nat, ref)]
+    for name, a, b in zip(("send", "logits", "scores", "topv", "topi", "gates", "locations", "counts", "first",
+                           "token_slots", "slot_token", "slot_gate", "aux"), *fwd):
+        assert torch.equal(a, b), name
+    send = fwd[0][0]
+    ffn = [ops.step_ffn(send, w1, b1, w2, b2, El, C) for ops in (nat, ref)]
+    assert all(torch.equal(a, b) for a, b in zip(*ffn))
+    h, back = ffn[0]
+    token_slots, slot_token, slot_gate = fwd[0][9], fwd[0][10], fwd[0][11].to(me.reference.opmath_dtype(dtype))
+    gy = torch.randn(T, back.shape[1], dtype=dtype, device=device)
+    cb = [ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, torch.float32) for ops in (nat, ref)]
+    assert all(torch.equal(a, b) for a, b in zip(*cb))
+    ones = torch.ones(send.shape[0], dtype=dtype, device=device) if wide else None
+    fb = [ops.step_ffn_backward(cb[0][0], h, send, w1, w2, bias, bias, [True] * 5, El, C, ones) for ops in (nat, ref)]
+    for a, b in zip(*fb):
+        assert (a is None and b is None) or torch.equal(a, b)
+    scores, topv, topi, first = fwd[0][2], fwd[0][3], fwd[0][4], fwd[0][8]
+    rb = [ops.step_route_backward(fb[0][0], token_slots, cb[0][1], topv, topi, scores, True,
+                                  torch.tensor(0.7, device=device), first, E / (T * T), x, wg, wide, True, True)
+          for ops in (nat, ref)]
+    for a, b in zip(*rb):
+        torch.testing.assert_close(a, b, rtol=1.6e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
 def test_fused_step_covers_the_defaults_only():
     """Which layer calls take the fused step: the defaults and the options it implements;
     every other configuration the op-by-op path."""

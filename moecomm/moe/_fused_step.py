@@ -1,11 +1,13 @@
 """The MoE layer's default capacity step as one autograd Function (``fused_step=True``).
 
 The same computation as the op-by-op path (the gate, softmax, top-k, routing, GShard loss,
-dispatch, the all-to-alls, the FFN experts, combine), issued as few operations as it takes:
-the routing after ``torch.topk`` is one native call (:func:`moecomm_ext.route_capacity`),
-the router's backward one more (:func:`moecomm_ext.route_backward`), and the backward of the
-whole step is one node of autograd instead of some thirty. An eager step is then bound by
-the GPU, not by the host issuing it (``bench/results/README.md``).
+dispatch, the all-to-alls, the FFN experts, combine), issued as few operations as it takes
+and with little Python: the routing after ``torch.topk`` is one native kernel call
+(:func:`moecomm_ext.route_capacity`), the router's backward one more
+(:func:`moecomm_ext.route_backward`), the operations between the exchanges are issued from
+C++ (``moecomm_ext.unchecked.step_ops``: five calls a step), and the backward of the whole
+step is one node of autograd instead of some thirty. An eager step is then bound by the
+GPU, not by the host issuing it (``bench/results/README.md``).
 
 It covers the layer's defaults: capacity mode (``capacity_factor > 0``) with the linear gate
 in float32, no gate noise while training, the GShard loss or none, no z-loss in the loss,
@@ -31,10 +33,8 @@ from torch import Tensor
 
 from moecomm_ext import unchecked
 
-from ._seg_gemm import seg_mm, seg_sum, seg_wgrad
-from ._segments import Segments
 from ._step_cache import StepConstants
-from ._wide_gemm import wide_linear_applies
+from ._wide_gemm import wide_gemm_available, wide_linear_applies
 from .experts import FFNExperts
 from .gates import LinearTopKGate
 from .routing import Routing
@@ -92,36 +92,23 @@ class _CapacityStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: CapacityCall, x, wg, w1, b1, w2, b2):  # type: ignore[override]
         ctx.set_materialize_grads(False)
-        T = x.shape[0]
-        E, k, C, native = call.num_experts, call.k, call.capacity, call.use_native
+        E, C, El = call.num_experts, call.capacity, call.num_local
+        ops = unchecked.step_ops(x.device, E, call.use_native)
         call.wide = wide = wide_linear_applies(x, wg)
-        logits = torch.mm(x, wg.t(), out_dtype=torch.float32) if wide else F.linear(x.float(), wg.float())
-        scores = torch.softmax(logits, 1)
-        if T:
-            topv, topi = torch.topk(scores, k, dim=1)
-        else:
-            topi = torch.empty(0, k, dtype=torch.int64, device=x.device)
-            topv = scores.new_empty(0, k)
-        rt = unchecked.route_capacity(topv, topi, E, C, call.normalize, native)
-        if not call.gshard:
-            aux = scores.new_zeros(())
-        elif T:
-            aux = (scores.sum(0) * rt.first_counts).sum() * (E / (T * T))
-        else:
-            aux = scores.sum() * 0.0
-        send = unchecked.gather_rows(x, rt.slot_token, None, native)
+        send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate, aux = \
+            ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide)
         got = call.exchange(send)
-        seg = Segments.uniform_blocks(call.world, call.num_local, C, consts=call.consts)
-        h = seg_mm(got, w1, seg, b1).relu_()
-        back = call.exchange(seg_mm(h, w2, seg, b2))
-        weights = rt.gates if x.dtype != torch.float64 else rt.gates.double()
-        y = unchecked.gather_reduce_rows(back, rt.token_slots, weights, native)
-        call.routing = Routing(topi, rt.gates, rt.locations, rt.counts, C)
+        h, ye = ops.step_ffn(got, w1, b1, w2, b2, El, C)
+        back = call.exchange(ye)
+        if x.dtype == torch.float64:  # the row kernels' weights are in their opmath dtype
+            gates, slot_gate = gates.double(), slot_gate.double()
+        y = unchecked.gather_reduce_rows(back, token_slots, gates, call.use_native)
+        call.routing = Routing(topi, gates, locations, counts, C)
         call.logits = logits
-        ctx.call, ctx.seg = call, seg
+        ctx.call, ctx.ops = call, ops
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        ctx.save_for_backward(x, wg, w1, w2, scores, topv, topi, rt.token_slots, rt.slot_token,
-                              rt.slot_gate.to(weights.dtype), rt.first_counts, got, h, back)
+        ctx.save_for_backward(x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, h,
+                              back)
         if not call.gshard:
             ctx.mark_non_differentiable(aux)
         return y, aux
@@ -129,44 +116,23 @@ class _CapacityStep(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, gaux):  # type: ignore[override]
-        x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first_counts, got, h, back = \
-            ctx.saved_tensors
-        call, seg = ctx.call, ctx.seg
-        native = call.use_native
+        x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, h, back = ctx.saved_tensors
+        call, ops = ctx.call, ctx.ops
         need = ctx.needs_input_grad  # (call, x, wg, w1, b1, w2, b2)
         T, E = scores.shape
+        C, El = call.capacity, call.num_local
         gy = back.new_zeros(T, back.shape[1]) if gy is None else gy.contiguous()
-        # combine: the slots' gradient, and the gates'
-        g_ye = call.exchange(unchecked.gather_rows(gy, slot_token, slot_gate, native))
-        g_gates = unchecked.gather_rowdot(gy, back, token_slots, native).to(scores.dtype)
-        # the experts (as the op-by-op path's _GroupedFFN with ReLU)
-        gw2 = seg_wgrad(h, g_ye, seg) if need[5] else None
-        gb2 = seg_sum(g_ye, seg) if ctx.has_b2 and need[6] else None
-        gh = torch.ops.aten.threshold_backward(seg_mm(g_ye, w2, seg, transpose_w=True), h, 0)
-        gw1 = seg_wgrad(got, gh, seg) if need[3] else None
-        gb1 = seg_sum(gh, seg) if ctx.has_b1 and need[4] else None
-        gx = gwg = None
-        if need[1]:
-            g_send = call.exchange(seg_mm(gh, w1, seg, transpose_w=True))
-            gx = unchecked.gather_reduce_rows(g_send, token_slots, None, native)
-        if need[1] or need[2]:
-            aux_grad = gaux if call.gshard and gaux is not None and T else None
-            gl = unchecked.route_backward(g_gates, topv, topi, scores, call.normalize, aux_grad,
-                                          first_counts if aux_grad is not None else None,
-                                          E / (T * T) if T else 1.0, call.wide, native)
-            if call.wide:  # gl is [T, 2E] bfloat16: the float32 gradient's hi | lo (_wide_gemm's backward)
-                if need[1]:
-                    gx = gx + torch.mm(gl, torch.cat([wg, wg], dim=0))
-                if need[2]:
-                    both = torch.mm(gl.t(), x, out_dtype=torch.float32)
-                    gwg = (both[:E] + both[E:]).to(wg.dtype)
-            else:  # F.linear(x.float(), wg.float())'s backward
-                if need[1]:
-                    gxg = gl.mm(wg.float())
-                    gx = gx + (gxg if x.dtype == torch.float32 else gxg.to(x.dtype))
-                if need[2]:
-                    gw = gl.t().mm(x.float())
-                    gwg = gw if wg.dtype == torch.float32 else gw.to(wg.dtype)
+        g_back, g_gates = ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
+        g_ye = call.exchange(g_back)
+        ones = None  # the bias gradients by a bfloat16 GEMM with ones (as _seg_gemm.seg_sum)
+        if (ctx.has_b1 or ctx.has_b2) and g_ye.dtype == torch.bfloat16 and wide_gemm_available(g_ye.device):
+            ones = call.consts.ones(g_ye.shape[0], g_ye.dtype, g_ye.device)
+        g_got, gw1, gb1, gw2, gb2 = ops.step_ffn_backward(g_ye, h, got, w1, w2, ctx.has_b1, ctx.has_b2,
+                                                          [need[1], need[3], need[4], need[5], need[6]], El, C, ones)
+        g_send = call.exchange(g_got) if need[1] else None
+        aux_grad = gaux if call.gshard and gaux is not None and T else None
+        gx, gwg = ops.step_route_backward(g_send, token_slots, g_gates, topv, topi, scores, call.normalize, aux_grad,
+                                          first, E / (T * T) if T else 1.0, x, wg, call.wide, need[1], need[2])
         return None, gx, gwg, gw1, gb1, gw2, gb2
 
 

@@ -15,6 +15,7 @@ at::Tensor gather_rowdot_cuda(const at::Tensor& a, const at::Tensor& b, const at
 }  // namespace moecomm_ext
 
 #include "route.h"
+#include "step.h"
 #include "source_hash.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -30,5 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0", py::arg("a"), py::arg("b"),
         py::arg("index"));
   MOECOMM_EXT_BIND_ROUTE(m, cuda);
+  moecomm_ext::bind_step(m, {moecomm_ext::gather_rows_cuda, moecomm_ext::gather_reduce_rows_cuda,
+                             moecomm_ext::gather_rowdot_cuda, moecomm_ext::route_capacity_cuda,
+                             moecomm_ext::route_backward_cuda});
   m.attr("device_type") = "cuda";
 }
