@@ -242,21 +242,23 @@ def step_route(x: Tensor, wg: Tensor, k: int, capacity: int, normalize: bool, gs
     return [send, logits, scores, topv, topi, gates, loc, counts, first, token_slots, slot_token, slot_gate, aux]
 
 
-def _block_mm(x: Tensor, w: Tensor, bias: Tensor | None, El: int, C: int, transpose_w: bool = False) -> Tensor:
+def _block_mm(x: Tensor, w: Tensor, bias: Tensor | None, row_expert: Tensor | None, El: int, C: int,
+              transpose_w: bool = False) -> Tensor:
     wt = w.transpose(1, 2) if transpose_w else w
     R, B = x.shape[0], wt.shape[2]
     if C == 0:
         return torch.empty(R, B, dtype=x.dtype, device=x.device)
     xb = x.view(-1, El, C, x.shape[1])
-    out = torch.empty(R, B, dtype=x.dtype, device=x.device)
-    ob = out.view(-1, El, C, B)
-    if bias is not None:
-        ob.copy_(bias.view(1, El, 1, B))
+    if bias is not None:  # every row starts as its expert's bias
+        out = gather_rows(bias, row_expert)
+        ob = out.view(-1, El, C, B)
         for b in range(xb.shape[0]):
             ob[b].baddbmm_(xb[b], wt)
-    else:
-        for b in range(xb.shape[0]):
-            torch.bmm(xb[b], wt, out=ob[b])
+        return out
+    out = torch.empty(R, B, dtype=x.dtype, device=x.device)
+    ob = out.view(-1, El, C, B)
+    for b in range(xb.shape[0]):
+        torch.bmm(xb[b], wt, out=ob[b])
     return out
 
 
@@ -284,12 +286,13 @@ def _block_sum(g: Tensor, El: int, C: int, ones: Tensor | None) -> Tensor:
     return g.view(-1, El, C, B).sum(dim=(0, 2), dtype=acc).to(g.dtype)
 
 
-def step_ffn(rows: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, num_local: int,
-             capacity: int) -> list:
+def step_ffn(rows: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
+             row_expert: Tensor | None, num_local: int, capacity: int) -> list:
     """The built-in experts on ``blocks`` uniform blocks of ``[num_local][capacity]`` rows:
-    ``[h, y]`` with ``h = relu(rows @ w1[e] + b1[e])`` and ``y = h @ w2[e] + b2[e]``."""
-    h = _block_mm(rows, w1, b1, num_local, capacity).relu_()
-    return [h, _block_mm(h, w2, b2, num_local, capacity)]
+    ``[h, y]`` with ``h = relu(rows @ w1[e] + b1[e])`` and ``y = h @ w2[e] + b2[e]``;
+    ``row_expert``: ``[rows]`` int64 local expert of every row (needed with a bias)."""
+    h = _block_mm(rows, w1, b1, row_expert, num_local, capacity).relu_()
+    return [h, _block_mm(h, w2, b2, row_expert, num_local, capacity)]
 
 
 def step_combine_backward(gy: Tensor, slot_token: Tensor, slot_gate: Tensor, back: Tensor, token_slots: Tensor,
@@ -306,10 +309,10 @@ def step_ffn_backward(gy: Tensor, h: Tensor, rows: Tensor, w1: Tensor, w2: Tenso
     El, C = num_local, capacity
     gw2 = _block_wgrad(h, gy, El, C) if need[3] else None
     gb2 = _block_sum(gy, El, C, ones) if has_b2 and need[4] else None
-    gh = torch.ops.aten.threshold_backward(_block_mm(gy, w2, None, El, C, True), h, 0)
+    gh = torch.ops.aten.threshold_backward(_block_mm(gy, w2, None, None, El, C, True), h, 0)
     gw1 = _block_wgrad(rows, gh, El, C) if need[1] else None
     gb1 = _block_sum(gh, El, C, ones) if has_b1 and need[2] else None
-    grows = _block_mm(gh, w1, None, El, C, True) if need[0] else None
+    grows = _block_mm(gh, w1, None, None, El, C, True) if need[0] else None
     return [grows, gw1, gb1, gw2, gb2]
 
 

@@ -177,6 +177,11 @@ def test_route_cuda_equals_cpu(shape, seed):
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=atol + 1e-30)
 
 
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1.6e-2 if a.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    return True
+
+
 def _step_case(seed, W, El, C, D, H, k, dtype, bias, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     E, T = W * El, 3 * C + 1
@@ -208,17 +213,19 @@ def test_step_ops_native_equal_reference(device, dtype, W, El, C, k, bias):
                            "token_slots", "slot_token", "slot_gate", "aux"), *fwd):
         assert torch.equal(a, b), name
     send = fwd[0][0]
-    ffn = [ops.step_ffn(send, w1, b1, w2, b2, El, C) for ops in (nat, ref)]
+    row_expert = torch.arange(El, device=device).view(1, El, 1).expand(W, El, C).reshape(-1)
+    ffn = [ops.step_ffn(send, w1, b1, w2, b2, row_expert, El, C) for ops in (nat, ref)]
     assert all(torch.equal(a, b) for a, b in zip(*ffn))
     h, back = ffn[0]
     token_slots, slot_token, slot_gate = fwd[0][9], fwd[0][10], fwd[0][11].to(me.reference.opmath_dtype(dtype))
     gy = torch.randn(T, back.shape[1], dtype=dtype, device=device)
     cb = [ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, torch.float32) for ops in (nat, ref)]
-    assert all(torch.equal(a, b) for a, b in zip(*cb))
+    same = torch.equal if device == "cpu" else close  # the CUDA row kernels sum in another order than torch
+    assert all(same(a, b) for a, b in zip(*cb))
     ones = torch.ones(send.shape[0], dtype=dtype, device=device) if wide else None
     fb = [ops.step_ffn_backward(cb[0][0], h, send, w1, w2, bias, bias, [True] * 5, El, C, ones) for ops in (nat, ref)]
     for a, b in zip(*fb):
-        assert (a is None and b is None) or torch.equal(a, b)
+        assert (a is None and b is None) or same(a, b)
     scores, topv, topi, first = fwd[0][2], fwd[0][3], fwd[0][4], fwd[0][8]
     rb = [ops.step_route_backward(fb[0][0], token_slots, cb[0][1], topv, topi, scores, True,
                                   torch.tensor(0.7, device=device), first, E / (T * T), x, wg, wide, True, True)

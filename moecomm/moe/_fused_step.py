@@ -98,7 +98,8 @@ class _CapacityStep(torch.autograd.Function):
         send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate, aux = \
             ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide)
         got = call.exchange(send)
-        h, ye = ops.step_ffn(got, w1, b1, w2, b2, El, C)
+        rows_expert = call.consts.row_expert(call.world, El, C, x.device) if b1 is not None or b2 is not None else None
+        h, ye = ops.step_ffn(got, w1, b1, w2, b2, rows_expert, El, C)
         back = call.exchange(ye)
         if x.dtype == torch.float64:  # the row kernels' weights are in their opmath dtype
             gates, slot_gate = gates.double(), slot_gate.double()

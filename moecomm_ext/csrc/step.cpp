@@ -55,24 +55,27 @@ at::ScalarType acc_type(const at::Tensor& t) {
 }
 
 // rows [blocks * El * C, A] @ w[e] (+ bias[e]) per block: w [El, A, B] (used transposed:
-// [El, B, A]); as moecomm.moe._seg_gemm.seg_mm on a uniform layout
-at::Tensor block_mm(const at::Tensor& x, const at::Tensor& w, const Opt& bias, int64_t El, int64_t C,
-                    bool transpose_w) {
+// [El, B, A]); as moecomm.moe._seg_gemm.seg_mm on a uniform layout. With a bias every row
+// starts as its expert's (a row gather by `row_expert`: a broadcast copy is 4x slower), then
+// each block adds its GEMM in place.
+at::Tensor block_mm(const StepKernels& kern, const at::Tensor& x, const at::Tensor& w, const Opt& bias,
+                    const Opt& row_expert, int64_t El, int64_t C, bool transpose_w) {
   const at::Tensor wt = transpose_w ? w.transpose(1, 2) : w;
   const int64_t R = x.size(0), B = wt.size(2);
   if (C == 0) return at::empty({R, B}, x.options());
   const at::Tensor xb = x.view({-1, El, C, x.size(1)});
   const int64_t nb = xb.size(0);
+  if (bias.has_value()) {
+    at::Tensor out = kern.gather_rows(*bias, *row_expert, std::nullopt);
+    at::Tensor ob = out.view({nb, El, C, B});
+    for (int64_t b = 0; b < nb; ++b) ob.select(0, b).baddbmm_(xb.select(0, b), wt);
+    return out;
+  }
   at::Tensor out = at::empty({R, B}, x.options());
   at::Tensor ob = out.view({nb, El, C, B});
-  if (bias.has_value()) {
-    ob.copy_(bias->view({1, El, 1, B}));  // every row starts as its expert's bias
-    for (int64_t b = 0; b < nb; ++b) ob.select(0, b).baddbmm_(xb.select(0, b), wt);
-  } else {
-    for (int64_t b = 0; b < nb; ++b) {
-      at::Tensor o = ob.select(0, b);
-      at::bmm_out(o, xb.select(0, b), wt);
-    }
+  for (int64_t b = 0; b < nb; ++b) {
+    at::Tensor o = ob.select(0, b);
+    at::bmm_out(o, xb.select(0, b), wt);
   }
   return out;
 }
@@ -132,11 +135,12 @@ std::vector<at::Tensor> step_route(const StepKernels& kern, const at::Tensor& x,
   return {send, logits, scores, topv, topi, rt[0], rt[1], rt[2], rt[3], rt[4], rt[5], rt[7], aux};
 }
 
-std::vector<at::Tensor> step_ffn(const at::Tensor& rows, const at::Tensor& w1, const Opt& b1, const at::Tensor& w2,
-                                 const Opt& b2, int64_t num_local, int64_t capacity) {
-  at::Tensor h = block_mm(rows, w1, b1, num_local, capacity, false);
+std::vector<at::Tensor> step_ffn(const StepKernels& kern, const at::Tensor& rows, const at::Tensor& w1, const Opt& b1,
+                                 const at::Tensor& w2, const Opt& b2, const Opt& row_expert, int64_t num_local,
+                                 int64_t capacity) {
+  at::Tensor h = block_mm(kern, rows, w1, b1, row_expert, num_local, capacity, false);
   h.relu_();
-  return {h, block_mm(h, w2, b2, num_local, capacity, false)};
+  return {h, block_mm(kern, h, w2, b2, row_expert, num_local, capacity, false)};
 }
 
 std::vector<at::Tensor> step_combine_backward(const StepKernels& kern, const at::Tensor& gy,
@@ -147,7 +151,7 @@ std::vector<at::Tensor> step_combine_backward(const StepKernels& kern, const at:
           kern.gather_rowdot(gy, back, token_slots).to(gate_dtype)};
 }
 
-std::vector<Opt> step_ffn_backward(const at::Tensor& gy, const at::Tensor& h, const at::Tensor& rows,
+std::vector<Opt> step_ffn_backward(const StepKernels& kern, const at::Tensor& gy, const at::Tensor& h, const at::Tensor& rows,
                                    const at::Tensor& w1, const at::Tensor& w2, bool has_b1, bool has_b2,
                                    std::vector<bool> need, int64_t num_local, int64_t capacity, const Opt& ones) {
   // need: rows, w1, b1, w2, b2
@@ -155,10 +159,10 @@ std::vector<Opt> step_ffn_backward(const at::Tensor& gy, const at::Tensor& h, co
   Opt gw2, gb2, gw1, gb1, grows;
   if (need[3]) gw2 = block_wgrad(h, gy, El, C);
   if (has_b2 && need[4]) gb2 = block_sum(gy, El, C, ones);
-  const at::Tensor gh = at::threshold_backward(block_mm(gy, w2, std::nullopt, El, C, true), h, 0);
+  const at::Tensor gh = at::threshold_backward(block_mm(kern, gy, w2, std::nullopt, std::nullopt, El, C, true), h, 0);
   if (need[1]) gw1 = block_wgrad(rows, gh, El, C);
   if (has_b1 && need[2]) gb1 = block_sum(gh, El, C, ones);
-  if (need[0]) grows = block_mm(gh, w1, std::nullopt, El, C, true);
+  if (need[0]) grows = block_mm(kern, gh, w1, std::nullopt, std::nullopt, El, C, true);
   return {grows, gw1, gb1, gw2, gb2};
 }
 
@@ -199,13 +203,20 @@ void bind_step(py::module& m, const StepKernels& kern) {
                              bool gshard, bool wide) {
     return step_route(kern, x, wg, k, capacity, normalize, gshard, wide);
   });
-  m.def("step_ffn", &step_ffn);
+  m.def("step_ffn", [kern](const at::Tensor& rows, const at::Tensor& w1, const Opt& b1, const at::Tensor& w2,
+                           const Opt& b2, const Opt& row_expert, int64_t num_local, int64_t capacity) {
+    return step_ffn(kern, rows, w1, b1, w2, b2, row_expert, num_local, capacity);
+  });
   m.def("step_combine_backward", [kern](const at::Tensor& gy, const at::Tensor& slot_token,
                                         const at::Tensor& slot_gate, const at::Tensor& back,
                                         const at::Tensor& token_slots, at::ScalarType gate_dtype) {
     return step_combine_backward(kern, gy, slot_token, slot_gate, back, token_slots, gate_dtype);
   });
-  m.def("step_ffn_backward", &step_ffn_backward);
+  m.def("step_ffn_backward", [kern](const at::Tensor& gy, const at::Tensor& h, const at::Tensor& rows,
+                                    const at::Tensor& w1, const at::Tensor& w2, bool has_b1, bool has_b2,
+                                    std::vector<bool> need, int64_t num_local, int64_t capacity, const Opt& ones) {
+    return step_ffn_backward(kern, gy, h, rows, w1, w2, has_b1, has_b2, std::move(need), num_local, capacity, ones);
+  });
   m.def("step_route_backward",
         [kern](const Opt& grad_send, const at::Tensor& token_slots, const at::Tensor& grad_gates,
                const at::Tensor& topk_scores, const at::Tensor& topk_idx, const at::Tensor& scores, bool normalize,
