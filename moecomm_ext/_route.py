@@ -14,7 +14,7 @@ from . import reference
 from ._checks import check_ndim, index_arg, same_device, shape_is, shape_str, tensor_arg
 from ._loader import module_for
 
-__all__ = ["CapacityRoutes", "route_capacity", "route_backward", "run_route_capacity", "run_route_backward",
+__all__ = ["CapacityRoutes", "route_capacity", "route_dropless", "route_backward", "run_route_capacity", "run_route_backward",
            "step_ops"]
 
 ROUTE_DTYPES = (torch.float32, torch.float64)
@@ -62,7 +62,8 @@ def step_ops(device: torch.device, num_experts: int, use_native: bool | None):
 def run_route_capacity(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, capacity: int, normalize: bool,
                        use_native: bool | None) -> CapacityRoutes:
     """:func:`route_capacity` without argument checks (contiguous inputs of the documented
-    shapes and dtypes, expert ids in range: the caller's promise)."""
+    shapes and dtypes, expert ids in range: the caller's promise); ``capacity=-1``:
+    :func:`route_dropless`."""
     mod = _native(topk_scores.device, num_experts, use_native)
     if mod is None:
         out = reference.route_capacity(topk_scores, topk_idx, num_experts, capacity, normalize)
@@ -145,6 +146,22 @@ def route_capacity(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, capa
     if check:
         _expert_ids(fn, topk_idx, E)
     return run_route_capacity(topk_scores, topk_idx, E, C, bool(normalize), use_native)
+
+
+def route_dropless(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, *, normalize: bool = True,
+                   check: bool = True, use_native: bool | None = None) -> CapacityRoutes:
+    """Dropless routing: :func:`route_capacity` with every route kept and no padding. The
+    ``M = T * k`` slots hold expert 0's routes, then expert 1's, ...: expert ``e``'s route at
+    queue position ``q`` goes to slot ``sum(counts[:e]) + q``.
+
+    Args and raises: as :func:`route_capacity` (without ``capacity``).
+    """
+    fn = "route_dropless"
+    topk_scores, topk_idx = _topk_pair(fn, topk_scores, topk_idx)
+    E = _count(fn, "num_experts", num_experts, 1)
+    if check:
+        _expert_ids(fn, topk_idx, E)
+    return run_route_capacity(topk_scores, topk_idx, E, -1, bool(normalize), use_native)
 
 
 def route_backward(grad_gates: Tensor, topk_scores: Tensor, topk_idx: Tensor, scores: Tensor, *,

@@ -144,7 +144,8 @@ def _denominator(v: Tensor) -> tuple[Tensor, Tensor]:
 
 def route_capacity(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, capacity: int,
                    normalize: bool = True) -> tuple[Tensor, ...]:
-    """Capacity routing of ``T`` tokens' ``k`` choices (see :func:`moecomm_ext.route_capacity`).
+    """Capacity routing of ``T`` tokens' ``k`` choices (see :func:`moecomm_ext.route_capacity`;
+    ``capacity=-1``: :func:`moecomm_ext.route_dropless`).
 
     Returns ``(gates, locations, counts, first_counts, token_slots, slot_token, slot_route,
     slot_gate)``. Queue positions come from one stable sort of the routes by ``(expert,
@@ -169,11 +170,15 @@ def route_capacity(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, capa
     rank[perm] = torch.arange(flat.numel(), device=dev)
     start = torch.cumsum(counts, 0) - counts
     locations = (rank - start[flat]).view(T, k)
-    kept = locations < C
-    token_slots = torch.where(kept, topk_idx * C + locations, torch.full_like(locations, -1))
-    slot_token = torch.full((E * C,), -1, dtype=torch.int64, device=dev)
-    slot_route = torch.full((E * C,), -1, dtype=torch.int64, device=dev)
-    slot_gate = torch.zeros(E * C, dtype=topk_scores.dtype, device=dev)
+    if C < 0:  # dropless: every route kept, expert e's slots after every earlier expert's
+        M = T * k
+        token_slots = start[topk_idx] + locations
+    else:
+        M = E * C
+        token_slots = torch.where(locations < C, topk_idx * C + locations, torch.full_like(locations, -1))
+    slot_token = torch.full((M,), -1, dtype=torch.int64, device=dev)
+    slot_route = torch.full((M,), -1, dtype=torch.int64, device=dev)
+    slot_gate = torch.zeros(M, dtype=topk_scores.dtype, device=dev)
     valid = token_slots.reshape(-1) >= 0
     slots = token_slots.reshape(-1)[valid]
     routes = torch.arange(T * k, device=dev)[valid]

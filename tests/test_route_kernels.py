@@ -235,8 +235,9 @@ def test_step_ops_native_equal_reference(device, dtype, W, El, C, k, bias):
 
 
 def test_fused_step_covers_the_defaults_only():
-    """Which layer calls take the fused step: the defaults and the options it implements;
-    every other configuration the op-by-op path."""
+    """Which layer calls take the fused step: the defaults and the options it implements
+    (capacity mode with ReLU experts, dropless with any activation); every other
+    configuration the op-by-op path."""
     import moecomm
     from moecomm.moe import MoELayer
     from moecomm.moe._fused_step import applies
@@ -252,7 +253,9 @@ def test_fused_step_covers_the_defaults_only():
     assert covered() and covered({"k": 3, "fc1_bias": False, "fc2_bias": False, "balance_loss": None})
     assert covered({"normalize_gate": False}) and covered({"gate_noise": 1.0}, training=False)
     assert covered(xx=x.double(), layer_kw={"dtype": torch.float64})
-    assert not covered(cf=0.0) and not covered(cf=-1.0) and not covered(dropless=True) and not covered(degree=2)
+    assert covered(dropless=True) and covered({"activation": "gelu"}, dropless=True, cf=0.0)
+    assert not covered(cf=0.0) and not covered(cf=-1.0) and not covered(degree=2)
+    assert not covered(dropless=True, degree=2) and not covered({"gate": "cosine"}, dropless=True)
     for kw in ({"gate": "cosine"}, {"gate_noise": 1.0}, {"fp32_gate": False}, {"z_loss_weight": 0.1},
                {"balance_loss": "load_importance", "gate_noise": 1.0}, {"batch_prioritized_routing": True},
                {"is_postscore": False}, {"activation": "gelu"}, {"dtype": torch.float64}):

@@ -35,11 +35,12 @@ from moecomm_ext import unchecked
 
 from ._step_cache import StepConstants
 from ._wide_gemm import wide_gemm_available, wide_linear_applies
-from .experts import FFNExperts
+from ._segments import Segments
+from .experts import FFNExperts, ffn_backward, ffn_forward
 from .gates import LinearTopKGate
 from .routing import Routing
 
-__all__ = ["applies", "CapacityCall", "capacity_step"]
+__all__ = ["applies", "StepCall", "fused_step"]
 
 
 def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
@@ -47,8 +48,7 @@ def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree:
     """Whether this expert-parallel call of ``layer`` is one the fused step covers (see the
     module's docstring)."""
     experts = layer.experts
-    if not (cf > 0 and not dropless and degree == 1 and not (own and world > 1)
-            and (wire is None or world == 1)):
+    if not ((cf > 0 or dropless) and degree == 1 and not (own and world > 1) and (wire is None or world == 1)):
         return False
     if type(gate) is not LinearTopKGate or not gate.fp32_gate or (gate.gate_noise > 0 and layer.training):
         return False
@@ -56,7 +56,7 @@ def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree:
         return False
     if layer.batch_prioritized_routing or not layer.is_postscore or "_run_experts" in layer.__dict__:
         return False
-    if type(experts) is not FFNExperts or experts.shards != 1 or experts.act is not F.relu:
+    if type(experts) is not FFNExperts or experts.shards != 1 or (experts.act is not F.relu and not dropless):
         return False
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return False
@@ -64,14 +64,16 @@ def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree:
                                                         experts.fc2_weight, experts.fc2_bias))
 
 
-class CapacityCall:
-    """One call's settings, and what the forward leaves for the layer (its routing, logits)."""
+class StepCall:
+    """One call's settings, and what the forward leaves for the layer (its routing, logits).
+    ``capacity`` None: dropless (the forward sets the split sizes)."""
 
     __slots__ = ("comm", "world", "num_experts", "num_local", "k", "capacity", "algorithm", "normalize",
-                 "gshard", "use_native", "consts", "wide", "routing", "logits")
+                 "gshard", "use_native", "consts", "wide", "routing", "logits", "send_splits", "recv_splits")
 
-    def __init__(self, comm: Any, num_experts: int, num_local: int, k: int, capacity: int, algorithm: Optional[str],
-                 normalize: bool, gshard: bool, use_native: bool, consts: StepConstants) -> None:
+    def __init__(self, comm: Any, num_experts: int, num_local: int, k: int, capacity: Optional[int],
+                 algorithm: Optional[str], normalize: bool, gshard: bool, use_native: bool,
+                 consts: StepConstants) -> None:
         self.comm, self.world = comm, comm.size
         self.num_experts, self.num_local, self.k, self.capacity = num_experts, num_local, k, capacity
         self.algorithm = algorithm or "flat"
@@ -79,33 +81,56 @@ class CapacityCall:
         self.wide = False
         self.routing: Optional[Routing] = None
         self.logits: Optional[Tensor] = None
+        if capacity is not None:  # the padded layout: num_local * capacity rows to and from every rank
+            self.send_splits = self.recv_splits = [num_local * capacity] * self.world
 
-    def exchange(self, rows: Tensor) -> Tensor:
-        """The all-to-all of the padded layout: ``num_local * capacity`` rows to and from every rank."""
+    def exchange(self, rows: Tensor, to_experts: bool) -> Tensor:
+        """The all-to-all from the tokens' side to the experts' (``to_experts``) or back."""
         if self.world == 1:
             return rows
-        n = [self.num_local * self.capacity] * self.world
-        return self.comm.all_to_all_v(rows.contiguous(), n, n, algorithm=self.algorithm)[0]
+        send, recv = (self.send_splits, self.recv_splits) if to_experts else (self.recv_splits, self.send_splits)
+        return self.comm.all_to_all_v(rows.contiguous(), send, recv, algorithm=self.algorithm)[0]
+
+
+def _route(call: StepCall, x: Tensor, wg: Tensor):
+    """The router and the dispatch gather of a step (``step_ops``' first call)."""
+    ops = unchecked.step_ops(x.device, call.num_experts, call.use_native)
+    call.wide = wide = wide_linear_applies(x, wg)
+    C = -1 if call.capacity is None else call.capacity
+    return ops, ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide)
+
+
+def _combine(call: StepCall, back: Tensor, token_slots: Tensor, gates: Tensor, slot_gate: Tensor, x: Tensor):
+    """``(y, slot_gate)``: the weighted sum of each token's expert rows (the weights in the row
+    kernels' opmath dtype)."""
+    if x.dtype == torch.float64:
+        gates, slot_gate = gates.double(), slot_gate.double()
+    return unchecked.gather_reduce_rows(back, token_slots, gates, call.use_native), slot_gate
+
+
+def _route_backward(ctx, ops, call: StepCall, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x, wg,
+                    need: tuple) -> tuple:
+    T, E = scores.shape
+    aux_grad = gaux if call.gshard and gaux is not None and T else None
+    return ops.step_route_backward(g_send, token_slots, g_gates, topv, topi, scores, call.normalize, aux_grad, first,
+                                   E / (T * T) if T else 1.0, x, wg, call.wide, need[1], need[2])
 
 
 class _CapacityStep(torch.autograd.Function):
+    """The capacity step: the experts over the padded layout, their ops in C++ (``step_ffn``)."""
+
     @staticmethod
-    def forward(ctx, call: CapacityCall, x, wg, w1, b1, w2, b2):  # type: ignore[override]
+    def forward(ctx, call: StepCall, x, wg, w1, b1, w2, b2):  # type: ignore[override]
         ctx.set_materialize_grads(False)
-        E, C, El = call.num_experts, call.capacity, call.num_local
-        ops = unchecked.step_ops(x.device, E, call.use_native)
-        call.wide = wide = wide_linear_applies(x, wg)
-        send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate, aux = \
-            ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide)
-        got = call.exchange(send)
+        C, El = call.capacity, call.num_local
+        ops, (send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate,
+              aux) = _route(call, x, wg)
+        got = call.exchange(send, True)
         rows_expert = call.consts.row_expert(call.world, El, C, x.device) if b1 is not None or b2 is not None else None
         h, ye = ops.step_ffn(got, w1, b1, w2, b2, rows_expert, El, C)
-        back = call.exchange(ye)
-        if x.dtype == torch.float64:  # the row kernels' weights are in their opmath dtype
-            gates, slot_gate = gates.double(), slot_gate.double()
-        y = unchecked.gather_reduce_rows(back, token_slots, gates, call.use_native)
-        call.routing = Routing(topi, gates, locations, counts, C)
-        call.logits = logits
+        back = call.exchange(ye, False)
+        y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
+        call.routing, call.logits = Routing(topi, gates, locations, counts, C), logits
         ctx.call, ctx.ops = call, ops
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         ctx.save_for_backward(x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, h,
@@ -120,26 +145,78 @@ class _CapacityStep(torch.autograd.Function):
         x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, h, back = ctx.saved_tensors
         call, ops = ctx.call, ctx.ops
         need = ctx.needs_input_grad  # (call, x, wg, w1, b1, w2, b2)
-        T, E = scores.shape
-        C, El = call.capacity, call.num_local
-        gy = back.new_zeros(T, back.shape[1]) if gy is None else gy.contiguous()
+        gy = back.new_zeros(scores.shape[0], back.shape[1]) if gy is None else gy.contiguous()
         g_back, g_gates = ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
-        g_ye = call.exchange(g_back)
+        g_ye = call.exchange(g_back, True)
         ones = None  # the bias gradients by a bfloat16 GEMM with ones (as _seg_gemm.seg_sum)
         if (ctx.has_b1 or ctx.has_b2) and g_ye.dtype == torch.bfloat16 and wide_gemm_available(g_ye.device):
             ones = call.consts.ones(g_ye.shape[0], g_ye.dtype, g_ye.device)
         g_got, gw1, gb1, gw2, gb2 = ops.step_ffn_backward(g_ye, h, got, w1, w2, ctx.has_b1, ctx.has_b2,
-                                                          [need[1], need[3], need[4], need[5], need[6]], El, C, ones)
-        g_send = call.exchange(g_got) if need[1] else None
-        aux_grad = gaux if call.gshard and gaux is not None and T else None
-        gx, gwg = ops.step_route_backward(g_send, token_slots, g_gates, topv, topi, scores, call.normalize, aux_grad,
-                                          first, E / (T * T) if T else 1.0, x, wg, call.wide, need[1], need[2])
+                                                          [need[1], need[3], need[4], need[5], need[6]],
+                                                          call.num_local, call.capacity, ones)
+        g_send = call.exchange(g_got, False) if need[1] else None
+        gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
+                                  wg, need)
         return None, gx, gwg, gw1, gb1, gw2, gb2
 
 
-def capacity_step(call: CapacityCall, x: Tensor, wg: Tensor, experts: FFNExperts) -> tuple[Tensor, Tensor]:
-    """``(y, aux)`` of one capacity step of ``[T, model_dim]`` tokens ``x`` (``aux`` the GShard
-    loss, or a zero without a graph when the call has none); ``call.routing`` and
-    ``call.logits`` are set."""
-    return _CapacityStep.apply(call, x, wg, experts.fc1_weight, experts.fc1_bias, experts.fc2_weight,
-                               experts.fc2_bias)
+class _DroplessStep(torch.autograd.Function):
+    """The dropless step: every route sent, the experts' grouped GEMMs over the received
+    counts (:func:`~moecomm.moe.experts.ffn_forward`), after the step's one host
+    synchronisation (the counts, for the exchanges' split sizes and the segments)."""
+
+    @staticmethod
+    def forward(ctx, call: StepCall, experts: FFNExperts, x, wg, w1, b1, w2, b2):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        W, El = call.world, call.num_local
+        ops, (send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate,
+              aux) = _route(call, x, wg)
+        if W > 1:
+            recv_counts = call.comm.all_to_all_v(counts, [El] * W, [El] * W)[0]
+            host = torch.cat([counts, recv_counts]).tolist()  # the step's one host synchronisation
+            mine, theirs = host[:W * El], host[W * El:]
+        else:
+            recv_counts = counts
+            mine = theirs = counts.tolist()
+        blocks = [theirs[w * El:(w + 1) * El] for w in range(W)]
+        call.send_splits = [sum(mine[w * El:(w + 1) * El]) for w in range(W)]
+        call.recv_splits = [sum(b) for b in blocks]
+        seg = Segments(blocks, El, counts_dev=recv_counts.view(W, El))
+        got = call.exchange(send, True)
+        ye, kept = ffn_forward(got, w1, b1, w2, b2, seg, experts.act, 1.0)
+        back = call.exchange(ye, False)
+        y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
+        call.routing, call.logits = Routing(topi, gates, locations, counts, None), logits
+        ctx.call, ctx.ops, ctx.seg, ctx.act = call, ops, seg, experts.act
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.save_for_backward(x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, kept,
+                              back)
+        if not call.gshard:
+            ctx.mark_non_differentiable(aux)
+        return y, aux
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy, gaux):  # type: ignore[override]
+        x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, kept, back = \
+            ctx.saved_tensors
+        call, ops = ctx.call, ctx.ops
+        need = ctx.needs_input_grad  # (call, experts, x, wg, w1, b1, w2, b2)
+        gy = back.new_zeros(scores.shape[0], back.shape[1]) if gy is None else gy.contiguous()
+        g_back, g_gates = ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
+        g_ye = call.exchange(g_back, True)
+        g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, ctx.act,
+                                                 (need[2], need[4], need[5], need[6], need[7]), ctx.has_b1, ctx.has_b2)
+        g_send = call.exchange(g_got, False) if need[2] else None
+        gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
+                                  wg, need[1:])
+        return None, None, gx, gwg, gw1, gb1, gw2, gb2
+
+
+def fused_step(call: StepCall, x: Tensor, wg: Tensor, experts: FFNExperts) -> tuple[Tensor, Tensor]:
+    """``(y, aux)`` of one step of ``[T, model_dim]`` tokens ``x`` (``aux`` the GShard loss, or
+    a zero without a graph when the call has none); ``call.routing`` and ``call.logits`` are set."""
+    params = (experts.fc1_weight, experts.fc1_bias, experts.fc2_weight, experts.fc2_bias)
+    if call.capacity is None:
+        return _DroplessStep.apply(call, experts, x, wg, *params)
+    return _CapacityStep.apply(call, x, wg, *params)

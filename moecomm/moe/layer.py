@@ -399,7 +399,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
         if mode == "expert" and self.fused_step and not autocast and _fused_step.applies(
                 self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size):
-            return self._fused(x2, gate, kk, cf, ineq, algo).reshape(*lead, self.output_dim)
+            return self._fused(x2, gate, kk, cf, ineq, algo, drop_less).reshape(*lead, self.output_dim)
 
         r = self._route(x2, gate, kk)  # fp32 at least; sets the call's losses
         r.capacity = None if drop_less else self._capacity(r, T, kk, cf, ineq)
@@ -421,15 +421,16 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         d["_last_route"], d["_last_routing"] = r, None
         return y.reshape(*lead, self.output_dim)
 
-    def _fused(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str]) -> Tensor:
-        """The capacity step as one autograd Function (:mod:`._fused_step`); sets the call's
-        losses and routing as :meth:`_route` does."""
+    def _fused(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str],
+               dropless: bool) -> Tensor:
+        """The step as one autograd Function (:mod:`._fused_step`); sets the call's losses and
+        routing as :meth:`_route` does."""
         T, E = x2.shape[0], self.num_experts
-        C = fixed_capacity(self._agreed_tokens(T, x2.device) if ineq else T, E, kk, cf)
+        C = None if dropless else fixed_capacity(self._agreed_tokens(T, x2.device) if ineq else T, E, kk, cf)
         gshard = self.balance_loss_type == "gshard"
-        call = _fused_step.CapacityCall(self.comm, E, self.num_local_experts, kk, C, algo, self.normalize_gate,
-                                        gshard, self._use_native, self._consts)
-        y, aux = _fused_step.capacity_step(call, x2, gate.wg.weight, self.experts)
+        call = _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, self.normalize_gate, gshard,
+                                    self._use_native, self._consts)
+        y, aux = _fused_step.fused_step(call, x2, gate.wg.weight, self.experts)
         d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
         d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = call.logits, None, aux if gshard else None, aux
         d["_last_route"], d["_last_routing"], d["last_parallel_mode"] = call.routing, None, "expert"
@@ -440,7 +441,9 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         """The routing of the last call (gate weights detached), or None before the first."""
         r = self._last_route
         if r is not None:
-            kept = r.kept if r.kept is not None or r.capacity is None else r.locations < r.capacity
+            kept = r.kept
+            if kept is None:  # the fused step's: made when read
+                kept = r.locations < r.capacity if r.capacity is not None else torch.ones_like(r.locations, dtype=torch.bool)
             self._last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, kept)
             self._last_route = None
         return self._last_routing

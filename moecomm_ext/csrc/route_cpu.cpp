@@ -1,6 +1,6 @@
 // CPU kernels of the MoE router's capacity routing (moecomm_ext/_route.py), bound by rows_cpu.cpp.
 //
-//   route_capacity(topk_scores[T,k], topk_idx[T,k] int64, E, C, normalize)
+//   route_capacity(topk_scores[T,k], topk_idx[T,k] int64, E, C, normalize)   (C = -1: dropless, M = T*k)
 //     -> (gates[T,k], locations[T,k] int64, counts[E] int64, first_counts[E],
 //         token_slots[T,k] int64, slot_token[E*C] int64, slot_route[E*C] int64, slot_gate[E*C])
 //   route_backward(grad_gates[T,k], topk_scores[T,k], topk_idx[T,k], scores[T,E], normalize,
@@ -52,9 +52,11 @@ std::vector<at::Tensor> route_capacity_cpu(const at::Tensor& topk_scores, const 
   check_cpu(topk_idx, fn, "topk_idx", 2);
   TORCH_CHECK(topk_idx.scalar_type() == at::kLong, fn, ": 'topk_idx' must be int64");
   TORCH_CHECK(topk_idx.sizes() == topk_scores.sizes(), fn, ": 'topk_idx' and 'topk_scores' must have one shape");
-  TORCH_CHECK(num_experts >= 1 && capacity >= 0, fn, ": bad num_experts or capacity");
-  const int64_t T = topk_scores.size(0), K = topk_scores.size(1), E = num_experts, C = capacity;
-  const int64_t M = E * C;
+  TORCH_CHECK(num_experts >= 1, fn, ": bad num_experts");
+  const int64_t T = topk_scores.size(0), K = topk_scores.size(1), E = num_experts;
+  const bool dropless = capacity < 0;  // every route kept, expert e's at [start_e, start_e + counts_e)
+  const int64_t C = capacity;
+  const int64_t M = dropless ? T * K : E * C;
   auto lopt = topk_idx.options();
   at::Tensor gates = at::empty({T, K}, topk_scores.options());
   at::Tensor locations = at::empty({T, K}, lopt);
@@ -100,23 +102,27 @@ std::vector<at::Tensor> route_capacity_cpu(const at::Tensor& topk_scores, const 
         const int64_t r = t * K + j;
         const int64_t e = idx[r];
         TORCH_CHECK(e >= 0 && e < E, fn, ": 'topk_idx' entry ", r, " = ", e, " is out of range [0, ", E, ")");
-        const int64_t q = cnt[e]++;
-        loc[r] = q;
-        if (q < C) {
-          const int64_t s = e * C + q;
-          ts[r] = s;
-          st[s] = t;
-          sr[s] = r;
-          sg[s] = g[r];
-        } else {
-          ts[r] = -1;
-        }
+        loc[r] = cnt[e]++;
       }
     }
     if (K == 1) {
       for (int64_t e = 0; e < E; ++e) first[e] = static_cast<scalar_t>(cnt[e]);
     } else if (K == 0) {
       for (int64_t e = 0; e < E; ++e) first[e] = scalar_t(0);
+    }
+    std::vector<int64_t> start(static_cast<size_t>(E), 0);
+    for (int64_t e = 1; e < E; ++e) start[e] = start[e - 1] + cnt[e - 1];
+    for (int64_t r = 0; r < T * K; ++r) {
+      const int64_t e = idx[r], q = loc[r];
+      if (dropless || q < C) {
+        const int64_t s = dropless ? start[e] + q : e * C + q;
+        ts[r] = s;
+        st[s] = r / K;
+        sr[s] = r;
+        sg[s] = g[r];
+      } else {
+        ts[r] = -1;
+      }
     }
   });
   return {gates, locations, counts, first_counts, token_slots, slot_token, slot_route, slot_gate};

@@ -8,7 +8,9 @@
 // empties the slot maps), (2) one block scans the counts over the chunks per expert
 // (exclusive offsets, the totals, the first-choice counts), (3) one warp per chunk walks its
 // tokens 32 at a time in order, ranking equal experts within the 32 with __match_any_sync.
-// No atomics decide an order, so the result is deterministic and equals the CPU's.
+// No atomics decide an order, so the result is deterministic and equals the CPU's. With
+// capacity -1 (dropless) every route is kept and expert e's slots start at the sum of the
+// counts before it (the scan kernel's last step).
 //
 // route_backward: one warp per token row; the sum over experts is a warp reduction (its
 // order differs from the CPU's sequential sum, so results agree to float rounding).
@@ -85,7 +87,8 @@ route_hist_kernel(const int64_t* __restrict__ idx, int64_t T, int k, int64_t E, 
 // (2) exclusive offsets of every chunk per expert (in place), totals and first-choice counts
 template <typename scalar_t>
 __global__ void route_scan_kernel(int32_t* __restrict__ hist, int64_t chunks, int64_t cpl, int64_t E,
-                                  int64_t* __restrict__ counts, scalar_t* __restrict__ first_counts) {
+                                  int64_t* __restrict__ counts, scalar_t* __restrict__ first_counts,
+                                  int64_t* __restrict__ start) {
   for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
     int64_t run = 0, first = -1;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -97,14 +100,23 @@ __global__ void route_scan_kernel(int32_t* __restrict__ hist, int64_t chunks, in
     counts[e] = run;
     first_counts[e] = static_cast<scalar_t>(first < 0 ? run : first);
   }
+  if (start == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the experts' first slots (dropless): few experts, one thread
+    int64_t run = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      start[e] = run;
+      run += counts[e];
+    }
+  }
 }
 
 // (3) one warp per chunk: positions, gates and the slot maps
 template <typename scalar_t>
 __global__ void __launch_bounds__(kWarp)
 route_place_kernel(const scalar_t* __restrict__ v, const int64_t* __restrict__ idx, const int32_t* __restrict__ hist,
-                   int64_t T, int k, int64_t E, int64_t C, int64_t L, int64_t cpl, bool normalize,
-                   scalar_t* __restrict__ gates, int64_t* __restrict__ locations, int64_t* __restrict__ token_slots,
+                   const int64_t* __restrict__ start, int64_t T, int k, int64_t E, int64_t C, int64_t L,
+                   int64_t cpl, bool normalize, scalar_t* __restrict__ gates, int64_t* __restrict__ locations, int64_t* __restrict__ token_slots,
                    int64_t* __restrict__ slot_token, int64_t* __restrict__ slot_route,
                    scalar_t* __restrict__ slot_gate) {
   extern __shared__ int32_t offset[];
@@ -137,8 +149,8 @@ route_place_kernel(const scalar_t* __restrict__ v, const int64_t* __restrict__ i
     const scalar_t g = norm ? row[j] / row_denominator(row, k) : row[j];
     gates[r] = g;
     locations[r] = loc;
-    if (loc < C) {
-      const int64_t s = e * C + loc;
+    if (start != nullptr || loc < C) {  // dropless (start given): every route kept
+      const int64_t s = start != nullptr ? start[e] + loc : e * C + loc;
       token_slots[r] = s;
       slot_token[s] = t;
       slot_route[s] = r;
@@ -238,12 +250,13 @@ std::vector<at::Tensor> route_capacity_cuda(const at::Tensor& topk_scores, const
   check_cuda(topk_idx, fn, "topk_idx", 2);
   TORCH_CHECK(topk_idx.scalar_type() == at::kLong, fn, ": 'topk_idx' must be int64");
   TORCH_CHECK(topk_idx.sizes() == topk_scores.sizes(), fn, ": 'topk_idx' and 'topk_scores' must have one shape");
-  TORCH_CHECK(num_experts >= 1 && num_experts <= kMaxSmemExperts && capacity >= 0, fn,
-              ": num_experts must be in [1, ", kMaxSmemExperts, "] and capacity >= 0");
+  TORCH_CHECK(num_experts >= 1 && num_experts <= kMaxSmemExperts, fn, ": num_experts must be in [1, ",
+              kMaxSmemExperts, "]");
   const c10::cuda::CUDAGuard guard(topk_scores.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t T = topk_scores.size(0), K = topk_scores.size(1), E = num_experts, C = capacity;
-  const int64_t M = E * C;
+  const bool dropless = C < 0;  // every route kept, expert e's slots at [start_e, start_e + counts_e)
+  const int64_t M = dropless ? T * K : E * C;
   auto lopt = topk_idx.options();
   auto fopt = topk_scores.options();
   at::Tensor gates = at::empty({T, K}, fopt);
@@ -264,6 +277,8 @@ std::vector<at::Tensor> route_capacity_cuda(const at::Tensor& topk_scores, const
   const int64_t cpl = (T + L - 1) / L;
   const int64_t chunks = cpl * K;
   at::Tensor hist = at::empty({chunks, E}, lopt.dtype(at::kInt));
+  at::Tensor start = dropless ? at::empty({E}, lopt) : at::Tensor();
+  int64_t* start_ptr = dropless ? start.mutable_data_ptr<int64_t>() : nullptr;
   const size_t smem = static_cast<size_t>(E) * sizeof(int32_t);
   AT_DISPATCH_FLOATING_TYPES(topk_scores.scalar_type(), "route_capacity_cuda", [&] {
     route_hist_kernel<scalar_t><<<static_cast<unsigned>(chunks), kHistThreads, smem, stream>>>(
@@ -274,11 +289,11 @@ std::vector<at::Tensor> route_capacity_cuda(const at::Tensor& topk_scores, const
     const int scan_threads = static_cast<int>(E < 1024 ? (E + kWarp - 1) / kWarp * kWarp : 1024);
     route_scan_kernel<scalar_t><<<1, scan_threads, 0, stream>>>(hist.mutable_data_ptr<int32_t>(), chunks, cpl, E,
                                                                 counts.mutable_data_ptr<int64_t>(),
-                                                                first_counts.mutable_data_ptr<scalar_t>());
+                                                                first_counts.mutable_data_ptr<scalar_t>(), start_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     route_place_kernel<scalar_t><<<static_cast<unsigned>(chunks), kWarp, smem, stream>>>(
         topk_scores.const_data_ptr<scalar_t>(), topk_idx.const_data_ptr<int64_t>(), hist.const_data_ptr<int32_t>(),
-        T, static_cast<int>(K), E, C, L, cpl, normalize, gates.mutable_data_ptr<scalar_t>(),
+        start_ptr, T, static_cast<int>(K), E, C, L, cpl, normalize, gates.mutable_data_ptr<scalar_t>(),
         locations.mutable_data_ptr<int64_t>(), token_slots.mutable_data_ptr<int64_t>(),
         slot_token.mutable_data_ptr<int64_t>(), slot_route.mutable_data_ptr<int64_t>(),
         slot_gate.mutable_data_ptr<scalar_t>());

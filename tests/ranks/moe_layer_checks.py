@@ -453,7 +453,10 @@ def check_fused_step():
                dict(k=2, normalize_gate=False, capacity_factor=0.25),
                # not covered (op-by-op path either way): noise, cosine gate, gelu, z-loss, dropless, cf 0
                dict(k=2, gate_noise=1.0), dict(k=2, gate="cosine"), dict(k=2, activation="gelu"),
-               dict(k=2, z_loss_weight=0.1), dict(k=2, dropless=True), dict(k=2, capacity_factor=0.0)]
+               dict(k=2, z_loss_weight=0.1), dict(k=2, capacity_factor=0.0),
+               # dropless: fused too (any activation)
+               dict(k=2, dropless=True), dict(k=3, dropless=True, activation="gelu", fc1_bias=False),
+               dict(k=1, dropless=True, balance_loss=None)]
     for dt in dts:
         for i, cfg in enumerate(configs):
             E = (8 if i % 2 else 6) * W
