@@ -108,6 +108,25 @@ def _combine(call: StepCall, back: Tensor, token_slots: Tensor, gates: Tensor, s
     return unchecked.gather_reduce_rows(back, token_slots, gates, call.use_native), slot_gate
 
 
+def _keep(ctx, call: StepCall, ops, aux: Tensor, b1, b2, *saved: Tensor) -> None:
+    """What a step's backward needs: ``saved`` = (x, wg, w1, w2, scores, topv, topi,
+    token_slots, slot_token, slot_gate, first_counts, expert input, expert activation, back)."""
+    ctx.call, ctx.ops = call, ops
+    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+    ctx.save_for_backward(*saved)
+    if not call.gshard:
+        ctx.mark_non_differentiable(aux)
+
+
+def _combine_backward(ctx, gy: Optional[Tensor]) -> tuple:
+    """``(saved tensors, the expert outputs' gradient on the experts' side, the gates')``."""
+    saved = ctx.saved_tensors
+    scores, token_slots, slot_token, slot_gate, back = saved[4], saved[7], saved[8], saved[9], saved[13]
+    gy = back.new_zeros(scores.shape[0], back.shape[1]) if gy is None else gy.contiguous()
+    g_back, g_gates = ctx.ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
+    return saved, ctx.call.exchange(g_back, True), g_gates
+
+
 def _route_backward(ctx, ops, call: StepCall, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x, wg,
                     need: tuple) -> tuple:
     T, E = scores.shape
@@ -131,23 +150,17 @@ class _CapacityStep(torch.autograd.Function):
         back = call.exchange(ye, False)
         y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
         call.routing, call.logits = Routing(topi, gates, locations, counts, C), logits
-        ctx.call, ctx.ops = call, ops
-        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        ctx.save_for_backward(x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, h,
-                              back)
-        if not call.gshard:
-            ctx.mark_non_differentiable(aux)
+        _keep(ctx, call, ops, aux, b1, b2, x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first,
+              got, h, back)
         return y, aux
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, gaux):  # type: ignore[override]
-        x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, h, back = ctx.saved_tensors
+        saved, g_ye, g_gates = _combine_backward(ctx, gy)
+        x, wg, w1, w2, scores, topv, topi, token_slots, _, _, first, got, h, _ = saved
         call, ops = ctx.call, ctx.ops
         need = ctx.needs_input_grad  # (call, x, wg, w1, b1, w2, b2)
-        gy = back.new_zeros(scores.shape[0], back.shape[1]) if gy is None else gy.contiguous()
-        g_back, g_gates = ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
-        g_ye = call.exchange(g_back, True)
         ones = None  # the bias gradients by a bfloat16 GEMM with ones (as _seg_gemm.seg_sum)
         if (ctx.has_b1 or ctx.has_b2) and g_ye.dtype == torch.bfloat16 and wide_gemm_available(g_ye.device):
             ones = call.consts.ones(g_ye.shape[0], g_ye.dtype, g_ye.device)
@@ -187,24 +200,18 @@ class _DroplessStep(torch.autograd.Function):
         back = call.exchange(ye, False)
         y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
         call.routing, call.logits = Routing(topi, gates, locations, counts, None), logits
-        ctx.call, ctx.ops, ctx.seg, ctx.act = call, ops, seg, experts.act
-        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        ctx.save_for_backward(x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, kept,
-                              back)
-        if not call.gshard:
-            ctx.mark_non_differentiable(aux)
+        ctx.seg, ctx.act = seg, experts.act
+        _keep(ctx, call, ops, aux, b1, b2, x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first,
+              got, kept, back)
         return y, aux
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, gaux):  # type: ignore[override]
-        x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first, got, kept, back = \
-            ctx.saved_tensors
+        saved, g_ye, g_gates = _combine_backward(ctx, gy)
+        x, wg, w1, w2, scores, topv, topi, token_slots, _, _, first, got, kept, _ = saved
         call, ops = ctx.call, ctx.ops
         need = ctx.needs_input_grad  # (call, experts, x, wg, w1, b1, w2, b2)
-        gy = back.new_zeros(scores.shape[0], back.shape[1]) if gy is None else gy.contiguous()
-        g_back, g_gates = ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
-        g_ye = call.exchange(g_back, True)
         g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, ctx.act,
                                                  (need[2], need[4], need[5], need[6], need[7]), ctx.has_b1, ctx.has_b2)
         g_send = call.exchange(g_got, False) if need[2] else None

@@ -23,6 +23,28 @@ at::Tensor route_backward_cuda(const at::Tensor& grad_gates, const at::Tensor& t
                                const std::optional<at::Tensor>& aux_grad,
                                const std::optional<at::Tensor>& aux_counts, double aux_scale, bool split_bf16);
 
+// route_backward's argument checks, shared by both devices (`device_ok` checks one tensor's device)
+template <typename DeviceOk>
+inline void check_route_backward_args(const at::Tensor& grad_gates, const at::Tensor& topk_scores,
+                                      const at::Tensor& topk_idx, const at::Tensor& scores,
+                                      const std::optional<at::Tensor>& aux_grad,
+                                      const std::optional<at::Tensor>& aux_counts, DeviceOk device_ok) {
+  constexpr const char* fn = "route_backward";
+  for (const at::Tensor* t : {&grad_gates, &topk_scores, &topk_idx, &scores}) {
+    device_ok(*t, 2);
+  }
+  const auto dtype = scores.scalar_type();
+  TORCH_CHECK(grad_gates.scalar_type() == dtype && topk_scores.scalar_type() == dtype, fn,
+              ": floating arguments must share one dtype");
+  TORCH_CHECK(aux_grad.has_value() == aux_counts.has_value(), fn, ": aux_grad and aux_counts go together");
+  if (aux_grad.has_value()) {
+    TORCH_CHECK(aux_grad->device() == scores.device() && aux_grad->numel() == 1 && aux_grad->scalar_type() == dtype,
+                fn, ": bad aux_grad");
+    device_ok(*aux_counts, 1);
+    TORCH_CHECK(aux_counts->size(0) == scores.size(1) && aux_counts->scalar_type() == dtype, fn, ": bad aux_counts");
+  }
+}
+
 }  // namespace moecomm_ext
 
 // The bindings' shared text (pybind11 must be included before this macro is used).

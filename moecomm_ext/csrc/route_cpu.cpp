@@ -11,6 +11,8 @@
 // order) are those of moecomm_ext.reference.route_capacity / route_backward; the Python
 // wrappers validate shapes, dtypes and the expert ids before calling.
 
+#include "route.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -132,21 +134,10 @@ at::Tensor route_backward_cpu(const at::Tensor& grad_gates, const at::Tensor& to
                               const at::Tensor& topk_idx, const at::Tensor& scores, bool normalize,
                               const std::optional<at::Tensor>& aux_grad,
                               const std::optional<at::Tensor>& aux_counts, double aux_scale, bool split_bf16) {
-  constexpr const char* fn = "route_backward";
-  check_cpu(grad_gates, fn, "grad_gates", 2);
-  check_cpu(topk_scores, fn, "topk_scores", 2);
-  check_cpu(topk_idx, fn, "topk_idx", 2);
-  check_cpu(scores, fn, "scores", 2);
+  check_route_backward_args(grad_gates, topk_scores, topk_idx, scores, aux_grad, aux_counts,
+                            [](const at::Tensor& t, int64_t dim) { check_cpu(t, "route_backward", "tensor", dim); });
   const int64_t T = scores.size(0), E = scores.size(1), K = topk_idx.size(1);
   const auto dtype = scores.scalar_type();
-  TORCH_CHECK(grad_gates.scalar_type() == dtype && topk_scores.scalar_type() == dtype, fn,
-              ": floating arguments must share one dtype");
-  TORCH_CHECK(aux_grad.has_value() == aux_counts.has_value(), fn, ": aux_grad and aux_counts go together");
-  if (aux_grad.has_value()) {
-    TORCH_CHECK(aux_grad->numel() == 1 && aux_grad->scalar_type() == dtype, fn, ": bad aux_grad");
-    check_cpu(*aux_counts, fn, "aux_counts", 1);
-    TORCH_CHECK(aux_counts->size(0) == E && aux_counts->scalar_type() == dtype, fn, ": bad aux_counts");
-  }
   at::Tensor out = split_bf16 ? at::empty({T, 2 * E}, scores.options().dtype(at::kBFloat16))
                               : at::empty({T, E}, scores.options());
   AT_DISPATCH_FLOATING_TYPES(dtype, "route_backward_cpu", [&] {
