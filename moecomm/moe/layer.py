@@ -122,6 +122,18 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     that shares them gets its own copy first). With more than one rank the token-count
     agreement (``inequivalent_tokens=True``) stays eager, one ``allreduce`` per call.
 
+    ``fused_step=True`` (default): the calls it covers run as one autograd Function whose
+    operations are issued from C++, with the router in two native kernels
+    (:mod:`moecomm.moe._fused_step`): capacity mode with the built-in ReLU experts, and
+    dropless with the built-in experts, each with the linear float32 gate, the GShard loss
+    or none, postscore gates, unsharded experts, no pipelining and no FP8 wire across ranks
+    (with gate noise only outside training). The same results as the op-by-op step
+    (``fused_step=False``): the output, aux loss, routing and the experts' gradients the same
+    bits for ``k <= 4``, the input's and the gate's gradients to float32 rounding (the
+    softmax's backward sums in another order); the host issues a step in a fraction of the
+    time. It calls the gate's weight directly: hooks on the gate module do not run (use
+    ``fused_step=False`` to keep them).
+
     The options are held (and checked) by a :class:`~moecomm.moe.config.MoEConfig`, kept as
     ``layer.config``; ``MoELayer.from_config(cfg)`` builds a layer from one.
 
