@@ -224,10 +224,11 @@ def route_backward(grad_gates: Tensor, topk_scores: Tensor, topk_idx: Tensor, sc
 # operations from C++ (csrc/step.cpp) ---------------------------------------------------------
 
 def step_route(x: Tensor, wg: Tensor, k: int, capacity: int, normalize: bool, gshard: bool,
-               wide: bool) -> list:
+               wide: bool, gather: bool = True) -> list:
     """The router and the dispatch gather: ``[send, logits, scores, topk_scores, topk_idx, gates,
-    locations, counts, first_counts, token_slots, slot_token, slot_gate, aux]``. ``wide``: the
-    float32 logits of bfloat16 operands by ``torch.mm(..., out_dtype=torch.float32)``."""
+    locations, counts, first_counts, token_slots, slot_token, slot_gate, aux]`` (``send`` None
+    without ``gather``). ``wide``: the float32 logits of bfloat16 operands by
+    ``torch.mm(..., out_dtype=torch.float32)``; ``capacity=-1``: dropless."""
     T, E = x.shape[0], wg.shape[0]
     logits = torch.mm(x, wg.t(), out_dtype=torch.float32) if wide else torch.mm(x.float(), wg.float().t())
     scores = torch.softmax(logits, 1)
@@ -243,7 +244,7 @@ def step_route(x: Tensor, wg: Tensor, k: int, capacity: int, normalize: bool, gs
         aux = (scores.sum(0) * first).sum() * (E / (T * T))
     else:
         aux = scores.sum() * 0.0
-    send = gather_rows(x, slot_token)
+    send = gather_rows(x, slot_token) if gather else None
     return [send, logits, scores, topv, topi, gates, loc, counts, first, token_slots, slot_token, slot_gate, aux]
 
 

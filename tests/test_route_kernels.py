@@ -208,10 +208,12 @@ def test_step_ops_native_equal_reference(device, dtype, W, El, C, k, bias):
     wide = device == "cuda" and dtype == torch.bfloat16
     nat = me.unchecked.step_ops(x.device, E, None)
     assert nat is not ref
-    fwd = [ops.step_route(x, wg, k, C, True, True, wide) for ops in (nat, ref)]
+    fwd = [ops.step_route(x, wg, k, C, True, True, wide, True) for ops in (nat, ref)]
     for name, a, b in zip(("send", "logits", "scores", "topv", "topi", "gates", "locations", "counts", "first",
                            "token_slots", "slot_token", "slot_gate", "aux"), *fwd):
         assert torch.equal(a, b), name
+    for ops in (nat, ref):  # without the gather (the FP8 dispatch packs the rows itself)
+        assert ops.step_route(x, wg, k, C, True, True, wide, False)[0] is None
     send = fwd[0][0]
     row_expert = torch.arange(El, device=device).view(1, El, 1).expand(W, El, C).reshape(-1)
     ffn = [ops.step_ffn(send, w1, b1, w2, b2, row_expert, El, C) for ops in (nat, ref)]

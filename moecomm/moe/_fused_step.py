@@ -12,7 +12,8 @@ GPU, not by the host issuing it (``bench/results/README.md``).
 It covers the layer's defaults: capacity mode (``capacity_factor > 0``) with the linear gate
 in float32, no gate noise while training, the GShard loss or none, no z-loss in the loss,
 postscore gates, the built-in ReLU experts unsharded, no pipelining (``overlap_degree=1``,
-own rows not first) and no FP8 wire. :func:`applies` says whether a call is covered; the
+own rows not first); with ``wire_dtype`` across ranks the dispatch gather writes packed FP8
+rows (as the op-by-op path's fused FP8 dispatch). :func:`applies` says whether a call is covered; the
 others take the op-by-op path.
 
 Against the op-by-op path: the forward is the same bits, except the gates for ``k >= 5``
@@ -31,6 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moecomm import quant
+from moecomm.functional import all_to_all_v_backward
+from moecomm.wire import WIRE_BLOCK
 from moecomm_ext import unchecked
 
 from ._step_cache import StepConstants
@@ -48,7 +52,7 @@ def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree:
     """Whether this expert-parallel call of ``layer`` is one the fused step covers (see the
     module's docstring)."""
     experts = layer.experts
-    if not ((cf > 0 or dropless) and degree == 1 and not (own and world > 1) and (wire is None or world == 1)):
+    if not ((cf > 0 or dropless) and degree == 1 and not (own and world > 1)):
         return False
     if type(gate) is not LinearTopKGate or not gate.fp32_gate or (gate.gate_noise > 0 and layer.training):
         return False
@@ -60,6 +64,8 @@ def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree:
         return False
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return False
+    if wire is not None and world > 1 and x.dtype not in quant.INPUT_DTYPES:
+        return False
     return all(p is None or p.dtype == x.dtype for p in (experts.fc1_weight, experts.fc1_bias,
                                                         experts.fc2_weight, experts.fc2_bias))
 
@@ -69,15 +75,20 @@ class StepCall:
     ``capacity`` None: dropless (the forward sets the split sizes)."""
 
     __slots__ = ("comm", "world", "num_experts", "num_local", "k", "capacity", "algorithm", "normalize",
-                 "gshard", "use_native", "consts", "wide", "routing", "logits", "send_splits", "recv_splits")
+                 "gshard", "use_native", "consts", "wire", "grad_wire", "wide", "routing", "logits", "send_splits",
+                 "recv_splits")
 
     def __init__(self, comm: Any, num_experts: int, num_local: int, k: int, capacity: Optional[int],
                  algorithm: Optional[str], normalize: bool, gshard: bool, use_native: bool,
-                 consts: StepConstants) -> None:
+                 consts: StepConstants, wire: Optional[torch.dtype] = None,
+                 grad_wire: Optional[torch.dtype] = None) -> None:
         self.comm, self.world = comm, comm.size
         self.num_experts, self.num_local, self.k, self.capacity = num_experts, num_local, k, capacity
         self.algorithm = algorithm or "flat"
         self.normalize, self.gshard, self.use_native, self.consts = normalize, gshard, use_native, consts
+        # FP8 dispatch (more than one rank): the gather writes packed FP8 rows (as _wire_dispatch)
+        self.wire = wire if self.world > 1 else None
+        self.grad_wire = grad_wire
         self.wide = False
         self.routing: Optional[Routing] = None
         self.logits: Optional[Tensor] = None
@@ -91,13 +102,30 @@ class StepCall:
         send, recv = (self.send_splits, self.recv_splits) if to_experts else (self.recv_splits, self.send_splits)
         return self.comm.all_to_all_v(rows.contiguous(), send, recv, algorithm=self.algorithm)[0]
 
+    def dispatch(self, send: Optional[Tensor], x: Tensor, slot_token: Tensor) -> Tensor:
+        """The dispatch exchange of the gathered rows, or with an FP8 wire of ``x``'s rows
+        gathered straight into packed FP8 (``send`` None then), dequantized on arrival."""
+        if self.wire is None:
+            return self.exchange(send, True)
+        packed = quant.gather_pack_rows(x, slot_token, self.wire, WIRE_BLOCK, use_native=self.use_native)
+        return self.comm.all_to_all_v_packed(packed, self.send_splits, self.recv_splits, row_shape=tuple(x.shape[1:]),
+                                             dtype=x.dtype, wire_dtype=self.wire, algorithm=self.algorithm)[0]
+
+    def dispatch_backward(self, grad: Tensor) -> Tensor:
+        """The dispatch exchange's backward: home in the activation dtype, or in
+        ``grad_wire_dtype`` by :func:`moecomm.functional.all_to_all_v_backward`'s rule with an FP8 wire."""
+        if self.wire is None:
+            return self.exchange(grad, False)
+        return all_to_all_v_backward(grad, self.send_splits, self.recv_splits, comm=self.comm, algorithm=self.algorithm,
+                                     grad_wire_dtype=self.grad_wire)
+
 
 def _route(call: StepCall, x: Tensor, wg: Tensor):
     """The router and the dispatch gather of a step (``step_ops``' first call)."""
     ops = unchecked.step_ops(x.device, call.num_experts, call.use_native)
     call.wide = wide = wide_linear_applies(x, wg)
     C = -1 if call.capacity is None else call.capacity
-    return ops, ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide)
+    return ops, ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide, call.wire is None)
 
 
 def _combine(call: StepCall, back: Tensor, token_slots: Tensor, gates: Tensor, slot_gate: Tensor, x: Tensor):
@@ -144,7 +172,7 @@ class _CapacityStep(torch.autograd.Function):
         C, El = call.capacity, call.num_local
         ops, (send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate,
               aux) = _route(call, x, wg)
-        got = call.exchange(send, True)
+        got = call.dispatch(send, x, slot_token)
         rows_expert = call.consts.row_expert(call.world, El, C, x.device) if b1 is not None or b2 is not None else None
         h, ye = ops.step_ffn(got, w1, b1, w2, b2, rows_expert, El, C)
         back = call.exchange(ye, False)
@@ -167,7 +195,7 @@ class _CapacityStep(torch.autograd.Function):
         g_got, gw1, gb1, gw2, gb2 = ops.step_ffn_backward(g_ye, h, got, w1, w2, ctx.has_b1, ctx.has_b2,
                                                           [need[1], need[3], need[4], need[5], need[6]],
                                                           call.num_local, call.capacity, ones)
-        g_send = call.exchange(g_got, False) if need[1] else None
+        g_send = call.dispatch_backward(g_got) if need[1] else None
         gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
                                   wg, need)
         return None, gx, gwg, gw1, gb1, gw2, gb2
@@ -195,7 +223,7 @@ class _DroplessStep(torch.autograd.Function):
         call.send_splits = [sum(mine[w * El:(w + 1) * El]) for w in range(W)]
         call.recv_splits = [sum(b) for b in blocks]
         seg = Segments(blocks, El, counts_dev=recv_counts.view(W, El))
-        got = call.exchange(send, True)
+        got = call.dispatch(send, x, slot_token)
         ye, kept = ffn_forward(got, w1, b1, w2, b2, seg, experts.act, 1.0)
         back = call.exchange(ye, False)
         y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
@@ -214,7 +242,7 @@ class _DroplessStep(torch.autograd.Function):
         need = ctx.needs_input_grad  # (call, experts, x, wg, w1, b1, w2, b2)
         g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, ctx.act,
                                                  (need[2], need[4], need[5], need[6], need[7]), ctx.has_b1, ctx.has_b2)
-        g_send = call.exchange(g_got, False) if need[2] else None
+        g_send = call.dispatch_backward(g_got) if need[2] else None
         gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
                                   wg, need[1:])
         return None, None, gx, gwg, gw1, gb1, gw2, gb2

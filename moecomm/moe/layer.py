@@ -411,7 +411,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
         if mode == "expert" and self.fused_step and not autocast and _fused_step.applies(
                 self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size):
-            return self._fused(x2, gate, kk, cf, ineq, algo, drop_less).reshape(*lead, self.output_dim)
+            return self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire).reshape(*lead, self.output_dim)
 
         r = self._route(x2, gate, kk)  # fp32 at least; sets the call's losses
         r.capacity = None if drop_less else self._capacity(r, T, kk, cf, ineq)
@@ -434,14 +434,14 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         return y.reshape(*lead, self.output_dim)
 
     def _fused(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str],
-               dropless: bool) -> Tensor:
+               dropless: bool, wire: Optional[torch.dtype]) -> Tensor:
         """The step as one autograd Function (:mod:`._fused_step`); sets the call's losses and
         routing as :meth:`_route` does."""
         T, E = x2.shape[0], self.num_experts
         C = None if dropless else fixed_capacity(self._agreed_tokens(T, x2.device) if ineq else T, E, kk, cf)
         gshard = self.balance_loss_type == "gshard"
         call = _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, self.normalize_gate, gshard,
-                                    self._use_native, self._consts)
+                                    self._use_native, self._consts, wire, self.grad_wire_dtype)
         y, aux = _fused_step.fused_step(call, x2, gate.wg.weight, self.experts)
         d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
         d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = call.logits, None, aux if gshard else None, aux

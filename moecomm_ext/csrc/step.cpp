@@ -110,7 +110,7 @@ at::Tensor block_sum(const at::Tensor& g, int64_t El, int64_t C, const Opt& ones
 }  // namespace
 
 std::vector<at::Tensor> step_route(const StepKernels& kern, const at::Tensor& x, const at::Tensor& wg, int64_t k,
-                                   int64_t capacity, bool normalize, bool gshard, bool wide) {
+                                   int64_t capacity, bool normalize, bool gshard, bool wide, bool gather) {
   const int64_t T = x.size(0), E = wg.size(0);
   const at::Tensor logits = wide ? mm_dtype(x, wg.t(), at::kFloat) : at::mm(x.to(at::kFloat), wg.to(at::kFloat).t());
   const at::Tensor scores = at::softmax(logits, 1);
@@ -131,7 +131,7 @@ std::vector<at::Tensor> step_route(const StepKernels& kern, const at::Tensor& x,
   } else {
     aux = at::mul(at::sum(scores), 0.0);
   }
-  at::Tensor send = kern.gather_rows(x, rt[5], std::nullopt);
+  at::Tensor send = gather ? kern.gather_rows(x, rt[5], std::nullopt) : at::Tensor();  // undefined: None
   return {send, logits, scores, topv, topi, rt[0], rt[1], rt[2], rt[3], rt[4], rt[5], rt[7], aux};
 }
 
@@ -200,8 +200,8 @@ std::vector<Opt> step_route_backward(const StepKernels& kern, const Opt& grad_se
 
 void bind_step(py::module& m, const StepKernels& kern) {
   m.def("step_route", [kern](const at::Tensor& x, const at::Tensor& wg, int64_t k, int64_t capacity, bool normalize,
-                             bool gshard, bool wide) {
-    return step_route(kern, x, wg, k, capacity, normalize, gshard, wide);
+                             bool gshard, bool wide, bool gather) {
+    return step_route(kern, x, wg, k, capacity, normalize, gshard, wide, gather);
   });
   m.def("step_ffn", [kern](const at::Tensor& rows, const at::Tensor& w1, const Opt& b1, const at::Tensor& w2,
                            const Opt& b2, const Opt& row_expert, int64_t num_local, int64_t capacity) {
