@@ -126,7 +126,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     operations are issued from C++, with the router in two native kernels
     (:mod:`moecomm.moe._fused_step`): capacity mode with the built-in ReLU experts, and
     dropless with the built-in experts, each with the linear float32 gate, the GShard loss
-    or none, postscore gates, unsharded experts, no pipelining and no FP8 wire across ranks
+    or none, postscore gates, unsharded experts, no pipelining (``wire_dtype`` across ranks too)
     (with gate noise only outside training). The same results as the op-by-op step
     (``fused_step=False``): the output, aux loss, routing and the experts' gradients the same
     bits for ``k <= 4``, the input's and the gate's gradients to float32 rounding (the
