@@ -5,7 +5,7 @@
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
-# moegraphprofile, overlapgraph, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
+# moegraphprofile, overlapgraph, fused, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
 # perpeer, perpeerx3, deadlines, fp8, build and faults run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -148,6 +148,22 @@ moecomm_ext._quant as Q; me.load_native('cuda', strict=True); me.load_native('cp
 T.load_nccl_issue(); Q.quant_module('cuda', None); Q.quant_module('cpu', None); \
 print({k: v.origin for k, v in L._LOADED.items()})" ;;
     faults) step faults 300 python3 -m tests.faults --subset --launcher "mpirun --allow-run-as-root" ;;
+    fused)  # issue 16: the fused step (default) beside the op-by-op one (--op-by-op), alternating, two rounds
+      for run in 1 2; do
+        step "moe_fused_$run" 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2,3 -n 15 --json "$RES/moe_fused_$run.json"
+        step "moe_opbyop_$run" 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2,3 -n 15 --op-by-op \
+          --json "$RES/moe_opbyop_$run.json"
+        step "dl_fused_$run" 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 --dropless -n 15 \
+          --json "$RES/dl_fused_$run.json"
+        step "dl_opbyop_$run" 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 --dropless -n 15 --op-by-op \
+          --json "$RES/dl_opbyop_$run.json"
+      done
+      step moe_fused_graph 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2,3 -n 15 --cuda-graph \
+        --json "$RES/moe_fused_graph.json"
+      step moe_fused_syncs 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --sync-report --host-profile
+      step dl_fused_syncs 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --dropless --sync-report
+      step moe_fused_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --profile /tmp/moe_fused_trace.json
+      step moe_fused_summary 60 python3 -m bench.trace_summary --host --top 30 /tmp/moe_fused_trace.json ;;
     perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;
     deadlines) step nccl_deadlines 90 "${MPI[@]}" python3 -m tests.ranks.nccl_init_timeout ;;
     perpeerx3)  # the same, three runs

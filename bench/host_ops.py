@@ -98,9 +98,8 @@ def main(argv: Optional[list] = None) -> list:
     comm = moecomm.init()
     rows = []
     for name, kw in (("capacity k=2", dict(k=2)), ("capacity k=3", dict(k=3)),
-                     ("dropless k=2", dict(k=2, dropless=True))):
-        layer = MoELayer(a.dim, a.dim, a.experts, k=kw["k"], dropless=kw.get("dropless", False), seed=0,
-                         comm=comm)
+                     ("op-by-op k=2", dict(k=2, fused_step=False)), ("dropless k=2", dict(k=2, dropless=True))):
+        layer = MoELayer(a.dim, a.dim, a.experts, seed=0, comm=comm, **kw)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(a.tokens, a.dim, generator=g).requires_grad_(True)
         gy = torch.randn(a.tokens, a.dim, generator=g)

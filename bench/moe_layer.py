@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-cuda-graph", action="store_true",
                    help="MoELayer(cuda_graph=True): the layer replays per-shape graphs of its capacity step "
                         "inside each eager step (rows say cuda_graph: true)")
+    p.add_argument("--op-by-op", action="store_true",
+                   help="MoELayer(fused_step=False): the capacity step op by op, as before the fused step "
+                        "(rows say fused_step: false)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU: time every configuration also as a captured CUDA graph (mode 'graph')")
     p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
@@ -125,7 +128,8 @@ class Bench:
                               capacity_factor=args.capacity_factor, dropless=args.dropless, gate=args.gate,
                               activation=args.activation, parallel_mode=args.parallel_mode,
                               algorithm=args.algorithm, seed=args.seed, comm=comm, dtype=pdtype, device=dev,
-                              inequivalent_tokens=not args.equal_tokens, cuda_graph=args.layer_cuda_graph)
+                              inequivalent_tokens=not args.equal_tokens, cuda_graph=args.layer_cuda_graph,
+                              fused_step=not args.op_by_op)
         g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + comm.rank)
         self.x = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt).requires_grad_(True)
         self.gy = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt)
@@ -232,7 +236,7 @@ def main(argv: Optional[list] = None) -> list:
         peak = int(b.slowest([float(_peak_bytes(comm))])[0])
         results.append({"k": k, "overlap_degree": deg, "own_first": own if own == "auto" else int(own),
                         "mode": mode, "dropless": args.dropless, "cuda_graph": args.layer_cuda_graph,
-                        "capacity": r.capacity, **t,
+                        "fused_step": not args.op_by_op, "capacity": r.capacity, **t,
                         "tokens_per_s": args.tokens * comm.size / sec,
                         "tflops_per_rank": flops / sec / 1e12, "useful_tflops_per_rank": useful / sec / 1e12,
                         "peak_mem_gib": peak / 2 ** 30, "parallel_mode": L.last_parallel_mode})
@@ -244,7 +248,8 @@ def main(argv: Optional[list] = None) -> list:
                 f"{' (autocast)' if args.autocast else ''}, {args.tokens} tokens/rank, model_dim {args.model_dim}, "
                 f"hidden {args.hidden}, {args.experts} experts, "
                 f"{'dropless' if args.dropless else f'capacity_factor {args.capacity_factor}'}"
-                f"{', layer cuda_graph=True' if args.layer_cuda_graph else ''}, "
+                f"{', layer cuda_graph=True' if args.layer_cuda_graph else ''}"
+                f"{', fused_step=False' if args.op_by_op else ''}, "
                 f"gate {args.gate}, {args.parallel_mode}-parallel, max_ctas {args.max_ctas or 'NCCL default'}, p2p_bytes {args.p2p_bytes or 'none'}, "
                 f"torch {torch.__version__}")
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "

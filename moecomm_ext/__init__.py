@@ -9,6 +9,11 @@ checkout used through ``PYTHONPATH``), the first use builds them just in time wi
 * :func:`gather_rows`        ``out[i] = x[index[i]] * scale[i]``            ``[M, D]``
 * :func:`gather_reduce_rows` ``out[t] = sum_j w[t, j] * y[index[t, j]]``    ``[T, D]``
 * :func:`gather_rowdot`      ``out[t, j] = dot(a[t], b[index[t, j]])``      ``[T, K]``
+* :func:`route_capacity`     the router's capacity routing: gates, queue positions and
+  both slot maps from the top-k scores (:class:`CapacityRoutes`); :func:`route_dropless`
+  the same with every route kept
+* :func:`route_backward`     the router logits' gradient from the gates' (and the GShard
+  loss's), through the top-k selection and the softmax
 
 An index entry of ``-1`` always means "no row".  Arithmetic is done in float32
 (float64 for float64 inputs) and rounded once to the output dtype.
@@ -56,6 +61,8 @@ from ._loader import (
 from ._autograd import combine, dispatch, dispatch_backward
 from ._ops import gather_reduce_rows, gather_rowdot, gather_rows
 from ._slots import invert_slots, slot_positions
+from ._route import CapacityRoutes, route_backward, route_capacity, route_dropless
+from . import unchecked
 
 __all__ = [
     "gather_rows",
@@ -66,6 +73,11 @@ __all__ = [
     "combine",
     "invert_slots",
     "slot_positions",
+    "route_capacity",
+    "route_dropless",
+    "route_backward",
+    "CapacityRoutes",
+    "unchecked",
     "native_available",
     "implementation",
     "load_native",

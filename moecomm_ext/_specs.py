@@ -29,6 +29,8 @@ KINDS = (CPU, CUDA, QUANT_CPU, QUANT_CUDA)
 CUDA_KINDS = (CUDA, QUANT_CUDA)  # need nvcc and a torch with CUDA
 
 HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
+_ROW_FUNCTIONS = ("gather_rows", "gather_reduce_rows", "gather_rowdot", "route_capacity", "route_backward",
+                  "step_route", "step_ffn", "step_combine_backward", "step_ffn_backward", "step_route_backward")
 _QUANT_FUNCTIONS = ("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize",
                     "gather_quantize_pack")
 
@@ -87,9 +89,12 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
     if kind == CPU:
         # -O3 against -O2 or -O0 barely changes the compile time: parsing torch's headers is
         # most of it.
-        return Spec(CPU, "moecomm_ext_rows_cpu", "moecomm_ext._rows_cpu", ("rows_cpu.cpp",),
-                    ("-O3", "-DNDEBUG", *omp), None, omp, "cpu",
-                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"), build_seconds=30)
+        # -ffp-contract=off: products and sums rounded one by one, as torch's separate ops
+        # round them (the router kernels mirror a chain of torch ops; FMA-default targets
+        # such as aarch64 would otherwise fuse them)
+        return Spec(CPU, "moecomm_ext_rows_cpu", "moecomm_ext._rows_cpu", ("rows_cpu.cpp", "route_cpu.cpp", "step.cpp"),
+                    ("-O3", "-DNDEBUG", "-ffp-contract=off", *omp), None, omp, "cpu", _ROW_FUNCTIONS,
+                    build_seconds=40)
     if kind == QUANT_CPU:
         # -fno-trapping-math lets the selects of the FP8 codec vectorize (no result changes)
         return Spec(QUANT_CPU, "moecomm_ext_quant_cpu", "moecomm_ext._quant_cpu", ("quant_cpu.cpp",),
@@ -103,9 +108,9 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
     if kind == CUDA:
         arch_flags, tag = cuda_arch_flags(device_capability)
         # No --use_fast_math: the kernels accumulate in fp32 and must match the reference closely.
-        return Spec(CUDA, "moecomm_ext_rows_cuda", "moecomm_ext._rows_cuda", ("rows_cuda.cu", "rows_cuda_bind.cpp"),
-                    ("-O3", "-DNDEBUG"), ("-O3", "-lineinfo", *arch_flags), (), tag,
-                    ("gather_rows", "gather_reduce_rows", "gather_rowdot"), build_seconds=120)
+        return Spec(CUDA, "moecomm_ext_rows_cuda", "moecomm_ext._rows_cuda",
+                    ("rows_cuda.cu", "route_cuda.cu", "rows_cuda_bind.cpp", "step.cpp"), ("-O3", "-DNDEBUG"),
+                    ("-O3", "-lineinfo", *arch_flags), (), tag, _ROW_FUNCTIONS, build_seconds=150)
     raise ValueError(f"unknown extension kind {kind!r}; expected one of {KINDS}")
 
 

@@ -146,7 +146,8 @@ class _FakeExtension(types.ModuleType):
     def gather_rows(self, *a):  # never called: the loader only checks that it is there
         raise AssertionError
 
-    gather_reduce_rows = gather_rowdot = gather_rows
+    gather_reduce_rows = gather_rowdot = route_capacity = route_backward = gather_rows
+    step_route = step_ffn = step_combine_backward = step_ffn_backward = step_route_backward = gather_rows
 
 
 def test_installed_module_is_used_without_compiling(monkeypatch, capsys, tmp_path):

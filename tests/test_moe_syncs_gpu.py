@@ -35,10 +35,12 @@ def _syncs(fn) -> list:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("dropless", [False, True])
-def test_step_synchronises_only_for_the_counts(comm, dropless, k, dtype):
+@pytest.mark.parametrize("fused", [True, False])
+def test_step_synchronises_only_for_the_counts(comm, dropless, k, dtype, fused):
     from moecomm.moe import MoELayer
 
-    layer = MoELayer(D, D, E, k=k, dropless=dropless, seed=3, comm=comm, dtype=dtype, device="cuda")
+    layer = MoELayer(D, D, E, k=k, dropless=dropless, seed=3, comm=comm, dtype=dtype, device="cuda",
+                     fused_step=fused)
     g = torch.Generator().manual_seed(k)
     x = torch.randn(T, D, generator=g).to("cuda", dtype).requires_grad_()
     gy = torch.randn(T, D, generator=g).to("cuda", dtype)
@@ -59,7 +61,7 @@ def test_step_synchronises_only_for_the_counts(comm, dropless, k, dtype):
     want = 1 if dropless else 0
     assert len(fwd) == want and not bwd, f"forward {len(fwd)} (want {want}): {fwd}; backward {len(bwd)}: {bwd}"
     if dropless:
-        assert "_expert_parallel.py" in fwd[0], fwd
+        assert ("_fused_step.py" if fused else "_expert_parallel.py") in fwd[0], fwd
 
 
 @pytest.mark.parametrize("blocks", [1, 3])

@@ -18,7 +18,13 @@ if TYPE_CHECKING:
     from ._seg_gemm import WeightGradSum
     from ._step_cache import StepConstants
 
-__all__ = ["Segments"]
+__all__ = ["Segments", "uniform_row_expert"]
+
+
+def uniform_row_expert(blocks: int, num_local: int, capacity: int, device: torch.device) -> Tensor:
+    """``[blocks * num_local * capacity]`` int64 local expert of every row of the uniform layout
+    (made on the device: an int ``repeat_interleave`` may size its output with a host sync)."""
+    return torch.arange(num_local, device=device).view(1, num_local, 1).expand(blocks, num_local, capacity).reshape(-1)
 
 
 @dataclass
@@ -77,13 +83,9 @@ class Segments:
     def _make_row_expert(self, device: torch.device) -> Tensor:
         if self.uniform is not None:  # built on the device: no host copy (safe in CUDA graph capture)
             blocks, El, C = len(self.counts), self.num_local, self.uniform
-
-            def make() -> Tensor:  # an int repeat_interleave may size its output with a host sync
-                return torch.arange(El, device=device).view(1, El, 1).expand(blocks, El, C).reshape(-1)
-
             if self.consts is None:
-                return make()
-            return self.consts.get(("row_expert", blocks, El, C, device), make, device)
+                return uniform_row_expert(blocks, El, C, device)
+            return self.consts.row_expert(blocks, El, C, device)
         if self.counts_dev is not None:
             ids = torch.arange(self.num_local, device=device).repeat(self.counts_dev.shape[0])
             return torch.repeat_interleave(ids, self.counts_dev.reshape(-1), output_size=self.rows)

@@ -9,6 +9,8 @@ from typing import Callable, Hashable
 import torch
 from torch import Tensor
 
+from ._segments import uniform_row_expert
+
 __all__ = ["StepConstants"]
 
 
@@ -67,6 +69,11 @@ class StepConstants:
     def ones(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """``torch.ones(n, dtype=dtype)``."""
         return self.get(("ones", n, dtype, device), lambda: torch.ones(n, dtype=dtype, device=device), device)
+
+    def row_expert(self, blocks: int, num_local: int, capacity: int, device: torch.device) -> Tensor:
+        """The uniform layout's local expert of every row (``_segments.uniform_row_expert``)."""
+        return self.get(("row_expert", blocks, num_local, capacity, device),
+                        lambda: uniform_row_expert(blocks, num_local, capacity, device), device)
 
     def clear(self) -> None:
         self._kept.clear()

@@ -82,6 +82,7 @@ class MoEConfig:
     wire_dtype: Optional[torch.dtype] = None
     grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16
     cuda_graph: bool = False
+    fused_step: bool = True
     seed: Optional[int] = None
     expert_seed: Optional[int] = None
     scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None
@@ -100,7 +101,7 @@ class MoEConfig:
         int_arg("k", self.k, 1, E, f" (num_experts={E})")
         object.__setattr__(self, "capacity_factor", float_arg("capacity_factor", self.capacity_factor))
         for name in ("normalize_gate", "batch_prioritized_routing", "is_postscore", "dropless",
-                     "inequivalent_tokens", "cuda_graph"):
+                     "inequivalent_tokens", "cuda_graph", "fused_step"):
             bool_arg(name, getattr(self, name))
         if self.balance_loss not in BALANCE_LOSSES:
             raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {self.balance_loss!r}")

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ._seg_gemm import WeightGradSum, grouped_mm_available, seg_mm, seg_sum, seg_wgrad
 from ._segments import Segments
 
-__all__ = ["Segments", "WeightGradSum", "FFNExperts", "ACTIVATIONS", "resolve_activation", "BatchedExperts",
+__all__ = ["Segments", "WeightGradSum", "FFNExperts", "ffn_forward", "ffn_backward", "ACTIVATIONS", "resolve_activation", "BatchedExperts",
            "ExpertList", "grouped_mm_available", "seg_mm", "seg_wgrad", "seg_sum"]
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -52,6 +52,54 @@ def resolve_activation(act: Union[str, Callable[[Tensor], Tensor], None]) -> Cal
     raise TypeError(f"activation must be a name ({sorted(ACTIVATIONS)}) or a callable, got {act!r}")
 
 
+def ffn_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], seg: Segments,
+                act: Callable, b2_scale: float) -> tuple[Tensor, Tensor]:
+    """``(y, kept)``: ``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e] * b2_scale`` per segment, and
+    what :func:`ffn_backward` needs besides the inputs (ReLU's output, which its gradient
+    needs alone, else the pre-activation, from which the activation is recomputed)."""
+    h = seg_mm(x, w1, seg, b1)
+    a = h.relu_() if act is F.relu else act(h)
+    y = seg_mm(a, w2, seg, b2, b2_scale)
+    if seg.wgrad_sum is not None:
+        seg.wgrad_sum.join()
+    return y, (a if act is F.relu else h)
+
+
+def ffn_backward(gy: Tensor, x: Tensor, kept: Tensor, w1: Tensor, w2: Tensor, seg: Segments, act: Callable,
+                 need: Sequence[bool], has_b1: bool, has_b2: bool) -> tuple:
+    """:func:`ffn_forward`'s backward: ``(g_x, g_w1, g_b1, g_w2, g_b2)``, None where ``need``
+    (for x, w1, b1, w2, b2) is False. ``b2``'s gradient is *not* multiplied by ``b2_scale``
+    (see :class:`_GroupedFFN`)."""
+    gy = gy.contiguous()
+    relu = act is F.relu
+    if relu:
+        a = kept  # the saved ReLU output
+    else:
+        with torch.enable_grad():
+            hh = kept.detach().requires_grad_(True)
+            a = act(hh)
+    share = seg.wgrad_sum
+
+    def wgrad(key: str, rows: Tensor, grad: Tensor) -> Tensor:
+        return seg_wgrad(rows, grad, seg) if share is None else share.add(key, rows, grad, seg)
+
+    gw2 = wgrad("w2", a.detach(), gy) if need[3] else None
+    gb2 = seg_sum(gy, seg) if has_b2 and need[4] else None
+    ga = seg_mm(gy, w2, seg, transpose_w=True)
+    if relu:
+        gh = torch.ops.aten.threshold_backward(ga, a, 0)
+    else:
+        (gh,) = torch.autograd.grad(a, hh, ga)
+        del hh
+    del a, ga
+    gw1 = wgrad("w1", x, gh) if need[1] else None
+    gb1 = seg_sum(gh, seg) if has_b1 and need[2] else None
+    gx = seg_mm(gh, w1, seg, transpose_w=True) if need[0] else None
+    if share is not None and not share.finish():
+        gw1 = gw2 = None  # the stage whose backward runs last returns the sums
+    return gx, gw1, gb1, gw2, gb2
+
+
 class _GroupedFFN(torch.autograd.Function):
     """``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e] * b2_scale`` per segment, with a
     hand-written backward (the activation is recomputed from the saved pre-activation).
@@ -63,51 +111,18 @@ class _GroupedFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, seg, act, b2_scale):  # type: ignore[override]
-        h = seg_mm(x, w1, seg, b1)
-        # ReLU's gradient needs only its output: keep that (in place of h), nothing to recompute
-        relu = act is F.relu
-        a = h.relu_() if relu else act(h)
-        y = seg_mm(a, w2, seg, b2, b2_scale)
-        if seg.wgrad_sum is not None:
-            seg.wgrad_sum.join()
-        ctx.seg, ctx.act, ctx.relu = seg, act, relu
+        y, kept = ffn_forward(x, w1, b1, w2, b2, seg, act, b2_scale)
+        ctx.seg, ctx.act = seg, act
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        ctx.save_for_backward(x, a if relu else h, w1, w2)
+        ctx.save_for_backward(x, kept, w1, w2)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):  # type: ignore[override]
-        x, h, w1, w2 = ctx.saved_tensors
-        seg = ctx.seg
-        gy = gy.contiguous()
-        if ctx.relu:
-            a = h  # the saved ReLU output
-        else:
-            with torch.enable_grad():
-                hh = h.detach().requires_grad_(True)
-                a = ctx.act(hh)
-        need = ctx.needs_input_grad
-        share = seg.wgrad_sum
-
-        def wgrad(key: str, rows: Tensor, grad: Tensor) -> Tensor:
-            return seg_wgrad(rows, grad, seg) if share is None else share.add(key, rows, grad, seg)
-
-        gw2 = wgrad("w2", a.detach(), gy) if need[3] else None
-        gb2 = seg_sum(gy, seg) if ctx.has_b2 and need[4] else None
-        ga = seg_mm(gy, w2, seg, transpose_w=True)
-        if ctx.relu:
-            gh = torch.ops.aten.threshold_backward(ga, a, 0)
-        else:
-            (gh,) = torch.autograd.grad(a, hh, ga)
-            del hh
-        del a, ga
-        gw1 = wgrad("w1", x, gh) if need[1] else None
-        gb1 = seg_sum(gh, seg) if ctx.has_b1 and need[2] else None
-        gx = seg_mm(gh, w1, seg, transpose_w=True) if need[0] else None
-        if share is not None and not share.finish():
-            gw1 = gw2 = None  # the stage whose backward runs last returns the sums
-        return gx, gw1, gb1, gw2, gb2, None, None, None
+        x, kept, w1, w2 = ctx.saved_tensors
+        grads = ffn_backward(gy, x, kept, w1, w2, ctx.seg, ctx.act, ctx.needs_input_grad, ctx.has_b1, ctx.has_b2)
+        return grads + (None, None, None)
 
 
 def _uniform_init(shape: Sequence[int], fan_in: int, generator: torch.Generator) -> Tensor:

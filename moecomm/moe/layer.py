@@ -11,7 +11,7 @@ from torch import Tensor, nn
 import moecomm_ext
 from moecomm.quant import check_wire_dtype
 
-from . import _comm
+from . import _comm, _fused_step
 from ._args import float_arg, int_arg
 from ._data_parallel import DataParallelPath
 from ._expert_parallel import ExpertParallelPath
@@ -22,7 +22,7 @@ from .config import (PARALLEL_MODES, MoEConfig, bool_arg, check_algorithm, check
                      expert_layout)
 from .experts import BatchedExperts, ExpertList, FFNExperts
 from .gates import GATE_TYPES, TopKGate, make_gate
-from .routing import Routing
+from .routing import Routing, fixed_capacity
 
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
@@ -122,6 +122,18 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     that shares them gets its own copy first). With more than one rank the token-count
     agreement (``inequivalent_tokens=True``) stays eager, one ``allreduce`` per call.
 
+    ``fused_step=True`` (default): the calls it covers run as one autograd Function whose
+    operations are issued from C++, with the router in two native kernels
+    (:mod:`moecomm.moe._fused_step`): capacity mode with the built-in ReLU experts, and
+    dropless with the built-in experts, each with the linear float32 gate, the GShard loss
+    or none, postscore gates, unsharded experts, no pipelining (``wire_dtype`` across ranks too)
+    (with gate noise only outside training). The same results as the op-by-op step
+    (``fused_step=False``): the output, aux loss, routing and the experts' gradients the same
+    bits for ``k <= 4``, the input's and the gate's gradients to float32 rounding (the
+    softmax's backward sums in another order); the host issues a step in a fraction of the
+    time. It calls the gate's weight directly: hooks on the gate module do not run (use
+    ``fused_step=False`` to keep them).
+
     The options are held (and checked) by a :class:`~moecomm.moe.config.MoEConfig`, kept as
     ``layer.config``; ``MoELayer.from_config(cfg)`` builds a layer from one.
 
@@ -163,6 +175,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         wire_dtype: Optional[torch.dtype] = None,
         grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16,
         cuda_graph: bool = False,
+        fused_step: bool = True,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -200,6 +213,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self.normalize_gate, self.batch_prioritized_routing = cfg.normalize_gate, cfg.batch_prioritized_routing
         self.is_postscore, self.dropless = cfg.is_postscore, cfg.dropless
         self.inequivalent_tokens, self.cuda_graph = cfg.inequivalent_tokens, cfg.cuda_graph
+        self.fused_step = cfg.fused_step
         self.balance_loss_type, self.z_loss_weight = cfg.balance_loss, cfg.z_loss_weight
         self.parallel_mode = cfg.parallel_mode
         self.overlap_degree = check_degree(comm, cfg.overlap_degree)
@@ -395,6 +409,9 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         dev_type = x2.device.type
         autocast = torch.is_autocast_enabled(dev_type) if hasattr(torch, "is_autocast_enabled") else False
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
+        if mode == "expert" and self.fused_step and not autocast and _fused_step.applies(
+                self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size):
+            return self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire).reshape(*lead, self.output_dim)
 
         r = self._route(x2, gate, kk)  # fp32 at least; sets the call's losses
         r.capacity = None if drop_less else self._capacity(r, T, kk, cf, ineq)
@@ -416,12 +433,30 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         d["_last_route"], d["_last_routing"] = r, None
         return y.reshape(*lead, self.output_dim)
 
+    def _fused(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str],
+               dropless: bool, wire: Optional[torch.dtype]) -> Tensor:
+        """The step as one autograd Function (:mod:`._fused_step`); sets the call's losses and
+        routing as :meth:`_route` does."""
+        T, E = x2.shape[0], self.num_experts
+        C = None if dropless else fixed_capacity(self._agreed_tokens(T, x2.device) if ineq else T, E, kk, cf)
+        gshard = self.balance_loss_type == "gshard"
+        call = _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, self.normalize_gate, gshard,
+                                    self._use_native, self._consts, wire, self.grad_wire_dtype)
+        y, aux = _fused_step.fused_step(call, x2, gate.wg.weight, self.experts)
+        d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
+        d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = call.logits, None, aux if gshard else None, aux
+        d["_last_route"], d["_last_routing"], d["last_parallel_mode"] = call.routing, None, "expert"
+        return y
+
     @property
     def last_routing(self) -> Optional[Routing]:
         """The routing of the last call (gate weights detached), or None before the first."""
         r = self._last_route
         if r is not None:
-            self._last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, r.kept)
+            kept = r.kept
+            if kept is None:  # the fused step's: made when read
+                kept = r.locations < r.capacity if r.capacity is not None else torch.ones_like(r.locations, dtype=torch.bool)
+            self._last_routing = Routing(r.topk_idx, r.gates.detach(), r.locations, r.counts, r.capacity, kept)
             self._last_route = None
         return self._last_routing
 

@@ -223,13 +223,31 @@ Result gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   return Result(out, bad.get());
 }
 
+// the step glue's kernels (step.h): an out-of-range index raises instead of returning its position
+at::Tensor checked(Result r, const char* fn) {
+  TORCH_CHECK(std::get<1>(r) < 0, fn, ": index entry ", std::get<1>(r), " (flat position) is out of range");
+  return std::get<0>(r);
+}
+at::Tensor step_gather_rows(const at::Tensor& x, const at::Tensor& index, const std::optional<at::Tensor>& scale) {
+  return checked(gather_rows(x, index, scale), "gather_rows");
+}
+at::Tensor step_gather_reduce_rows(const at::Tensor& y, const at::Tensor& index,
+                                   const std::optional<at::Tensor>& weight) {
+  return checked(gather_reduce_rows(y, index, weight), "gather_reduce_rows");
+}
+at::Tensor step_gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index) {
+  return checked(gather_rowdot(a, b, index), "gather_rowdot");
+}
+
 }  // namespace
 
+#include "route.h"
+#include "step.h"
 #include "source_hash.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
-  m.doc() = "moecomm_ext CPU row-gather kernels";
+  m.doc() = "moecomm_ext CPU row-gather and router kernels";
   m.def("gather_rows", &gather_rows,
         "(out, bad): out[i] = x[index[i]] * scale[i]; -1 -> zero row; bad = first out-of-range position or -1",
         py::arg("x"), py::arg("index"), py::arg("scale") = py::none());
@@ -238,5 +256,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight") = py::none());
   m.def("gather_rowdot", &gather_rowdot, "(out, bad): out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0",
         py::arg("a"), py::arg("b"), py::arg("index"));
+  MOECOMM_EXT_BIND_ROUTE(m, cpu);
+  moecomm_ext::bind_step(m, {step_gather_rows, step_gather_reduce_rows, step_gather_rowdot,
+                             moecomm_ext::route_capacity_cpu, moecomm_ext::route_backward_cpu});
   m.attr("device_type") = "cpu";
 }

@@ -14,11 +14,13 @@ at::Tensor gather_reduce_rows_cuda(const at::Tensor& y, const at::Tensor& index,
 at::Tensor gather_rowdot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index);
 }  // namespace moecomm_ext
 
+#include "route.h"
+#include "step.h"
 #include "source_hash.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_hash") = MOECOMM_EXT_SOURCE_HASH_STR;
-  m.doc() = "moecomm_ext CUDA row-gather kernels";
+  m.doc() = "moecomm_ext CUDA row-gather and router kernels";
   m.def("gather_rows", &moecomm_ext::gather_rows_cuda,
         "out[i] = x[index[i]] * scale[i]; -1 -> zero row", py::arg("x"), py::arg("index"),
         py::arg("scale") = py::none());
@@ -28,5 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rowdot", &moecomm_ext::gather_rowdot_cuda,
         "out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0", py::arg("a"), py::arg("b"),
         py::arg("index"));
+  MOECOMM_EXT_BIND_ROUTE(m, cuda);
+  moecomm_ext::bind_step(m, {moecomm_ext::gather_rows_cuda, moecomm_ext::gather_reduce_rows_cuda,
+                             moecomm_ext::gather_rowdot_cuda, moecomm_ext::route_capacity_cuda,
+                             moecomm_ext::route_backward_cuda});
   m.attr("device_type") = "cuda";
 }

@@ -428,6 +428,66 @@ def check_bad_configs():
     collective_assert(not errs, "; ".join(errs))
 
 
+def _step(layer, x, gy, **kw):
+    for q in list(layer.parameters()) + [x]:
+        q.grad = None
+    y = layer(x, **kw)
+    aux = layer.aux_loss
+    torch.autograd.backward([y, aux] if aux.requires_grad else [y], [gy, torch.ones_like(aux)][:1 + aux.requires_grad])
+    r = layer.last_routing
+    return [y, layer.aux_loss, x.grad] + [q.grad for q in layer.parameters()], r
+
+
+def check_fused_step():
+    """The fused capacity step (the default) against the op-by-op path (fused_step=False):
+    output, aux loss, routing and the experts' gradients the same bits on the CPU for k <= 4
+    (k = 5's gates sum in another order), the input's and the gate's gradients to float32
+    rounding (bfloat16's where that is the dtype), on GPUs everything to float32 rounding; the
+    configurations it does not cover run the op-by-op path either way."""
+    comm = _comm()
+    W, rank = comm.size, comm.rank
+    errs = []
+    dts = [torch.float32, torch.bfloat16] if DEV.type == "cuda" else [torch.float64, torch.float32, torch.bfloat16]
+    configs = [dict(k=1), dict(k=2), dict(k=3, fc1_bias=False), dict(k=4, capacity_factor=0.5),
+               dict(k=5, capacity_factor=2.0, fc2_bias=False), dict(k=2, balance_loss=None),
+               dict(k=2, normalize_gate=False, capacity_factor=0.25),
+               # not covered (op-by-op path either way): noise, cosine gate, gelu, z-loss, dropless, cf 0
+               dict(k=2, gate_noise=1.0), dict(k=2, gate="cosine"), dict(k=2, activation="gelu"),
+               dict(k=2, z_loss_weight=0.1), dict(k=2, capacity_factor=0.0),
+               # dropless: fused too (any activation)
+               dict(k=2, dropless=True), dict(k=3, dropless=True, activation="gelu", fc1_bias=False),
+               dict(k=1, dropless=True, balance_loss=None)]
+    for dt in dts:
+        for i, cfg in enumerate(configs):
+            E = (8 if i % 2 else 6) * W
+            T = [0, 13, 29][(rank + i) % 3] if W > 1 else 23  # unequal counts, a rank with none
+            g = torch.Generator().manual_seed(100 * i + rank)
+            x = torch.randn(T, D, generator=g).to(DEV, dt).requires_grad_(True)
+            gy = torch.randn(T, D, generator=g).to(DEV, dt)
+            outs = []
+            for fused in (True, False):
+                layer = MoELayer(D, H, E, comm=comm, seed=7 + i, dtype=dt, device=DEV, fused_step=fused, **cfg)
+                torch.manual_seed(1000 + i)  # the same gate noise on both paths
+                outs.append(_step(layer, x, gy))
+            (a, ra), (b, rb) = outs
+            tag = f"{dt} {cfg}"
+            for name in ("topk_idx", "locations", "counts", "kept"):
+                if not torch.equal(getattr(ra, name), getattr(rb, name)):
+                    errs.append(f"{tag}: routing {name} differs")
+            for j, (u, v) in enumerate(zip(a, b)):
+                # 2, 3: the input's and the gate weight's gradients, through the router's float32
+                # softmax backward, whose sum over experts runs in another order
+                exact = DEV.type == "cpu" and cfg["k"] <= 4 and j not in (2, 3)
+                if (u is None) != (v is None):
+                    errs.append(f"{tag}: output {j} is None on one path only")
+                elif u is not None and exact and not torch.equal(u, v):
+                    errs.append(f"{tag}: output {j} differs (max {float((u.double() - v.double()).abs().max()):.3g})")
+                elif u is not None and not exact:
+                    tol = 1e-2 if dt == torch.bfloat16 and j in (2, 3) else 1e-5
+                    close(f"{tag}: output {j}", u, v.cpu(), tol, errs)
+    collective_assert(not errs, "; ".join(errs[:8]))
+
+
 def check_autocast_bf16():
     """bf16 autocast: the gate stays fp32, the experts run in bf16; result near the fp64 reference."""
     comm = _comm()
@@ -579,6 +639,7 @@ def main() -> None:
     if group in ("features", "all"):
         checks.append(check(cases_for(W, "features")))
         checks.append(check_bad_configs)
+        checks.append(check_fused_step)
         if DEV.type == "cpu":
             checks.append(check_algorithms)
             checks.append(check_autocast_bf16)

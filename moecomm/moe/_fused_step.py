@@ -1,0 +1,257 @@
+"""The MoE layer's default capacity step as one autograd Function (``fused_step=True``).
+
+The same computation as the op-by-op path (the gate, softmax, top-k, routing, GShard loss,
+dispatch, the all-to-alls, the FFN experts, combine), issued as few operations as it takes
+and with little Python: the routing after ``torch.topk`` is one native kernel call
+(:func:`moecomm_ext.route_capacity`), the router's backward one more
+(:func:`moecomm_ext.route_backward`), the operations between the exchanges are issued from
+C++ (``moecomm_ext.unchecked.step_ops``: five calls a step), and the backward of the whole
+step is one node of autograd instead of some thirty. An eager step is then bound by the
+GPU, not by the host issuing it (``bench/results/README.md``).
+
+It covers the layer's defaults: capacity mode (``capacity_factor > 0``) with the linear gate
+in float32, no gate noise while training, the GShard loss or none, no z-loss in the loss,
+postscore gates, the built-in ReLU experts unsharded, no pipelining (``overlap_degree=1``,
+own rows not first); with ``wire_dtype`` across ranks the dispatch gather writes packed FP8
+rows (as the op-by-op path's fused FP8 dispatch). :func:`applies` says whether a call is covered; the
+others take the op-by-op path.
+
+Against the op-by-op path: the forward is the same bits, except the gates for ``k >= 5``
+(this path sums a token's top-k scores left to right, torch's reduction in another order);
+the backward's softmax step sums over the experts in another order, so the gradients of the
+input and the gate weight agree to float32 rounding before their cast to the input dtype
+(one unit in the last place of bfloat16 for a few elements); the experts' gradients are the
+same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moecomm import quant
+from moecomm.functional import all_to_all_v_backward
+from moecomm.wire import WIRE_BLOCK
+from moecomm_ext import unchecked
+
+from ._step_cache import StepConstants
+from ._wide_gemm import wide_gemm_available, wide_linear_applies
+from ._segments import Segments
+from .experts import FFNExperts, ffn_backward, ffn_forward
+from .gates import LinearTopKGate
+from .routing import Routing
+
+__all__ = ["applies", "StepCall", "fused_step"]
+
+
+def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
+            wire: Optional[torch.dtype], world: int) -> bool:
+    """Whether this expert-parallel call of ``layer`` is one the fused step covers (see the
+    module's docstring)."""
+    experts = layer.experts
+    if not ((cf > 0 or dropless) and degree == 1 and not (own and world > 1)):
+        return False
+    if type(gate) is not LinearTopKGate or not gate.fp32_gate or (gate.gate_noise > 0 and layer.training):
+        return False
+    if layer.balance_loss_type not in ("gshard", None) or layer.z_loss_weight != 0:
+        return False
+    if layer.batch_prioritized_routing or not layer.is_postscore or "_run_experts" in layer.__dict__:
+        return False
+    if type(experts) is not FFNExperts or experts.shards != 1 or (experts.act is not F.relu and not dropless):
+        return False
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return False
+    if wire is not None and world > 1 and x.dtype not in quant.INPUT_DTYPES:
+        return False
+    return all(p is None or p.dtype == x.dtype for p in (experts.fc1_weight, experts.fc1_bias,
+                                                        experts.fc2_weight, experts.fc2_bias))
+
+
+class StepCall:
+    """One call's settings, and what the forward leaves for the layer (its routing, logits).
+    ``capacity`` None: dropless (the forward sets the split sizes)."""
+
+    __slots__ = ("comm", "world", "num_experts", "num_local", "k", "capacity", "algorithm", "normalize",
+                 "gshard", "use_native", "consts", "wire", "grad_wire", "wide", "routing", "logits", "send_splits",
+                 "recv_splits")
+
+    def __init__(self, comm: Any, num_experts: int, num_local: int, k: int, capacity: Optional[int],
+                 algorithm: Optional[str], normalize: bool, gshard: bool, use_native: bool,
+                 consts: StepConstants, wire: Optional[torch.dtype] = None,
+                 grad_wire: Optional[torch.dtype] = None) -> None:
+        self.comm, self.world = comm, comm.size
+        self.num_experts, self.num_local, self.k, self.capacity = num_experts, num_local, k, capacity
+        self.algorithm = algorithm or "flat"
+        self.normalize, self.gshard, self.use_native, self.consts = normalize, gshard, use_native, consts
+        # FP8 dispatch (more than one rank): the gather writes packed FP8 rows (as _wire_dispatch)
+        self.wire = wire if self.world > 1 else None
+        self.grad_wire = grad_wire
+        self.wide = False
+        self.routing: Optional[Routing] = None
+        self.logits: Optional[Tensor] = None
+        if capacity is not None:  # the padded layout: num_local * capacity rows to and from every rank
+            self.send_splits = self.recv_splits = [num_local * capacity] * self.world
+
+    def exchange(self, rows: Tensor, to_experts: bool) -> Tensor:
+        """The all-to-all from the tokens' side to the experts' (``to_experts``) or back."""
+        if self.world == 1:
+            return rows
+        send, recv = (self.send_splits, self.recv_splits) if to_experts else (self.recv_splits, self.send_splits)
+        return self.comm.all_to_all_v(rows.contiguous(), send, recv, algorithm=self.algorithm)[0]
+
+    def dispatch(self, send: Optional[Tensor], x: Tensor, slot_token: Tensor) -> Tensor:
+        """The dispatch exchange of the gathered rows, or with an FP8 wire of ``x``'s rows
+        gathered straight into packed FP8 (``send`` None then), dequantized on arrival."""
+        if self.wire is None:
+            return self.exchange(send, True)
+        packed = quant.gather_pack_rows(x, slot_token, self.wire, WIRE_BLOCK, use_native=self.use_native)
+        return self.comm.all_to_all_v_packed(packed, self.send_splits, self.recv_splits, row_shape=tuple(x.shape[1:]),
+                                             dtype=x.dtype, wire_dtype=self.wire, algorithm=self.algorithm)[0]
+
+    def dispatch_backward(self, grad: Tensor) -> Tensor:
+        """The dispatch exchange's backward: home in the activation dtype, or in
+        ``grad_wire_dtype`` by :func:`moecomm.functional.all_to_all_v_backward`'s rule with an FP8 wire."""
+        if self.wire is None:
+            return self.exchange(grad, False)
+        return all_to_all_v_backward(grad, self.send_splits, self.recv_splits, comm=self.comm, algorithm=self.algorithm,
+                                     grad_wire_dtype=self.grad_wire)
+
+
+def _route(call: StepCall, x: Tensor, wg: Tensor):
+    """The router and the dispatch gather of a step (``step_ops``' first call)."""
+    ops = unchecked.step_ops(x.device, call.num_experts, call.use_native)
+    call.wide = wide = wide_linear_applies(x, wg)
+    C = -1 if call.capacity is None else call.capacity
+    return ops, ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide, call.wire is None)
+
+
+def _combine(call: StepCall, back: Tensor, token_slots: Tensor, gates: Tensor, slot_gate: Tensor, x: Tensor):
+    """``(y, slot_gate)``: the weighted sum of each token's expert rows (the weights in the row
+    kernels' opmath dtype)."""
+    if x.dtype == torch.float64:
+        gates, slot_gate = gates.double(), slot_gate.double()
+    return unchecked.gather_reduce_rows(back, token_slots, gates, call.use_native), slot_gate
+
+
+def _keep(ctx, call: StepCall, ops, aux: Tensor, b1, b2, *saved: Tensor) -> None:
+    """What a step's backward needs: ``saved`` = (x, wg, w1, w2, scores, topv, topi,
+    token_slots, slot_token, slot_gate, first_counts, expert input, expert activation, back)."""
+    ctx.call, ctx.ops = call, ops
+    ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+    ctx.save_for_backward(*saved)
+    if not call.gshard:
+        ctx.mark_non_differentiable(aux)
+
+
+def _combine_backward(ctx, gy: Optional[Tensor]) -> tuple:
+    """``(saved tensors, the expert outputs' gradient on the experts' side, the gates')``."""
+    saved = ctx.saved_tensors
+    scores, token_slots, slot_token, slot_gate, back = saved[4], saved[7], saved[8], saved[9], saved[13]
+    gy = back.new_zeros(scores.shape[0], back.shape[1]) if gy is None else gy.contiguous()
+    g_back, g_gates = ctx.ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
+    return saved, ctx.call.exchange(g_back, True), g_gates
+
+
+def _route_backward(ctx, ops, call: StepCall, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x, wg,
+                    need: tuple) -> tuple:
+    T, E = scores.shape
+    aux_grad = gaux if call.gshard and gaux is not None and T else None
+    return ops.step_route_backward(g_send, token_slots, g_gates, topv, topi, scores, call.normalize, aux_grad, first,
+                                   E / (T * T) if T else 1.0, x, wg, call.wide, need[1], need[2])
+
+
+class _CapacityStep(torch.autograd.Function):
+    """The capacity step: the experts over the padded layout, their ops in C++ (``step_ffn``)."""
+
+    @staticmethod
+    def forward(ctx, call: StepCall, x, wg, w1, b1, w2, b2):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        C, El = call.capacity, call.num_local
+        ops, (send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate,
+              aux) = _route(call, x, wg)
+        got = call.dispatch(send, x, slot_token)
+        rows_expert = call.consts.row_expert(call.world, El, C, x.device) if b1 is not None or b2 is not None else None
+        h, ye = ops.step_ffn(got, w1, b1, w2, b2, rows_expert, El, C)
+        back = call.exchange(ye, False)
+        y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
+        call.routing, call.logits = Routing(topi, gates, locations, counts, C), logits
+        _keep(ctx, call, ops, aux, b1, b2, x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first,
+              got, h, back)
+        return y, aux
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy, gaux):  # type: ignore[override]
+        saved, g_ye, g_gates = _combine_backward(ctx, gy)
+        x, wg, w1, w2, scores, topv, topi, token_slots, _, _, first, got, h, _ = saved
+        call, ops = ctx.call, ctx.ops
+        need = ctx.needs_input_grad  # (call, x, wg, w1, b1, w2, b2)
+        ones = None  # the bias gradients by a bfloat16 GEMM with ones (as _seg_gemm.seg_sum)
+        if (ctx.has_b1 or ctx.has_b2) and g_ye.dtype == torch.bfloat16 and wide_gemm_available(g_ye.device):
+            ones = call.consts.ones(g_ye.shape[0], g_ye.dtype, g_ye.device)
+        g_got, gw1, gb1, gw2, gb2 = ops.step_ffn_backward(g_ye, h, got, w1, w2, ctx.has_b1, ctx.has_b2,
+                                                          [need[1], need[3], need[4], need[5], need[6]],
+                                                          call.num_local, call.capacity, ones)
+        g_send = call.dispatch_backward(g_got) if need[1] else None
+        gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
+                                  wg, need)
+        return None, gx, gwg, gw1, gb1, gw2, gb2
+
+
+class _DroplessStep(torch.autograd.Function):
+    """The dropless step: every route sent, the experts' grouped GEMMs over the received
+    counts (:func:`~moecomm.moe.experts.ffn_forward`), after the step's one host
+    synchronisation (the counts, for the exchanges' split sizes and the segments)."""
+
+    @staticmethod
+    def forward(ctx, call: StepCall, experts: FFNExperts, x, wg, w1, b1, w2, b2):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        W, El = call.world, call.num_local
+        ops, (send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate,
+              aux) = _route(call, x, wg)
+        if W > 1:
+            recv_counts = call.comm.all_to_all_v(counts, [El] * W, [El] * W)[0]
+            host = torch.cat([counts, recv_counts]).tolist()  # the step's one host synchronisation
+            mine, theirs = host[:W * El], host[W * El:]
+        else:
+            recv_counts = counts
+            mine = theirs = counts.tolist()
+        blocks = [theirs[w * El:(w + 1) * El] for w in range(W)]
+        call.send_splits = [sum(mine[w * El:(w + 1) * El]) for w in range(W)]
+        call.recv_splits = [sum(b) for b in blocks]
+        seg = Segments(blocks, El, counts_dev=recv_counts.view(W, El))
+        got = call.dispatch(send, x, slot_token)
+        ye, kept = ffn_forward(got, w1, b1, w2, b2, seg, experts.act, 1.0)
+        back = call.exchange(ye, False)
+        y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
+        call.routing, call.logits = Routing(topi, gates, locations, counts, None), logits
+        ctx.seg, ctx.act = seg, experts.act
+        _keep(ctx, call, ops, aux, b1, b2, x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first,
+              got, kept, back)
+        return y, aux
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy, gaux):  # type: ignore[override]
+        saved, g_ye, g_gates = _combine_backward(ctx, gy)
+        x, wg, w1, w2, scores, topv, topi, token_slots, _, _, first, got, kept, _ = saved
+        call, ops = ctx.call, ctx.ops
+        need = ctx.needs_input_grad  # (call, experts, x, wg, w1, b1, w2, b2)
+        g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, ctx.act,
+                                                 (need[2], need[4], need[5], need[6], need[7]), ctx.has_b1, ctx.has_b2)
+        g_send = call.dispatch_backward(g_got) if need[2] else None
+        gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
+                                  wg, need[1:])
+        return None, None, gx, gwg, gw1, gb1, gw2, gb2
+
+
+def fused_step(call: StepCall, x: Tensor, wg: Tensor, experts: FFNExperts) -> tuple[Tensor, Tensor]:
+    """``(y, aux)`` of one step of ``[T, model_dim]`` tokens ``x`` (``aux`` the GShard loss, or
+    a zero without a graph when the call has none); ``call.routing`` and ``call.logits`` are set."""
+    params = (experts.fc1_weight, experts.fc1_bias, experts.fc2_weight, experts.fc2_bias)
+    if call.capacity is None:
+        return _DroplessStep.apply(call, experts, x, wg, *params)
+    return _CapacityStep.apply(call, x, wg, *params)

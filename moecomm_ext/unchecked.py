@@ -1,0 +1,30 @@
+"""The kernels without argument checks, for hot paths that have checked their inputs once.
+
+Each function here is its public namesake (:func:`moecomm_ext.gather_rows`, ...) minus the
+validation: inputs must be contiguous tensors of the documented shapes, dtypes and devices,
+indices in range, and nothing may require grad. A bad input gives an exception from the
+native CPU kernel, a trap of the CUDA kernel (a sticky CUDA error) or, on the reference
+path, undefined results. ``use_native`` as in the public functions (None: the default).
+
+* ``gather_rows(x, index, scale, use_native)``
+* ``gather_reduce_rows(y, index, weight, use_native)``
+* ``gather_rowdot(a, b, index, use_native)``
+* ``route_capacity(topk_scores, topk_idx, num_experts, capacity, normalize, use_native)``
+* ``route_backward(grad_gates, topk_scores, topk_idx, scores, normalize, aux_grad, aux_counts,
+  aux_scale, split_bf16, use_native)``
+* ``step_ops(device, num_experts, use_native)``: the MoE layer's fused capacity step as five
+  functions (``step_route``, ``step_ffn``, ``step_combine_backward``, ``step_ffn_backward``,
+  ``step_route_backward``, documented in :mod:`moecomm_ext.reference`): the native module's,
+  issued from C++, or the reference's
+"""
+
+from __future__ import annotations
+
+from ._kernels import run_gather_reduce_rows as gather_reduce_rows
+from ._kernels import run_gather_rowdot as gather_rowdot
+from ._kernels import run_gather_rows as gather_rows
+from ._route import run_route_backward as route_backward
+from ._route import run_route_capacity as route_capacity
+from ._route import step_ops
+
+__all__ = ["gather_rows", "gather_reduce_rows", "gather_rowdot", "route_capacity", "route_backward", "step_ops"]
