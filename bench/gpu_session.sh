@@ -5,7 +5,7 @@
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
-# moegraphprofile, overlapgraph, fused, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
+# moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
 # perpeer, perpeerx3, deadlines, fp8, build and faults run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -148,6 +148,11 @@ moecomm_ext._quant as Q; me.load_native('cuda', strict=True); me.load_native('cp
 T.load_nccl_issue(); Q.quant_module('cuda', None); Q.quant_module('cpu', None); \
 print({k: v.origin for k, v in L._LOADED.items()})" ;;
     faults) step faults 300 python3 -m tests.faults --subset --launcher "mpirun --allow-run-as-root" ;;
+    fusedonce)  # the fused step's final check: one round of the comparison, and its sync report
+      step moe_fused 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2,3 -n 15 --json "$RES/moe_fused.json"
+      step moe_opbyop 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2,3 -n 15 --op-by-op --json "$RES/moe_opbyop.json"
+      step dl_fused 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 --dropless -n 15 --sync-report \
+        --json "$RES/dl_fused.json" ;;
     fused)  # issue 16: the fused step (default) beside the op-by-op one (--op-by-op), alternating, two rounds
       for run in 1 2; do
         step "moe_fused_$run" 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2,3 -n 15 --json "$RES/moe_fused_$run.json"
