@@ -16,8 +16,9 @@ own rows not first); with ``wire_dtype`` across ranks the dispatch gather writes
 rows (as the op-by-op path's fused FP8 dispatch). :func:`applies` says whether a call is covered; the
 others take the op-by-op path.
 
-Against the op-by-op path: the forward is the same bits, except the gates for ``k >= 5``
-(this path sums a token's top-k scores left to right, torch's reduction in another order);
+Against the op-by-op path: the forward is the same bits, except the gates for ``k >= 5`` on
+the CPU and ``k >= 3`` on GPUs (this path sums a token's top-k scores left to right, torch's
+reduction in another order);
 the backward's softmax step sums over the experts in another order, so the gradients of the
 input and the gate weight agree to float32 rounding before their cast to the input dtype
 (one unit in the last place of bfloat16 for a few elements); the experts' gradients are the

@@ -129,7 +129,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     or none, postscore gates, unsharded experts, no pipelining (``wire_dtype`` across ranks too)
     (with gate noise only outside training). The same results as the op-by-op step
     (``fused_step=False``): the output, aux loss, routing and the experts' gradients the same
-    bits for ``k <= 4``, the input's and the gate's gradients to float32 rounding (the
+    bits for ``k <= 4`` on the CPU and ``k <= 2`` on GPUs (torch sums more gates in another
+    order), the input's and the gate's gradients to float32 rounding (the
     softmax's backward sums in another order); the host issues a step in a fraction of the
     time. It calls the gate's weight directly: hooks on the gate module do not run (use
     ``fused_step=False`` to keep them).

@@ -109,6 +109,8 @@ def _layer_fused_vs_unfused(comm) -> list:
                 # the input's and the gate's gradients pass the router's float32 softmax backward,
                 # whose sum over experts runs in another order in the fused step: to rounding
                 rounding = {"input grad"} | {n for n in names if n.startswith("gates.")}
+                if DEV.type == "cuda" and k >= 3:  # torch's CUDA sum of 3+ gates runs in another order
+                    rounding = set(names)
                 bad = [n for n, a, b in zip(names, res[0], res[1])
                        if not (same_bits(a, b) or (n in rounding and near(a, b, dtype)))]
                 if bad:
