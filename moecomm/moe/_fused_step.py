@@ -156,7 +156,7 @@ def _combine_backward(ctx, gy: Optional[Tensor]) -> tuple:
     return saved, ctx.call.exchange(g_back, True), g_gates
 
 
-def _route_backward(ctx, ops, call: StepCall, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x, wg,
+def _route_backward(ops, call: StepCall, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x, wg,
                     need: tuple) -> tuple:
     T, E = scores.shape
     aux_grad = gaux if call.gshard and gaux is not None and T else None
@@ -197,7 +197,7 @@ class _CapacityStep(torch.autograd.Function):
                                                           [need[1], need[3], need[4], need[5], need[6]],
                                                           call.num_local, call.capacity, ones)
         g_send = call.dispatch_backward(g_got) if need[1] else None
-        gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
+        gx, gwg = _route_backward(ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
                                   wg, need)
         return None, gx, gwg, gw1, gb1, gw2, gb2
 
@@ -244,7 +244,7 @@ class _DroplessStep(torch.autograd.Function):
         g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, ctx.act,
                                                  (need[2], need[4], need[5], need[6], need[7]), ctx.has_b1, ctx.has_b2)
         g_send = call.dispatch_backward(g_got) if need[2] else None
-        gx, gwg = _route_backward(ctx, ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
+        gx, gwg = _route_backward(ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
                                   wg, need[1:])
         return None, None, gx, gwg, gw1, gb1, gw2, gb2
 
