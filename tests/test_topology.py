@@ -10,7 +10,7 @@ import pytest
 from moecomm.profile import Fingerprint, Profile, ProfileEntry
 from topology import cli
 from topology.measure import fit_alpha_beta, fit_link, format_bytes, parse_bytes
-from topology.model import Link, Links, crossover, flat_time, hdh_time, model_error
+from topology.model import Link, Links, best_time, crossover, flat_time, hdh_time, model_error, wire_ratio, wire_time
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,6 +116,42 @@ def test_cli_simulate(tmp_path, capsys):
     assert cli.main(["simulate", "--nodes", "4", "--local-size", "2", "--alpha-inter", "1e-3", "--gpus", "64,101"]) == 0
     out = capsys.readouterr().out
     assert "overridden by --alpha-inter" in out and "not a multiple of local size" in out
+
+
+def test_wire_model():
+    """The FP8 wire model: the packed rows' bytes (from quant.packed_row_bytes, counted here by
+    hand) through the faster algorithm, plus two passes over (1 + w) B on the copy link."""
+    assert wire_ratio(2048, 2) == pytest.approx((2048 + 4 * 16) / 4096)  # 2112 B: a multiple of 16
+    assert wire_ratio(1000, 4) == pytest.approx((1000 + 4 * 8 + 8) / 4000)  # 1032 rounded up to 1040
+    with pytest.raises(ValueError, match="row_elems"):
+        wire_ratio(0, 2)
+    w = wire_ratio(2048, 2)
+    for nodes, local, b in ((64, 8, 1 << 20), (64, 8, 256 << 20), (1, 8, 16 << 20), (16, 1, 4 << 10)):
+        t, alg = wire_time(LINKS, nodes, local, b, w)
+        inner = min(flat_time(LINKS, nodes, local, w * b), hdh_time(LINKS, nodes, local, w * b))
+        assert t == pytest.approx(inner + 2 * (5e-6 + (1 + w) * b / 1.5e12))
+        assert alg == best_time(LINKS, nodes, local, w * b)[1]
+    # across nodes of a 400 Gb/s network, large exchanges gain about what the bytes save; tiny
+    # ones only pay the passes
+    assert wire_time(LINKS, 64, 8, 256 << 20, w)[0] / best_time(LINKS, 64, 8, 256 << 20)[0] < 0.7
+    assert wire_time(LINKS, 64, 8, 1 << 10, w)[0] > best_time(LINKS, 64, 8, 1 << 10)[0]
+
+
+def test_cli_simulate_wire(capsys):
+    assert cli.main(["simulate", "--nodes", "8", "--local-size", "8", "--wire-dtype", "float8_e4m3fn",
+                     "--ratio-sizes", "256M", "--gpus", "64,4096"]) == 0
+    out = capsys.readouterr().out
+    assert "rows of 2048 bfloat16 (4096 B) travel as 2112 B (0.516x)" in out
+    table = out.split("predicted float8_e4m3fn/bfloat16 time ratio")[1]
+    ratios = [float(line.split()[2]) for line in table.splitlines()[2:4]]
+    assert [line.split()[:2] for line in table.splitlines()[2:4]] == [["64", "8"], ["4096", "512"]]
+    assert all(0.5 < r < 0.7 for r in ratios), ratios
+    assert cli.main(["simulate", "--nodes", "2", "--local-size", "2", "--wire-dtype", "float8_e5m2",
+                     "--dtype", "float32", "--row-elems", "1000"]) == 0
+    assert "rows of 1000 float32 (4000 B) travel as 1040 B (0.260x)" in capsys.readouterr().out
+    assert cli.main(["simulate", "--nodes", "2", "--local-size", "2", "--wire-dtype", "float8_e5m2",
+                     "--row-elems", "0"]) == 2
+    assert "--row-elems must be >= 1" in capsys.readouterr().err
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -250,9 +250,41 @@ def cmd_simulate(args) -> int:
         ratios = " ".join(f"{flat_time(links, nn, l, b) / hdh_time(links, nn, l, b):9.2f}" for b in probe_sizes)
         cx = crossover(links, nn, l)
         print(f"{g:6d} {nn:6d} {ratios}   {format_bytes(cx) if cx else '-'}")
+    if args.wire_dtype is not None:
+        _print_wire(args, links)
     print()
     print(_error_text(prof, concurrent, links if given else None))
     return 0
+
+
+def _print_wire(args, links) -> None:
+    """The ``--wire-dtype`` tables: each exchange with its faster algorithm, plain against FP8."""
+    from .measure import format_bytes, format_seconds
+    from .model import best_time, wire_ratio, wire_time
+
+    import torch
+
+    esize = torch.empty((), dtype=args.dtype).element_size()
+    w = wire_ratio(args.row_elems, esize)
+    plain, wire = str(args.dtype).replace("torch.", ""), args.wire_dtype
+    n, l = args.nodes, args.local_size
+    print(f"\nwire dtype {wire}: rows of {args.row_elems} {plain} ({args.row_elems * esize} B) travel as "
+          f"{round(w * args.row_elems * esize)} B ({w:.3f}x), plus a quantize and a dequantize pass on the copy link; "
+          f"each exchange with its faster algorithm")
+    print(f"{'bytes/rank':>10s} {plain:>10s} {'':4s} {wire:>14s} {'':4s} {'ratio':>6s}")
+    for b in args.sizes:
+        t0, a0 = best_time(links, n, l, b)
+        t1, a1 = wire_time(links, n, l, b, w)
+        print(f"{format_bytes(b):>10s} {format_seconds(t0):>10s} {a0:4s} {format_seconds(t1):>14s} {a1:4s} {t1 / t0:6.2f}")
+    print(f"\npredicted {wire}/{plain} time ratio at {l} ranks per node (<1: {wire} faster):")
+    print(f"{'GPUs':>6s} {'nodes':>6s} " + " ".join(f"{format_bytes(b):>9s}" for b in args.ratio_sizes))
+    for g in args.gpus:
+        if g % l:
+            continue
+        nn = g // l
+        ratios = " ".join(f"{wire_time(links, nn, l, b, w)[0] / best_time(links, nn, l, b)[0]:9.2f}"
+                          for b in args.ratio_sizes)
+        print(f"{g:6d} {nn:6d} {ratios}")
 
 
 def _crossover_text(links, n, l, x) -> str:
@@ -351,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--gpus", type=_ints, default=_ints(DEFAULT_GPUS), help=f"scales (default {DEFAULT_GPUS})")
     si.add_argument("--ratio-sizes", type=_sizes, default=_sizes("1M,16M,256M"),
                     help="bytes per rank for the scaling table (default 1M,16M,256M)")
+    si.add_argument("--wire-dtype", choices=("float8_e4m3fn", "float8_e5m2"), default=None,
+                    help="also model all_to_all_v(wire_dtype=): rows sent in this FP8 dtype against --dtype")
+    si.add_argument("--row-elems", type=int, default=2048, help="with --wire-dtype: elements per row (default 2048)")
+    si.add_argument("--dtype", type=_dtype, default="bfloat16",
+                    help="with --wire-dtype: the rows' own dtype (default bfloat16)")
     si.set_defaults(func=cmd_simulate)
     return p
 
@@ -359,6 +396,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "nodes", 1) < 1 or getattr(args, "local_size", 1) is not None and getattr(args, "local_size", 1) < 1:
         print("error: --nodes and --local-size must be >= 1", file=sys.stderr)
+        return 2
+    if getattr(args, "row_elems", 1) < 1:
+        print("error: --row-elems must be >= 1", file=sys.stderr)
         return 2
     if getattr(args, "iters", 1) < 1:
         print("error: --iters must be >= 1", file=sys.stderr)

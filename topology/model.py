@@ -20,6 +20,12 @@ flat
     only when ``N > 1`` and ``L > 1``), then a rail all-to-all of ``B / N`` per peer. The
     phases are sequential.
 
+wire dtype (``all_to_all_v(..., wire_dtype=)``)
+    the rows travel packed (FP8 bytes and block scales: ``w * B`` bytes for a wire ratio
+    ``w``, :func:`wire_ratio`) through either algorithm, plus a quantize pass (reads ``B``,
+    writes ``w * B``) and a dequantize pass (the reverse), each ``alpha_c + (1 + w) B / beta_c``
+    on the copy link (:func:`wire_time`).
+
 It ignores congestion beyond what the probe saw, switch topology and overlap between
 phases; :func:`model_error` measures it against timings.
 """
@@ -30,7 +36,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["Links", "Link", "flat_time", "hdh_time", "crossover", "model_error", "links_from_profile"]
+__all__ = ["Links", "Link", "flat_time", "hdh_time", "crossover", "model_error", "links_from_profile",
+           "wire_ratio", "wire_time", "best_time"]
 
 _COUNT_BYTES = 8
 
@@ -83,6 +90,33 @@ def hdh_time(links: Links, nodes: int, local: int, bytes_per_rank: float, *, cou
     if counts:
         t += links.intra.call(_COUNT_BYTES * nodes, local - 1) + links.inter.call(_COUNT_BYTES * local, nodes - 1)
     return t
+
+
+def wire_ratio(row_elems: int, elem_bytes: int, block: int = 128) -> float:
+    """Bytes on the wire of a ``wire_dtype`` exchange over those of the plain one, for rows of
+    ``row_elems`` elements of ``elem_bytes`` bytes (:func:`moecomm.quant.packed_row_bytes`)."""
+    from moecomm.quant import packed_row_bytes
+
+    if row_elems < 1 or elem_bytes < 1:
+        raise ValueError(f"row_elems and elem_bytes must be >= 1, got {row_elems} and {elem_bytes}")
+    return packed_row_bytes(row_elems, block) / (row_elems * elem_bytes)
+
+
+def best_time(links: Links, nodes: int, local: int, bytes_per_rank: float, *, counts: bool = True) -> tuple[float, str]:
+    """The faster algorithm's time and name (``"flat"`` or ``"2dh"``), as ``algorithm="auto"`` picks."""
+    f = flat_time(links, nodes, local, bytes_per_rank, counts=counts)
+    h = hdh_time(links, nodes, local, bytes_per_rank, counts=counts)
+    return (h, "2dh") if h < f else (f, "flat")
+
+
+def wire_time(links: Links, nodes: int, local: int, bytes_per_rank: float, ratio: float, *,
+              counts: bool = True) -> tuple[float, str]:
+    """A ``wire_dtype`` exchange of ``bytes_per_rank`` activation bytes: the packed rows
+    (``ratio`` of the bytes) through the faster algorithm, plus the quantize and dequantize
+    passes on the copy link. Returns (seconds, algorithm)."""
+    t, alg = best_time(links, nodes, local, bytes_per_rank * ratio, counts=counts)
+    passes = 2 * (links.copy.alpha_s + (1 + ratio) * bytes_per_rank / links.copy.beta_Bps)
+    return t + passes, alg
 
 
 def crossover(links: Links, nodes: int, local: int, *, lo: int = 1, hi: int = 1 << 40, counts: bool = True) -> Optional[float]:
