@@ -9,6 +9,11 @@ tokens, model_dim 2048, k=2, 16 experts, capacity 1024 per expert, bf16):
 * combine forward   = gather_reduce_rows (weighted) vs ``index_add_`` of scaled rows
 * combine backward  = gather_rows (scaled) + gather_rowdot vs ``index_select``·w and ``bmm``
 * whole dispatch / combine forward+backward through autograd
+* with ``--wire-dtype float8_e4m3fn`` (or ``float8_e5m2``), the FP8 wire passes of
+  ``all_to_all_v(wire_dtype=)`` and the layer's fused dispatch: ``quant.pack_rows`` (quantize
+  and pack the tokens), ``quant.unpack_rows`` (unpack and dequantize them) and
+  ``quant.gather_pack_rows`` (the dispatch gather writing packed rows), each against its torch
+  reference (``use_native=False``)
 
 Each result is the median of many runs (CUDA events on GPU, perf_counter on
 CPU; the L2 cache is flushed before each GPU run unless ``--no-flush``).
@@ -235,6 +240,9 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Result]]:
     record("combine fwd+bwd (autograd)", impl, me_combine_fb, b_comb_fwd + b_comb_bwd_y + b_rowdot)
     record("combine fwd+bwd (autograd)", "torch", torch_combine_fb, b_comb_fwd + b_comb_bwd_y + b_rowdot)
 
+    if args.wire_dtype is not None:
+        _record_wire(record, getattr(torch, args.wire_dtype), x, slot_token, n_slot, impl)
+
     meta = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__,
@@ -248,8 +256,26 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Result]]:
         filled_slots=n_slot,
         iters=args.iters,
         flush_l2=device.type == "cuda" and not args.no_flush,
+        wire_dtype=args.wire_dtype,
     )
     return meta, results
+
+
+def _record_wire(record: Callable, wire: torch.dtype, x: torch.Tensor, slot_token: torch.Tensor, n_slot: int,
+                 impl: str) -> None:
+    """The FP8 wire passes on the layer's tokens ``x`` ``[T, D]`` and its dispatch slots."""
+    from moecomm import quant
+
+    T, D = x.shape
+    es, rb, M = x.element_size(), quant.packed_row_bytes(D), slot_token.shape[0]
+    packed = quant.pack_rows(x, wire)
+    out = torch.empty_like(x)
+    for name, native in ((impl, True), ("torch reference", False)):
+        record("wire: pack_rows", name, lambda: quant.pack_rows(x, wire, use_native=native), T * D * es + T * rb)
+        record("wire: unpack_rows", name,
+               lambda: quant.unpack_rows(packed, (D,), x.dtype, wire, out=out, use_native=native), T * rb + T * D * es)
+        record("wire: gather_pack_rows", name,
+               lambda: quant.gather_pack_rows(x, slot_token, wire, use_native=native), n_slot * D * es + M * (rb + 8))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time each op as a CUDA-graph replay (kernel time without Python/launch overhead)",
     )
+    p.add_argument("--wire-dtype", choices=("float8_e4m3fn", "float8_e5m2"), default=None,
+                   help="also time the FP8 wire passes (quant.pack_rows, unpack_rows, gather_pack_rows)")
     args = p.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     args.iters = args.iters or (100 if cuda else 10)
@@ -280,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# {meta['device']} torch {meta['torch']} impl={meta['implementation']} T={meta['tokens']} "
         f"D={meta['dim']} k={meta['k']} E={meta['experts']} C={meta['capacity']} {meta['dtype']} "
         f"(filled slots {meta['filled_slots']}), median of {meta['iters']}"
+        + (f", wire {meta['wire_dtype']}" if meta["wire_dtype"] else "")
     )
     graph = any(r.graph_ms is not None for r in results)
     header = f"{'operation':36s} {'implementation':21s} {'ms':>8s} {'MB':>7s} {'GB/s':>7s} {'copy GB/s':>9s} {'vs copy':>7s}"

@@ -53,3 +53,24 @@ def test_host_summary_charges_each_call_its_self_time():
     threads = [line.split() for line in text.splitlines() if line.startswith(" ") and "(1," in line]
     assert sorted((t[-2], t[-1]) for t in threads) == [("1", "0.300"), ("4", "1.000")]
     assert summarize_host({"traceEvents": []}) == "no host events in the trace"
+
+
+def test_kernels_bench_wire_rows(tmp_path, capsys):
+    """bench.kernels --wire-dtype: the FP8 passes, native and reference, with their byte counts."""
+    import json
+
+    from bench import kernels
+    from moecomm.quant import packed_row_bytes
+
+    path = tmp_path / "k.json"
+    assert kernels.main(["--device", "cpu", "--tokens", "64", "--dim", "256", "--experts", "4", "--capacity", "16",
+                         "--iters", "1", "--warmup", "0", "--wire-dtype", "float8_e5m2", "--json", str(path)]) == 0
+    assert "wire float8_e5m2" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    rows = {(r["op"], r["impl"]): r for r in data["results"] if r["op"].startswith("wire:")}
+    impl = data["meta"]["implementation"]
+    assert set(rows) == {(op, i) for op in ("wire: pack_rows", "wire: unpack_rows", "wire: gather_pack_rows")
+                         for i in (impl, "torch reference")}
+    tokens_bytes = 64 * 256 * 2 + 64 * packed_row_bytes(256)  # bf16 rows in, packed rows out
+    assert rows[("wire: pack_rows", impl)]["bytes"] == tokens_bytes == rows[("wire: unpack_rows", impl)]["bytes"]
+    assert all(r["median_ms"] > 0 for r in rows.values())
