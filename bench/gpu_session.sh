@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, build and faults run when named)
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build and faults run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -141,6 +141,10 @@ run_step() {
       step quant_checks_p2p 120 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.quant_checks nccl-p2p
       step alltoall_fp8 200 "${MPI[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 1M -e 256M -f 4 \
         -p uniform,random --wire-dtype float8_e4m3fn --p2p-bytes 2G -n 30 --no-progress --json "$RES/alltoall_fp8.json" ;;
+    fp8kernels)  # issue 20: the FP8 wire passes' bandwidth (the layer's tokens: 32 MiB and 128 MiB of bf16)
+      step kernels_fp8 120 python3 -m bench.kernels --wire-dtype float8_e4m3fn --graph --json "$RES/kernels_fp8.json"
+      step kernels_fp8_128M 120 python3 -m bench.kernels --wire-dtype float8_e4m3fn --tokens 32768 --capacity 4096 \
+        --json "$RES/kernels_fp8_128M.json" ;;
     build)  # the native kernels as the install builds them (setup.py), then where each one loads from
       step build_ext 400 env MAX_JOBS=16 python3 setup.py -q build_ext --inplace
       step ext_origins 200 python3 -c "import moecomm_ext as me, moecomm_ext._loader as L, moecomm.backends._ext as T, \
