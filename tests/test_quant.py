@@ -201,14 +201,19 @@ def test_bad_input():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("wire", WIRES)
-def test_cuda_kernels_match_reference(dtype, wire):
+@pytest.mark.parametrize("d, shift", [(2100, 0), (2048, 0), (1160, 0), (2048, 8)])
+def test_cuda_kernels_match_reference(dtype, wire, d, shift):
+    """Rows the 8-wide kernels take (D a multiple of 8, aligned: 2048, and 1160 whose last block
+    has 8 elements) and rows the element-wise kernels take (2100; rows moved off 16-byte
+    alignment by ``shift`` elements)."""
     from moecomm_ext._quant import quant_module
 
     assert quant_module("cuda", True) is not None, "the CUDA quantization extension did not build"
-    x = (torch.randn(513, 2100) * torch.logspace(-3, 3, 513).unsqueeze(1)).to(dtype)
+    x = (torch.randn(513, d) * torch.logspace(-3, 3, 513).unsqueeze(1)).to(dtype)
     x[7, 256:384] = 0
     codes, scales, back = numpy_reference(x[:40], wire, 128)
-    xc = x.cuda()
+    xc = torch.empty(513 * d + shift, dtype=dtype, device="cuda")[shift:].view(513, d)
+    xc.copy_(x)
     for native in (True, False):
         q, s = quant.quantize_rows(xc, wire, use_native=native)
         np.testing.assert_array_equal(q[:40].view(torch.uint8).cpu().numpy(), codes)
@@ -219,7 +224,7 @@ def test_cuda_kernels_match_reference(dtype, wire):
         np.testing.assert_array_equal(_bits(y[:40].cpu()), back)
         p = quant.pack_rows(xc, wire, use_native=native)
         assert torch.equal(p.cpu(), quant.pack_rows(x, wire, use_native=False))
-        assert torch.equal(quant.unpack_rows(p, (2100,), dtype, wire, use_native=native), y)
+        assert torch.equal(quant.unpack_rows(p, (d,), dtype, wire, use_native=native), y)
 
 
 @pytest.mark.parametrize("wire", WIRES)

@@ -461,9 +461,7 @@ void gather_quantize_into(const at::Tensor& x, const int64_t* index, const float
     at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) {
       std::vector<scalar_t> row(d);  // a scaled or a missing row
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t src = index[r];
-        TORCH_CHECK(src >= -1 && src < x.size(0), "gather_quantize_pack: index[", r, "] = ", src,
-                    " is outside [-1, ", x.size(0), ")");
+        const int64_t src = index[r];  // in [-1, N): checked before the parallel section
         const scalar_t* xr = xp + src * d;
         if (src < 0) {
           std::fill(row.begin(), row.end(), static_cast<scalar_t>(0.0f));
@@ -500,6 +498,12 @@ at::Tensor gather_quantize_pack(const at::Tensor& x, const at::Tensor& index, co
   at::Tensor p = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
   if (m == 0 || d == 0) return p;
   const int64_t* ip = index.data_ptr<int64_t>();
+  // Every index checked here, on the calling thread: an error raised inside the parallel
+  // section crashed the process on the GPU machine's build (session 10).
+  for (int64_t r = 0; r < m; ++r) {
+    TORCH_CHECK(ip[r] >= -1 && ip[r] < x.size(0), "gather_quantize_pack: index[", r, "] = ", ip[r],
+                " is outside [-1, ", x.size(0), ")");
+  }
   if (wire == 0) {
     gather_quantize_into<c10::Float8_e4m3fn>(x, ip, sp, m, block, p.data_ptr<uint8_t>(), row_bytes);
   } else {
