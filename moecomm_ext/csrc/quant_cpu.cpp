@@ -479,6 +479,17 @@ void gather_quantize_into(const at::Tensor& x, const int64_t* index, const float
   });
 }
 
+// Every index in [-1, n), checked before the kernel, in a function of its own: raised from
+// inside the kernel's parallel section, or from a frame it is inlined into, the error crashed
+// the process (SIGSEGV) with the GPU machine's compiler, where the checks of the other
+// helpers above raise as they should (session 10).
+__attribute__((noinline)) void check_index(const int64_t* index, int64_t m, int64_t n) {
+  for (int64_t r = 0; r < m; ++r) {
+    TORCH_CHECK(index[r] >= -1 && index[r] < n, "gather_quantize_pack: index[", r, "] = ", index[r],
+                " is outside [-1, ", n, ")");
+  }
+}
+
 at::Tensor gather_quantize_pack(const at::Tensor& x, const at::Tensor& index, const std::optional<at::Tensor>& scale,
                                 int64_t wire, int64_t block, int64_t row_bytes) {
   check_x(x, "gather_quantize_pack");
@@ -498,12 +509,7 @@ at::Tensor gather_quantize_pack(const at::Tensor& x, const at::Tensor& index, co
   at::Tensor p = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
   if (m == 0 || d == 0) return p;
   const int64_t* ip = index.data_ptr<int64_t>();
-  // Every index checked here, on the calling thread: an error raised inside the parallel
-  // section crashed the process on the GPU machine's build (session 10).
-  for (int64_t r = 0; r < m; ++r) {
-    TORCH_CHECK(ip[r] >= -1 && ip[r] < x.size(0), "gather_quantize_pack: index[", r, "] = ", ip[r],
-                " is outside [-1, ", x.size(0), ")");
-  }
+  check_index(ip, m, x.size(0));
   if (wire == 0) {
     gather_quantize_into<c10::Float8_e4m3fn>(x, ip, sp, m, block, p.data_ptr<uint8_t>(), row_bytes);
   } else {
