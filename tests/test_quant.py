@@ -251,6 +251,63 @@ def test_native_codec_on_many_bit_patterns(wire):
         assert torch.equal(quant.dequantize_rows(codes, ones, dtype, use_native=True), codes.float().to(dtype))
 
 
+def _codec_values(wire: torch.dtype) -> torch.Tensor:
+    """Values to encode with scale 1: every rounding midpoint between neighbouring FP8 values
+    and the float32 values up to 2 ulps either side (ties go to even), every FP8 value,
+    random float32 patterns of every exponent in range; both signs."""
+    fmax = quant.FP8_MAX[wire]
+    fp8 = torch.arange(256, dtype=torch.uint8).view(wire).float()
+    pos = fp8[fp8.isfinite() & (fp8 >= 0)].unique()  # sorted
+    mids = (pos[:-1] + pos[1:]) / 2  # exact in float32
+    near = (mids.view(torch.int32)[:, None] + torch.arange(-2, 3, dtype=torch.int32)).view(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    rand = torch.ldexp(torch.rand(20000, generator=g) + 1, torch.randint(-40, 9, (20000,), generator=g)).clamp(max=fmax)
+    v = torch.cat([near.reshape(-1), pos, rand])
+    v = v[v <= fmax]
+    return torch.cat([v, -v])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("d", [128, 131])
+def test_cuda_codec_matches_torch_casts(wire, d):
+    """The CUDA encoder (the hardware conversion in the 8-wide kernels, d = 128; c10's in the
+    element-wise ones, d = 131) on blocks of scale 1 (FP8_MAX at each block's start), against
+    torch's own cast on the CPU; and every finite code decoded back."""
+    fmax = quant.FP8_MAX[wire]
+    v = _codec_values(wire)
+    starts = list(range(0, d, 128))
+    per_row = d - len(starts)
+    v = torch.cat([v, v[: (-v.numel()) % per_row]])
+    x = torch.empty(v.numel() // per_row, d)
+    keep = torch.ones(d, dtype=torch.bool)
+    keep[starts] = False
+    x[:, ~keep] = fmax
+    x[:, keep] = v.reshape(-1, per_row)
+    q, s = quant.quantize_rows(x.cuda(), wire, use_native=True)
+    assert torch.all(s == 1.0)
+    assert torch.equal(q.view(torch.uint8).cpu(), x.to(wire).view(torch.uint8))
+    codes = torch.arange(256, dtype=torch.uint8).view(wire)
+    codes = codes[codes.float().isfinite()]
+    codes = torch.cat([codes, codes[: (-codes.numel()) % 8]]).reshape(1, -1)  # a multiple of 8: the 8-wide kernel
+    ones = torch.ones(1, quant.num_blocks(codes.shape[1]), device="cuda")
+    for dtype in DTYPES:
+        back = quant.dequantize_rows(codes.cuda(), ones, dtype, use_native=True)
+        assert torch.equal(back.cpu(), codes.float().to(dtype))
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_codec_values_cover_every_midpoint(wire):
+    """The CUDA codec test's values: the CPU kernel agrees with torch's cast on them too."""
+    fmax = quant.FP8_MAX[wire]
+    v = _codec_values(wire)
+    v = torch.cat([v, v[: (-v.numel()) % 127]]).reshape(-1, 127)
+    x = torch.cat([torch.full((v.shape[0], 1), fmax), v], dim=1)
+    q, s = quant.quantize_rows(x, wire, use_native=True)
+    assert torch.all(s == 1.0) and torch.equal(q.view(torch.uint8), x.to(wire).view(torch.uint8))
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_empty_and_strided_rows(native):
     for shape in [(3, 0), (0, 5), (2, 0, 4)]:
