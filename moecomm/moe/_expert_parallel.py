@@ -33,9 +33,6 @@ class ExpertParallelPath:
     experts: Any
     _use_native: bool
     _consts: StepConstants
-    # the FP8 dispatch of the default path fused into the gather (False: gather, then
-    # quantize in the exchange; the same bits, kept for the tests that compare the two)
-    _fuse_wire_dispatch: bool = True
 
     def _slot_weights(self, r: Routing, S: int):
         g = r.gates
@@ -81,7 +78,7 @@ class ExpertParallelPath:
         own_first = own_first and W > 1
         # the default path with wire_dtype: the gather writes packed FP8 rows (one rank: nothing
         # travels, so nothing is quantized)
-        fuse = wire is not None and W > 1 and not own_first and self._fuse_wire_dispatch
+        fuse = wire is not None and W > 1 and not own_first
         if r.capacity is not None:
             C = r.capacity
             if degree == "auto":  # equal pair blocks: every pair gets the same number of pieces

@@ -1,7 +1,11 @@
 """The MoE layer's fused FP8 dispatch (the gather writes packed FP8 rows,
-``moecomm/moe/_wire_dispatch.py``) against the unfused one (gather, then
-``functional.all_to_all_v(wire_dtype=)``), bit for bit, and the fused step's (the default,
-``moecomm/moe/_fused_step.py``) against both, on real ranks (run by
+``moecomm/moe/_wire_dispatch.py``) against a reference built from public pieces (the same
+layer without ``wire_dtype`` whose experts first apply the FP8 rule to the rows they receive,
+straight-through, with the backward's gradient rounded as ``grad_wire_dtype`` sends it: the
+rule is row-wise, so it commutes with the exchange), bit for bit, and the fused step's (the
+default, ``moecomm/moe/_fused_step.py``) against both; the fused dispatch-exchange against
+the unfused pieces (``moecomm_ext.dispatch``, then ``functional.all_to_all_v(wire_dtype=)``);
+on real ranks (run by
 tests/test_moe_wire_fused.py; from 3 ranks on also on sub-communicators of W - 1 ranks and of 1): the layer's output, aux loss, input gradient and every parameter
 gradient over capacity/dropless, k = 1..3, float32/bfloat16 in, both FP8 dtypes, prescore and
 postscore gates; the fused dispatch-exchange itself (also on one rank, where the layer does not
@@ -62,6 +66,37 @@ class _Counter:
         return self.inner(*args, **kw)
 
 
+class _WireRule(torch.autograd.Function):
+    """Rows as a ``wire_dtype`` exchange delivers them (quantized and dequantized); the
+    gradient as ``grad_wire_dtype`` sends it back (FP8 block-scaled, cast there and back, or
+    as it is): the rules of ``all_to_all_v`` and its backward, applied on the receiving side."""
+
+    @staticmethod
+    def forward(ctx, x, wd, gw):  # type: ignore[override]
+        ctx.gw = gw
+        return quant.dequantize_rows(*quant.quantize_rows(x, wd), x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        gw = ctx.gw
+        if gw in WIRES:
+            g = quant.dequantize_rows(*quant.quantize_rows(g.contiguous(), gw), g.dtype)
+        elif gw is not None:
+            g = g.to(gw).to(g.dtype)
+        return g, None, None
+
+
+class _WireRuleFirst(torch.nn.Module):
+    """A layer's experts, fed the rows as the FP8 dispatch would deliver them."""
+
+    def __init__(self, inner, wd, gw) -> None:
+        super().__init__()
+        self.inner, self.wd, self.gw = inner, wd, gw
+
+    def forward(self, x, seg):
+        return self.inner(_WireRule.apply(x, self.wd, self.gw), seg)
+
+
 def check_layer_fused_vs_unfused() -> None:
     problems = []
     for comm in COMMS:
@@ -83,10 +118,12 @@ def _layer_fused_vs_unfused(comm) -> list:
                       device=DEV, dropless=dropless, capacity_factor=1.5, overlap_degree=1, own_first=False)
             step = MoELayer(D, H, E, **kw)  # the default: the fused step (its own packed dispatch)
             fused = MoELayer(D, H, E, fused_step=False, **kw)  # op by op, the fused FP8 dispatch
-            plain = MoELayer(D, H, E, fused_step=False, **kw)  # op by op, gather then quantize
             fused.load_state_dict(step.state_dict())
+            # the reference: no wire_dtype; its experts apply the wire's rules (one rank: none)
+            plain = MoELayer(D, H, E, fused_step=False, **dict(kw, wire_dtype=None, grad_wire_dtype=None))
             plain.load_state_dict(step.state_dict())
-            plain._fuse_wire_dispatch = False
+            if W > 1:
+                plain.experts = _WireRuleFirst(plain.experts, wd, gw)
             gen = torch.Generator().manual_seed(100 * i + R)
             x = (torch.randn(29 + 3 * R, D, generator=gen) * 3).to(dtype).to(DEV)
             g = torch.randn(29 + 3 * R, D, generator=gen).to(dtype).to(DEV)
@@ -104,7 +141,7 @@ def _layer_fused_vs_unfused(comm) -> list:
             tag = f"{W} ranks, case {i} (dropless={dropless}, k={k}, {dtype}->{wd}, post={post}, gw={gw})"
             bad = [n for n, a, b in zip(names, res[1], res[2]) if not same_bits(a, b)]
             if bad:
-                problems.append(f"{tag}, fused vs unfused dispatch: {bad}")
+                problems.append(f"{tag}, fused dispatch vs the public-pieces reference: {bad}")
             if post:  # the fused step covers postscore gates only; prescore ones run op by op
                 # the input's and the gate's gradients pass the router's float32 softmax backward,
                 # whose sum over experts runs in another order in the fused step: to rounding
