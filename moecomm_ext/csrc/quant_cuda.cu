@@ -61,6 +61,24 @@ __device__ __forceinline__ uint16_t encode2(float a, float b) {
   return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Wire<fp8_t>::kKind));
 }
 
+// The codes of RN(a / scale) and RN(b / scale) (IEEE divisions) without dividing, as a rule:
+// t = a * inv (inv = RN(1 / scale)) is within 2^-23 relative of a / scale, so within 3 float32
+// steps of the rounded quotient (2.5 in one binade, 3 across a power of two), and encoding is
+// monotonic: where the magnitudes 4 steps below and above t encode alike, that is the
+// quotient's code. Elsewhere (a quotient within a few ulps of a rounding midpoint, about one
+// element in 10^5) the division is done. FP8 is sign and magnitude: the sign bit comes from
+// the value (-0 included).
+template <typename fp8_t>
+__device__ __forceinline__ uint16_t quantize2(float a, float b, float scale, float inv) {
+  const uint32_t ua = __float_as_uint(a * inv) & 0x7FFFFFFFu, ub = __float_as_uint(b * inv) & 0x7FFFFFFFu;
+  const uint16_t lo = encode2<fp8_t>(__uint_as_float(ua > 4u ? ua - 4u : 0u), __uint_as_float(ub > 4u ? ub - 4u : 0u));
+  const uint16_t hi = encode2<fp8_t>(__uint_as_float(ua + 4u), __uint_as_float(ub + 4u));
+  uint16_t mag = encode2<fp8_t>(__uint_as_float(ua), __uint_as_float(ub));
+  if (lo != hi) mag = encode2<fp8_t>(fabsf(a) / scale, fabsf(b) / scale);
+  const uint16_t sign = static_cast<uint16_t>(((__float_as_uint(a) >> 24) & 0x80u) | ((__float_as_uint(b) >> 16) & 0x8000u));
+  return mag | sign;
+}
+
 // Element i of row r as quantized: x[r][i], or with `index` the gathered row's element
 // (gather_rows: float(x) * scale in float32, rounded to scalar_t; 0 for index -1).
 template <typename scalar_t>
@@ -189,13 +207,18 @@ quantize_vec_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t d, int64_
     for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     if (!active) continue;
     const float scale = amax == 0.0f ? 1.0f : amax / Wire<fp8_t>::kMax;
+    const bool normal = scale >= 1.17549435e-38f;  // and finite: amax is; inv is then finite too
+    const float inv = 1.0f / scale;
     uint8_t* qr = q + r * q_stride;
     for (int64_t i = b0 + 8 * lane; i < b1; i += 128) {
       source8(xr, row_scale, r, i, v);
       uint2 codes;
       uint16_t* c = reinterpret_cast<uint16_t*>(&codes);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) c[j] = encode2<fp8_t>(v[2 * j] / scale, v[2 * j + 1] / scale);
+      for (int j = 0; j < 4; ++j) {
+        c[j] = normal ? quantize2<fp8_t>(v[2 * j], v[2 * j + 1], scale, inv)
+                      : encode2<fp8_t>(v[2 * j] / scale, v[2 * j + 1] / scale);
+      }
       *reinterpret_cast<uint2*>(qr + i) = codes;
     }
     if (lane == 0) reinterpret_cast<float*>(s + r * s_stride)[k] = scale;
@@ -224,7 +247,12 @@ dequantize_vec_kernel(const uint8_t* __restrict__ q, int64_t q_stride, const uin
       const float scale = sr[static_cast<int32_t>(i) / static_cast<int32_t>(block)];
       float v[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(fp8_t(cb[j], fp8_t::from_bits())) * scale;
+      for (int j = 0; j < 4; ++j) {  // every FP8 value is exact in half precision
+        const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+            static_cast<__nv_fp8x2_storage_t>(cb[2 * j] | (cb[2 * j + 1] << 8)), Wire<fp8_t>::kKind);
+        v[2 * j] = __half2float(__ushort_as_half(h.x)) * scale;
+        v[2 * j + 1] = __half2float(__ushort_as_half(h.y)) * scale;
+      }
       store8(orow + i, v);
     }
   }
