@@ -268,13 +268,19 @@ def gather_pack_rows(x: torch.Tensor, index: torch.Tensor, wire_dtype: torch.dty
     :func:`moecomm_ext.gather_rows`) in one pass: the gathered rows are never written out.
 
     ``x``: ``[N, *row_shape]`` contiguous float32/bfloat16/float16; ``index``: ``[M]`` int64
-    on ``x``'s device, entries in ``[-1, N)`` (``-1``: a zero row; the CPU kernel checks the
-    range, on a GPU it is the caller's promise); ``scale``: ``[M]`` floating or None (the
+    on ``x``'s device, entries in ``[-1, N)`` (``-1``: a zero row; checked on the CPU,
+    ``ValueError`` naming ``index``; on a GPU it is the caller's promise, as reading the
+    range would wait for the GPU); ``scale``: ``[M]`` floating or None (the
     product is taken in float32 and rounded to ``x.dtype``, as ``gather_rows`` does).
     Returns ``[M, packed_row_bytes(D, block)]`` uint8, equal to
     :func:`gather_pack_rows_reference` bit for bit. No further validation (as :func:`pack_rows`).
     """
     n, d = x.shape[0], math.prod(x.shape[1:])
+    if index.device.type == "cpu" and index.numel():
+        lo, hi = (int(v) for v in torch.aminmax(index))
+        if lo < -1 or hi >= n:
+            raise ValueError(f"gather_pack_rows: index has entries outside [-1, {n}) (N = x.shape[0] = {n}): "
+                             f"min = {lo}, max = {hi}")
     mod = _native(x.device.type, use_native)
     if mod is None:
         return gather_pack_rows_reference(x, index, wire_dtype, block, scale=scale)

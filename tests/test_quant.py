@@ -353,12 +353,28 @@ def test_gather_pack_rows_matches_reference(seed, n, m, d, dtype, wire, scale_dt
     assert torch.equal(quant.pack_rows(moecomm_ext.gather_rows(x, index, scale, use_native=True), wire), want)
 
 
-def test_gather_pack_rows_bad_index():
+@pytest.mark.parametrize("native", [True, False])
+def test_gather_pack_rows_bad_index(native):
     x = torch.randn(4, 130)
-    with pytest.raises(RuntimeError, match="index"):
-        quant.gather_pack_rows(x, torch.tensor([0, 4]), torch.float8_e4m3fn, use_native=True)
-    with pytest.raises(RuntimeError, match="index"):
-        quant.gather_pack_rows(x, torch.tensor([-2]), torch.float8_e4m3fn, use_native=True)
+    with pytest.raises(ValueError, match=r"index has entries outside \[-1, 4\).*max = 4"):
+        quant.gather_pack_rows(x, torch.tensor([0, 4]), torch.float8_e4m3fn, use_native=native)
+    with pytest.raises(ValueError, match="index.*min = -2"):
+        quant.gather_pack_rows(x, torch.tensor([-2]), torch.float8_e4m3fn, use_native=native)
+
+
+def test_native_gather_checks_its_indices():
+    """A direct call of the CPU kernel (no Python check before it) raises too, with a literal
+    message (see quant_cpu.cpp's check_index)."""
+    from moecomm_ext._quant import quant_module
+
+    mod = quant_module("cpu", True)
+    if mod is None:
+        pytest.skip("the native CPU quantization extension is not built here")
+    x = torch.randn(4, 130)
+    with pytest.raises(RuntimeError, match="'index' has entries outside"):
+        mod.gather_quantize_pack(x, torch.tensor([0, 4]), None, 0, 128, quant.packed_row_bytes(130))
+    with pytest.raises(RuntimeError, match="row_bytes"):
+        mod.quantize_pack(x, 0, 128, 16)
 
 
 @pytest.mark.gpu

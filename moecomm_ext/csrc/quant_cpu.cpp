@@ -2,7 +2,7 @@
 // fused with the packing of a wire_dtype exchange (one pass over the rows each way).
 //
 // The Python side (moecomm/quant.py) validates arguments; the TORCH_CHECKs only guard
-// direct calls.  The rule, per block of `block` elements of a row (the last may be
+// direct calls, with literal messages (see check_index).  The rule, per block of `block` elements of a row (the last may be
 // shorter), is exactly moecomm.quant.quantize_rows_reference's:
 //   amax = max |x| (float32);  scale = amax == 0 ? 1 : amax / FP8_MAX  (a true division)
 //   q = fp8(x / scale) (c10's round-to-nearest-even conversion, the one torch's cast uses)
@@ -435,7 +435,7 @@ at::Tensor quantize_pack(const at::Tensor& x, int64_t wire, int64_t block, int64
   check_wire_block(wire, block, "quantize_pack");
   const int64_t n = x.size(0), d = x.size(1);
   TORCH_CHECK(d == 0 ? row_bytes == 0 : row_bytes >= scale_offset(d) + 4 * num_blocks(d, block),
-              "quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+              "quantize_pack: 'row_bytes' is too small for rows of D elements");
   at::Tensor p = at::empty({n, row_bytes}, x.options().dtype(at::kByte));
   if (n == 0 || d == 0) return p;
   auto* pp = p.data_ptr<uint8_t>();
@@ -479,14 +479,13 @@ void gather_quantize_into(const at::Tensor& x, const int64_t* index, const float
   });
 }
 
-// Every index in [-1, n), checked before the kernel, in a function of its own: raised from
-// inside the kernel's parallel section, or from a frame it is inlined into, the error crashed
-// the process (SIGSEGV) with the GPU machine's compiler, where the checks of the other
-// helpers above raise as they should (session 10).
+// Every index in [-1, n), checked before the kernel (moecomm.quant checks them first, naming
+// the values). The messages of this file's checks hold no formatted numbers: built by g++ 13
+// against torch 2.11 (the GPU machine), formatting an integer into a TORCH_CHECK message
+// crashed the process (SIGSEGV) where literal messages raise as they should (session 10).
 __attribute__((noinline)) void check_index(const int64_t* index, int64_t m, int64_t n) {
   for (int64_t r = 0; r < m; ++r) {
-    TORCH_CHECK(index[r] >= -1 && index[r] < n, "gather_quantize_pack: index[", r, "] = ", index[r],
-                " is outside [-1, ", n, ")");
+    TORCH_CHECK(index[r] >= -1 && index[r] < n, "gather_quantize_pack: 'index' has entries outside [-1, N)");
   }
 }
 
@@ -505,7 +504,7 @@ at::Tensor gather_quantize_pack(const at::Tensor& x, const at::Tensor& index, co
     sp = scale->data_ptr<float>();
   }
   TORCH_CHECK(d == 0 ? row_bytes == 0 : row_bytes >= scale_offset(d) + 4 * num_blocks(d, block),
-              "gather_quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+              "gather_quantize_pack: 'row_bytes' is too small for rows of D elements");
   at::Tensor p = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
   if (m == 0 || d == 0) return p;
   const int64_t* ip = index.data_ptr<int64_t>();
@@ -546,13 +545,13 @@ at::Tensor unpack_dequantize(const at::Tensor& p, int64_t d, int64_t wire, int64
   check_wire_block(wire, block, "unpack_dequantize");
   const int64_t n = p.size(0), row_bytes = p.size(1);
   TORCH_CHECK(d >= 0 && (d == 0 || row_bytes >= scale_offset(d) + 4 * num_blocks(d, block)),
-              "unpack_dequantize: rows of ", row_bytes, " bytes cannot hold ", d, " elements");
+              "unpack_dequantize: the packed rows cannot hold D elements");
   at::Tensor out;
   if (out_opt.has_value()) {
     out = *out_opt;
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == dtype && out.dim() == 2 &&
                     out.size(0) == n && out.size(1) == d,
-                "unpack_dequantize: 'out' must be a contiguous [N, D] CPU tensor of dtype ", dtype);
+                "unpack_dequantize: 'out' must be a contiguous [N, D] CPU tensor of the requested dtype");
   } else {
     out = at::empty({n, d}, p.options().dtype(dtype));
   }

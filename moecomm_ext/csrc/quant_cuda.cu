@@ -380,7 +380,7 @@ at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, 
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.size(0), d = x.size(1);
   TORCH_CHECK(d == 0 ? row_bytes == 0 : (row_bytes >= scale_offset(d) + 4 * num_blocks(d, block) && row_bytes % 4 == 0),
-              "quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+              "quantize_pack: 'row_bytes' is too small for rows of D elements");
   at::Tensor p = at::empty({n, row_bytes}, x.options().dtype(at::kByte));
   if (n == 0 || d == 0) return p;
   uint8_t* pp = p.mutable_data_ptr<uint8_t>();
@@ -407,7 +407,7 @@ at::Tensor gather_quantize_pack_cuda(const at::Tensor& x, const at::Tensor& inde
     sp = rs.const_data_ptr<float>();
   }
   TORCH_CHECK(d == 0 ? row_bytes == 0 : (row_bytes >= scale_offset(d) + 4 * num_blocks(d, block) && row_bytes % 4 == 0),
-              "gather_quantize_pack: 'row_bytes' is too small for rows of ", d, " elements");
+              "gather_quantize_pack: 'row_bytes' is too small for rows of D elements");
   at::Tensor p = at::empty({m, row_bytes}, x.options().dtype(at::kByte));
   if (m == 0 || d == 0) return p;
   uint8_t* pp = p.mutable_data_ptr<uint8_t>();
@@ -441,13 +441,13 @@ at::Tensor unpack_dequantize_cuda(const at::Tensor& p, int64_t d, int64_t wire, 
   const c10::cuda::CUDAGuard guard(p.device());
   const int64_t n = p.size(0), row_bytes = p.size(1);
   TORCH_CHECK(d >= 0 && (d == 0 || (row_bytes >= scale_offset(d) + 4 * num_blocks(d, block) && row_bytes % 4 == 0)),
-              "unpack_dequantize: rows of ", row_bytes, " bytes cannot hold ", d, " elements");
+              "unpack_dequantize: the packed rows cannot hold D elements");
   at::Tensor out;
   if (out_opt.has_value()) {
     out = *out_opt;
     TORCH_CHECK(out.device() == p.device() && out.is_contiguous() && out.scalar_type() == dtype && out.dim() == 2 &&
                     out.size(0) == n && out.size(1) == d,
-                "unpack_dequantize: 'out' must be a contiguous [N, D] tensor of dtype ", dtype, " on ", p.device());
+                "unpack_dequantize: 'out' must be a contiguous [N, D] tensor of the requested dtype on the rows' device");
   } else {
     out = at::empty({n, d}, p.options().dtype(dtype));
   }
