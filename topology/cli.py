@@ -264,9 +264,9 @@ def _print_wire(args, links) -> None:
 
     import torch
 
-    esize = torch.empty((), dtype=args.dtype).element_size()
+    plain, wire = args.dtype, args.wire_dtype
+    esize = torch.empty((), dtype=getattr(torch, plain)).element_size()
     w = wire_ratio(args.row_elems, esize)
-    plain, wire = str(args.dtype).replace("torch.", ""), args.wire_dtype
     n, l = args.nodes, args.local_size
     print(f"\nwire dtype {wire}: rows of {args.row_elems} {plain} ({args.row_elems * esize} B) travel as "
           f"{round(w * args.row_elems * esize)} B ({w:.3f}x), plus a quantize and a dequantize pass on the copy link; "
@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--wire-dtype", choices=("float8_e4m3fn", "float8_e5m2"), default=None,
                     help="also model all_to_all_v(wire_dtype=): rows sent in this FP8 dtype against --dtype")
     si.add_argument("--row-elems", type=int, default=2048, help="with --wire-dtype: elements per row (default 2048)")
-    si.add_argument("--dtype", type=_dtype, default="bfloat16",
+    si.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                     help="with --wire-dtype: the rows' own dtype (default bfloat16)")
     si.set_defaults(func=cmd_simulate)
     return p
