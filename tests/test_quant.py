@@ -251,6 +251,22 @@ def test_native_codec_on_many_bit_patterns(wire):
         assert torch.equal(quant.dequantize_rows(codes, ones, dtype, use_native=True), codes.float().to(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("block, d", [(16, 520), (256, 520), (128, 64), (256, 2048)])
+def test_cuda_blocks_other_than_the_wire(block, d):
+    """Blocks other than 128 take the general 8-wide kernel (128: the one that holds a block
+    in registers; d = 64, one short block): against the torch reference, gathered too."""
+    for dtype in DTYPES:
+        x = (torch.randn(37, d) * torch.logspace(-3, 3, 37).unsqueeze(1)).to(dtype)
+        for wire in WIRES:
+            q, s = quant.quantize_rows(x.cuda(), wire, block, use_native=True)
+            q_ref, s_ref = quant.quantize_rows_reference(x, wire, block)
+            assert torch.equal(q.view(torch.uint8).cpu(), q_ref.view(torch.uint8)) and torch.equal(s.cpu(), s_ref)
+            back = quant.dequantize_rows(q, s, dtype, block, use_native=True)
+            assert torch.equal(back.cpu(), quant.dequantize_rows_reference(q_ref, s_ref, dtype, block))
+
+
 def _codec_values(wire: torch.dtype) -> torch.Tensor:
     """Values to encode with scale 1: every rounding midpoint between neighbouring FP8 values
     and the float32 values up to 2 ulps either side (ties go to even), every FP8 value,

@@ -121,6 +121,21 @@ quantize_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t d, int64_t bl
   }
 }
 
+// Codes of 8 source values in v by the scale (the 8-wide kernels' rule).
+template <typename fp8_t>
+__device__ __forceinline__ uint2 quantize8(const float (&v)[8], float scale) {
+  const bool normal = scale >= 1.17549435e-38f;  // and finite: amax is; 1 / scale is then finite too
+  const float inv = 1.0f / scale;
+  uint2 codes;
+  uint16_t* c = reinterpret_cast<uint16_t*>(&codes);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    c[j] = normal ? quantize2<fp8_t>(v[2 * j], v[2 * j + 1], scale, inv)
+                  : encode2<fp8_t>(v[2 * j] / scale, v[2 * j + 1] / scale);
+  }
+  return codes;
+}
+
 // The same two kernels for rows whose elements can be moved 8 at a time (D a multiple of 8,
 // 16-byte aligned rows of x, 8-byte aligned rows of q: the packed layout and the layer's
 // shapes): one half-warp per (row, block), each lane loading 8 elements with one or two
@@ -207,25 +222,79 @@ quantize_vec_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t d, int64_
     for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     if (!active) continue;
     const float scale = amax == 0.0f ? 1.0f : amax / Wire<fp8_t>::kMax;
-    const bool normal = scale >= 1.17549435e-38f;  // and finite: amax is; inv is then finite too
-    const float inv = 1.0f / scale;
     uint8_t* qr = q + r * q_stride;
     for (int64_t i = b0 + 8 * lane; i < b1; i += 128) {
       source8(xr, row_scale, r, i, v);
-      uint2 codes;
-      uint16_t* c = reinterpret_cast<uint16_t*>(&codes);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        c[j] = normal ? quantize2<fp8_t>(v[2 * j], v[2 * j + 1], scale, inv)
-                      : encode2<fp8_t>(v[2 * j] / scale, v[2 * j + 1] / scale);
-      }
-      *reinterpret_cast<uint2*>(qr + i) = codes;
+      *reinterpret_cast<uint2*>(qr + i) = quantize8<fp8_t>(v, scale);
     }
     if (lane == 0) reinterpret_cast<float*>(s + r * s_stride)[k] = scale;
     if (pad_to > 0 && k == nb - 1) {
       const int64_t soff = scale_offset(d), send = soff + 4 * nb;
       for (int64_t i = d + lane; i < soff; i += 16) qr[i] = 0;
       for (int64_t i = send + lane; i < pad_to; i += 16) qr[i] = 0;
+    }
+  }
+}
+
+// The 8-wide quantize kernel for blocks of 128 elements (the wire's): a lane holds at most
+// one 8-element chunk of a block, so each half-warp takes kItems (row, block) items at once,
+// all its loads in flight together and the values kept in registers between the amax and
+// the codes (one read of x). The kernel above, with one item per half-warp and a second
+// read, stayed near 0.35x of a device copy on an H200: too little memory in flight.
+constexpr int kItems = 4;
+
+template <typename scalar_t, typename fp8_t>
+__global__ void __launch_bounds__(kThreads)
+quantize_b128_kernel(const scalar_t* __restrict__ x, int64_t n, int64_t d, uint8_t* __restrict__ q,
+                     int64_t q_stride, uint8_t* __restrict__ s, int64_t s_stride, int64_t pad_to,
+                     const int64_t* __restrict__ index, const float* __restrict__ row_scale) {
+  constexpr int64_t kBlock = 128;
+  const int lane = threadIdx.x & 15;
+  const int half = (threadIdx.x >> 4) & 1;
+  const int64_t nb = num_blocks(d, kBlock);
+  const int64_t total = n * nb;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t wp = warp; 2 * kItems * wp < total; wp += step) {
+    float v[kItems][8];
+    float amax[kItems];
+    int64_t row[kItems], blk[kItems];
+    bool has[kItems];  // this lane holds a chunk of item u
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      const int64_t w = (2 * wp + half) * kItems + u;
+      const bool active = w < total;
+      row[u] = active ? w / nb : -1;
+      blk[u] = active ? w - row[u] * nb : 0;
+      const int64_t i = blk[u] * kBlock + 8 * lane;
+      has[u] = active && i < d;
+      const int64_t src = !has[u] ? -1 : (index == nullptr ? row[u] : index[row[u]]);
+      source8(src < 0 ? nullptr : x + src * d, row_scale, row[u], i, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      amax[u] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax[u] = fmaxf(amax[u], fabsf(v[u][j]));
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+#pragma unroll
+      for (int u = 0; u < kItems; ++u) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], off));
+    }
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      if (row[u] < 0) continue;
+      const float scale = amax[u] == 0.0f ? 1.0f : amax[u] / Wire<fp8_t>::kMax;
+      uint8_t* qr = q + row[u] * q_stride;
+      const int64_t i = blk[u] * kBlock + 8 * lane;
+      if (has[u]) *reinterpret_cast<uint2*>(qr + i) = quantize8<fp8_t>(v[u], scale);
+      if (lane == 0) reinterpret_cast<float*>(s + row[u] * s_stride)[blk[u]] = scale;
+      if (pad_to > 0 && blk[u] == nb - 1) {
+        const int64_t soff = scale_offset(d), send = soff + 4 * nb;
+        for (int64_t k = d + lane; k < soff; k += 16) qr[k] = 0;
+        for (int64_t k = send + lane; k < pad_to; k += 16) qr[k] = 0;
+      }
     }
   }
 }
@@ -309,7 +378,16 @@ void launch_quantize(const at::Tensor& x, int64_t n, int64_t wire, int64_t block
   const bool vec = vector_rows(x.const_data_ptr(), d, x.element_size(), q, q_stride);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_cuda", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    if (vec) {
+    if (vec && block == 128) {
+      const int bgrid = grid_for((n * num_blocks(d, block) + 2 * kItems - 1) / (2 * kItems), kWarps);
+      if (wire == 0) {
+        quantize_b128_kernel<scalar_t, c10::Float8_e4m3fn><<<bgrid, kThreads, 0, stream>>>(
+            xp, n, d, q, q_stride, s, s_stride, pad_to, index, row_scale);
+      } else {
+        quantize_b128_kernel<scalar_t, c10::Float8_e5m2><<<bgrid, kThreads, 0, stream>>>(
+            xp, n, d, q, q_stride, s, s_stride, pad_to, index, row_scale);
+      }
+    } else if (vec) {
       const int vgrid = grid_for((n * num_blocks(d, block) + 1) / 2, kWarps);
       if (wire == 0) {
         quantize_vec_kernel<scalar_t, c10::Float8_e4m3fn><<<vgrid, kThreads, 0, stream>>>(
