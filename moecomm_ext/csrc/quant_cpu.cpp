@@ -2,8 +2,8 @@
 // fused with the packing of a wire_dtype exchange (one pass over the rows each way).
 //
 // The Python side (moecomm/quant.py) validates arguments; the TORCH_CHECKs only guard
-// direct calls, with literal messages (see check_index).  The rule, per block of `block` elements of a row (the last may be
-// shorter), is exactly moecomm.quant.quantize_rows_reference's:
+// direct calls, with literal messages (see check_index).  The rule, per block of `block`
+// elements of a row (the last may be shorter), is exactly moecomm.quant.quantize_rows_reference's:
 //   amax = max |x| (float32);  scale = amax == 0 ? 1 : amax / FP8_MAX  (a true division)
 //   q = fp8(x / scale) (c10's round-to-nearest-even conversion, the one torch's cast uses)
 //   back: to(dtype)(float(q) * scale)
@@ -483,7 +483,7 @@ void gather_quantize_into(const at::Tensor& x, const int64_t* index, const float
 // the values). The messages of this file's checks hold no formatted numbers: built by g++ 13
 // against torch 2.11 (the GPU machine), formatting an integer into a TORCH_CHECK message
 // crashed the process (SIGSEGV) where literal messages raise as they should (session 10).
-__attribute__((noinline)) void check_index(const int64_t* index, int64_t m, int64_t n) {
+void check_index(const int64_t* index, int64_t m, int64_t n) {
   for (int64_t r = 0; r < m; ++r) {
     TORCH_CHECK(index[r] >= -1 && index[r] < n, "gather_quantize_pack: 'index' has entries outside [-1, N)");
   }
