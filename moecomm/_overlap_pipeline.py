@@ -67,13 +67,15 @@ class Transport:
 class Run:
     """One call: the plan, fn, and the exchanges in flight (forward and backward)."""
 
-    def __init__(self, comm: Any, plan: Plan, fn: Fn, a2a_kwargs: dict, wire_dtype: Any = None) -> None:
+    def __init__(self, comm: Any, plan: Plan, fn: Fn, a2a_kwargs: dict, wire_dtype: Any = None,
+                 packed: Optional[torch.Tensor] = None) -> None:
         self.comm = comm
         self.engine: Engine = comm.engine
         self.plan = plan
         self.fn = fn
         self.kw = a2a_kwargs
         self.wire = wire_dtype  # the input's rows travel packed in this FP8 dtype (moecomm.wire)
+        self.packed = packed  # those rows packed by the caller (the input is then read for its shape only)
         s = plan.stages
         self.scatter: list = [None] * s  # forward: input rows to the experts
         self.gather: list = [None] * s  # forward: fn's rows back
@@ -161,7 +163,9 @@ class Run:
     # forward
     def issue_scatter(self, x: torch.Tensor) -> None:
         self.in_shape, self.in_dtype = tuple(x.shape[1:]), x.dtype
-        if self.wire is not None:  # one fused pass: every row quantized and packed (own rows too)
+        if self.packed is not None:
+            x, self.packed = self.packed, None
+        elif self.wire is not None:  # one fused pass: every row quantized and packed (own rows too)
             from .quant import pack_rows
             from .wire import WIRE_BLOCK
 

@@ -253,6 +253,7 @@ class Communicator(OtherCollectives):
         own_first: bool = False,
         own_split: float = 0.3,
         wire_dtype: Optional[torch.dtype] = None,
+        packed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` chunks per peer.
 
@@ -264,13 +265,17 @@ class Communicator(OtherCollectives):
         on the rank's own rows (which need no exchange and are not copied) while the peers'
         rows are in flight, forward and backward; ``own_split`` of them first, the rest last,
         while the peers' results travel home. ``wire_dtype``: the input's rows travel in that FP8
-        dtype, as in :meth:`all_to_all_v` (results in their own dtype). See :mod:`moecomm.overlap`.
+        dtype, as in :meth:`all_to_all_v` (results in their own dtype); ``packed``: those rows
+        already packed (``quant.gather_pack_rows``), ``input`` then read for its shape only. See
+        :mod:`moecomm.overlap`.
 
         Raises:
             TypeError, ValueError, CountMismatchError, TimeoutError: see
                 :func:`moecomm.overlap.scatter_compute_gather`.
         """
-        kw = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
+        kw = {} if wire_dtype is None else {"wire_dtype": wire_dtype, "packed": packed}
+        if packed is not None and wire_dtype is None:
+            raise ValueError("packed needs wire_dtype: the FP8 dtype its rows were quantized to")
         return overlap.scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
                                       algorithm=algorithm, own_first=own_first, own_split=own_split, **kw)
 

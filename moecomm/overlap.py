@@ -44,6 +44,7 @@ def scatter_compute_gather(
     own_first: bool = False,
     own_split: float = 0.3,
     wire_dtype: Optional[torch.dtype] = None,
+    packed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``all_to_all_v -> fn -> all_to_all_v`` back, pipelined in ``degree`` stages.
 
@@ -74,6 +75,12 @@ def scatter_compute_gather(
             are quantized too) and ``fn`` gets them dequantized to ``input.dtype``; results
             and gradients travel in their own dtype. The gradient with respect to ``input``
             is the straight-through one. ``input`` must be float32, bfloat16 or float16.
+        packed: with ``wire_dtype``, ``input``'s rows already quantized and packed
+            (``[N, quant.packed_row_bytes(D)]`` uint8 from :func:`moecomm.quant.pack_rows` or
+            :func:`moecomm.quant.gather_pack_rows`, block 128): they travel as they are, and
+            ``input`` only gives the rows' shape and dtype and takes the gradient; its values
+            are never read, so it may be a stand-in that holds none (a zero-stride
+            ``expand``), as the MoE layer's fused dispatch passes.
 
     Returns:
         ``[N, *out_shape]``: row ``i`` is ``fn``'s result for ``input`` row ``i``, exactly
@@ -89,6 +96,8 @@ def scatter_compute_gather(
         CountMismatchError, TimeoutError: as ``Communicator.all_to_all_v``.
     """
     degree = _check_args(comm, input, fn, degree, own_first, own_split, wire_dtype)
+    if packed is not None:
+        packed = _check_packed(comm, input, packed, wire_dtype)
     dev = comm.device
     if algorithm == "auto":
         # Decided once for the whole call (one collective), not once per stage.
@@ -98,12 +107,25 @@ def scatter_compute_gather(
     stages, send_pieces, recv_pieces = _pieces(comm, degree, send, recv, input)
     own = comm.rank if own_first and comm.size > 1 else None
     plan = Plan(send, recv, send_pieces, recv_pieces, stages, dev, own, float(own_split))
-    run = Run(comm, plan, fn, kw, wire_dtype)
+    run = Run(comm, plan, fn, kw, wire_dtype, packed)
 
-    x = input.contiguous()
-    if wire_dtype is not None and comm.validate:
+    x = input if packed is not None else input.contiguous()
+    if packed is not None and comm.validate:
+        wire.cross_check_packed(comm.engine, packed, math.prod(input.shape[1:]), input.dtype, wire_dtype,
+                                "scatter_compute_gather")
+    elif wire_dtype is not None and comm.validate:
         wire.cross_check(comm.engine, x, wire_dtype, "scatter_compute_gather")
     return run_pipeline(run, x, fn)
+
+
+def _check_packed(comm: Any, input: torch.Tensor, packed: Any, wire_dtype: Any) -> torch.Tensor:
+    """``packed`` checked against ``input`` (``TypeError``/``ValueError`` naming it)."""
+    if wire_dtype is None:
+        raise ValueError("packed needs wire_dtype: the FP8 dtype its rows were quantized to")
+    packed, _ = wire.check_packed(comm.engine, packed, tuple(input.shape[1:]), input.dtype, wire_dtype)
+    if packed.shape[0] != input.shape[0]:
+        raise ValueError(f"packed must have one row per input row ({input.shape[0]}), got {packed.shape[0]}")
+    return packed
 
 
 def _counts(comm: Any, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits]

@@ -77,9 +77,10 @@ def allreduce_sum_(comm: "moecomm.Communicator", t: torch.Tensor) -> torch.Tenso
 
 
 def scatter_compute_gather(comm, send, send_splits, recv_splits, fn, degree, algorithm, own_first=False,
-                           wire_dtype=None):
-    """``comm.scatter_compute_gather`` (all-to-all, ``fn`` per chunk, all-to-all back, pipelined)."""
-    kw: dict = {} if wire_dtype is None else {"wire_dtype": wire_dtype}
+                           wire_dtype=None, packed=None):
+    """``comm.scatter_compute_gather`` (all-to-all, ``fn`` per chunk, all-to-all back, pipelined;
+    ``packed``: the rows of ``send`` already packed in ``wire_dtype``)."""
+    kw: dict = {} if wire_dtype is None else {"wire_dtype": wire_dtype, "packed": packed}
     if own_first:
         kw["own_first"] = True
         kw["own_split"] = 1.0  # all own rows first: each stage's rows stay whole [experts][capacity] blocks

@@ -1,6 +1,8 @@
 """The layer's FP8 dispatch, fused: the dispatch gather writes quantized, packed rows
 (:func:`moecomm.quant.gather_pack_rows`: the gathered rows are never written out in the
-activation dtype) and they travel as they are (:meth:`moecomm.Communicator.all_to_all_v_packed`).
+activation dtype) and they travel as they are (:meth:`moecomm.Communicator.all_to_all_v_packed`;
+on the pipelined paths ``Communicator.scatter_compute_gather(..., packed=)`` beside
+:func:`stand_in`).
 
 Exactly :func:`moecomm_ext.dispatch` followed by :func:`moecomm.functional.all_to_all_v` with
 ``wire_dtype``, bit for bit, forward and backward: the backward sends the gradient home by the
@@ -21,7 +23,7 @@ from moecomm import quant
 from moecomm.functional import all_to_all_v_backward
 from moecomm.wire import WIRE_BLOCK
 
-__all__ = ["pack", "exchange"]
+__all__ = ["pack", "exchange", "stand_in"]
 
 
 class _PackedDispatch(torch.autograd.Function):
@@ -45,6 +47,34 @@ class _PackedDispatch(torch.autograd.Function):
             grad_rows, x, slot_token, token_slots, slot_scale, need_x=ctx.needs_input_grad[0],
             need_scale=ctx.needs_input_grad[1], use_native=ctx.use_native)
         return grad_x, grad_scale, None, None, None, None, None, None, None, None, None, None
+
+
+class _DispatchStandIn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slot_scale, slot_token, token_slots, use_native):  # type: ignore[override]
+        ctx.save_for_backward(x, slot_token, token_slots, slot_scale)
+        ctx.use_native = use_native
+        row = tuple(x.shape[1:])
+        return x.new_zeros((1,) + row).expand((slot_token.shape[0],) + row)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows):  # type: ignore[override]
+        x, slot_token, token_slots, slot_scale = ctx.saved_tensors
+        grad_x, grad_scale = moecomm_ext.dispatch_backward(
+            grad_rows.contiguous(), x, slot_token, token_slots, slot_scale, need_x=ctx.needs_input_grad[0],
+            need_scale=ctx.needs_input_grad[1], use_native=ctx.use_native)
+        return grad_x, grad_scale, None, None, None
+
+
+def stand_in(x: Tensor, slot_token: Tensor, token_slots: Tensor, slot_scale: Optional[Tensor],
+             use_native: Optional[bool]) -> Tensor:
+    """The dispatched rows as autograd sees them, for a pipelined FP8 dispatch whose rows travel
+    packed by :func:`pack` (``scatter_compute_gather(..., packed=)``): ``[M, *row]`` zeros of
+    stride 0 (no memory; never read), whose gradient goes through the dispatch's backward
+    (:func:`moecomm_ext.dispatch_backward`) to ``x`` and ``slot_scale``."""
+    return _DispatchStandIn.apply(x.contiguous(), slot_scale, slot_token.contiguous(), token_slots.contiguous(),
+                                  use_native)
 
 
 def pack(x: Tensor, slot_token: Tensor, slot_scale: Optional[Tensor], wire_dtype: torch.dtype,

@@ -157,6 +157,48 @@ def _layer_fused_vs_unfused(comm) -> list:
     return problems
 
 
+def check_layer_pipelined() -> None:
+    """The pipelined paths (overlap_degree > 1, own_first) with wire_dtype: the fused gather packs
+    the rows and a stand-in carries their gradient (``scatter_compute_gather(..., packed=)``);
+    against the same reference from public pieces with the same degree, bit for bit."""
+    problems = []
+    for comm in COMMS:
+        if comm.size > 1:
+            problems += _layer_pipelined(comm)
+    collective_assert(not problems, "pipelined FP8 dispatch: " + "; ".join(problems[:6]))
+
+
+def _layer_pipelined(comm) -> list:
+    W, R = comm.size, comm.rank
+    D, H, E = 136, 24, max(4, 2 * W)
+    problems = []
+    cases = itertools.product([False, True], [(2, False), (3, True), (1, True)], [torch.float32, torch.bfloat16],
+                              [False, True])
+    for i, (dropless, (degree, own), dtype, post) in enumerate(cases):
+        wd = WIRES[i % 2]
+        kw = dict(k=2, comm=comm, seed=5, is_postscore=post, dtype=dtype, device=DEV, dropless=dropless,
+                  capacity_factor=1.5, overlap_degree=degree, own_first=own, fused_step=False)
+        lay = MoELayer(D, H, E, wire_dtype=wd, grad_wire_dtype=None, **kw)
+        ref = MoELayer(D, H, E, **kw)
+        ref.load_state_dict(lay.state_dict())
+        ref.experts = _WireRuleFirst(ref.experts, wd, None)
+        gen = torch.Generator().manual_seed(300 + 10 * i + R)
+        x = (torch.randn(23 + 2 * R, D, generator=gen) * 3).to(dtype).to(DEV)
+        g = torch.randn(23 + 2 * R, D, generator=gen).to(dtype).to(DEV)
+        res = []
+        for layer in (lay, ref):
+            xx = x.clone().requires_grad_()
+            y = layer(xx)
+            (y * g).sum().add(layer.aux_loss * 0.5).backward()
+            res.append([y, layer.aux_loss, xx.grad] + [p.grad for _, p in layer.named_parameters()])
+        names = ["output", "aux loss", "input grad"] + [n for n, _ in lay.named_parameters()]
+        bad = [n for n, a, b in zip(names, *res) if not same_bits(a, b)]
+        if bad:
+            problems.append(f"{W} ranks, case {i} (dropless={dropless}, degree={degree}, own_first={own}, "
+                            f"{dtype}->{wd}, post={post}): {bad}")
+    return problems
+
+
 def check_dispatch_exchange() -> None:
     """The fused gather + packed exchange (autograd in x and the slot scale) against
     moecomm_ext.dispatch then functional.all_to_all_v(wire_dtype=), on every rank count
@@ -264,4 +306,5 @@ def check_packed_validate() -> None:
 
 
 if __name__ == "__main__":
-    rank_main([check_packed_api, check_packed_validate, check_dispatch_exchange, check_layer_fused_vs_unfused])
+    rank_main([check_packed_api, check_packed_validate, check_dispatch_exchange, check_layer_fused_vs_unfused,
+               check_layer_pipelined])

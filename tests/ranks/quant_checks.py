@@ -224,12 +224,16 @@ def check_scatter_compute_gather() -> None:
             return rows.sum(1) @ w  # [n, 9]: a row's result depends on that row only
 
         results = []
-        for wire_arg in (wire, None):
+        for wire_arg, packed in ((wire, False), (None, False), (wire, True)):
             xx = x.clone().requires_grad_()
-            y = COMM.scatter_compute_gather(xx, send, fn, degree=degree, recv_splits=recv, own_first=own_first,
-                                            **({"wire_dtype": wire_arg} if wire_arg is not None else {}))
+            kw = {} if wire_arg is None else {"wire_dtype": wire_arg}
+            inp = xx
+            if packed:  # the rows packed by the caller; the input a zero-stride stand-in that carries the gradient
+                kw["packed"] = quant.pack_rows(x, wire)
+                inp = (xx * 0).sum().expand(x.shape)
+            y = COMM.scatter_compute_gather(inp, send, fn, degree=degree, recv_splits=recv, own_first=own_first, **kw)
             g = torch.randn(y.shape, generator=torch.Generator().manual_seed(R)).to(dtype).to(DEV)
-            (gx,) = torch.autograd.grad(y, xx, g)
+            (gx,) = torch.autograd.grad(y, inp, g)
             results.append((y.detach(), gx))
         got, _ = COMM.all_to_all_v(x, send, recv, wire_dtype=wire)
         back, _ = COMM.all_to_all_v(fn(got, None).contiguous(), recv, send)
@@ -237,6 +241,8 @@ def check_scatter_compute_gather() -> None:
             problems.append(f"case {i}: result")
         if not same_bits(results[0][1], results[1][1]):
             problems.append(f"case {i}: gradient")
+        if not (same_bits(results[2][0], back) and same_bits(results[2][1], results[1][1])):
+            problems.append(f"case {i}: packed= (result or gradient)")
     try:
         COMM.scatter_compute_gather(torch.ones(W, 4, dtype=torch.int32, device=DEV), [1] * W, lambda r, c: r,
                                     wire_dtype=WIRES[0])
@@ -244,6 +250,18 @@ def check_scatter_compute_gather() -> None:
     except TypeError as e:
         if "input" not in str(e):
             problems.append(str(e))
+    x = torch.randn(W, 130, device=DEV)
+    p = quant.pack_rows(x, WIRES[0])
+    for kw, exc, words in [(dict(packed=p), ValueError, "packed needs wire_dtype"),
+                           (dict(packed=p[:-1], wire_dtype=WIRES[0]), ValueError, "one row per input row"),
+                           (dict(packed=p[:, :-16].contiguous(), wire_dtype=WIRES[0]), ValueError, "packed must have shape"),
+                           (dict(packed=p.float(), wire_dtype=WIRES[0]), TypeError, "packed must be uint8")]:
+        try:
+            COMM.scatter_compute_gather(x, [1] * W, lambda r, c: r, **kw)
+            problems.append(f"{words}: no error")
+        except exc as e:
+            if words not in str(e):
+                problems.append(f"{words}: {e}")
     collective_assert(not problems, "scatter_compute_gather wire_dtype: " + "; ".join(problems))
 
 
