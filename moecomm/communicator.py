@@ -273,11 +273,9 @@ class Communicator(OtherCollectives):
             TypeError, ValueError, CountMismatchError, TimeoutError: see
                 :func:`moecomm.overlap.scatter_compute_gather`.
         """
-        kw = {} if wire_dtype is None else {"wire_dtype": wire_dtype, "packed": packed}
-        if packed is not None and wire_dtype is None:
-            raise ValueError("packed needs wire_dtype: the FP8 dtype its rows were quantized to")
         return overlap.scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
-                                      algorithm=algorithm, own_first=own_first, own_split=own_split, **kw)
+                                      algorithm=algorithm, own_first=own_first, own_split=own_split,
+                                      wire_dtype=wire_dtype, packed=packed)
 
     # -- torch.distributed-compatible all-to-all --------------------------------------------
 

@@ -55,14 +55,14 @@ class ExpertParallelPath:
         scale, weights = self._dispatch_scale(r, sm, S)
         return self._gather(x_c, sm, scale), weights
 
-    def _send_rows(self, x_c: Tensor, sm, scale: Optional[Tensor], wire: Optional[torch.dtype], fuse: bool, W: int,
-                   degree, own_first: bool) -> tuple[Tensor, Optional[Tensor]]:
+    def _send_rows(self, x_c: Tensor, sm, scale: Optional[Tensor], wire: Optional[torch.dtype], fuse: bool,
+                   W: int) -> tuple[Tensor, Optional[Tensor]]:
         """(send buffer, its rows packed for a pipelined FP8 dispatch or None). The default path
         with ``wire`` (``fuse``) gathers packed rows only; the pipelined paths get them packed by
         the same fused gather, beside a stand-in for the rows that autograd sees
         (:func:`._wire_dispatch.stand_in`): either way the rows are never written in the
         activation dtype."""
-        if wire is not None and W > 1 and not fuse and (degree != 1 or own_first):
+        if wire is not None and W > 1 and not fuse:  # the pipelined paths (fuse is the default path's)
             packed = self._gather(x_c, sm, scale, wire)
             return _wire_dispatch.stand_in(x_c, sm.slot_token, sm.token_slots, scale, self._use_native), packed
         return self._gather(x_c, sm, scale, wire if fuse else None), None
@@ -104,7 +104,7 @@ class ExpertParallelPath:
             sm = pipelined_capacity_slots(r, C, E, S, degree, El, consts)
             fuse = fuse and degree == 1
             scale, weights = self._dispatch_scale(r, sm, S)
-            send, packed = self._send_rows(x_c, sm, scale, wire, fuse, W, degree, own_first)
+            send, packed = self._send_rows(x_c, sm, scale, wire, fuse, W)
             send_splits = recv_splits = [degree * El_dest * Cc] * W
             blocks = [[degree * Cc] * El_dest for _ in range(W)]
             seg = Segments.uniform_blocks(W, El_dest, degree * Cc, consts=consts)
@@ -113,7 +113,7 @@ class ExpertParallelPath:
             piece = 0  # no fixed layout: each chunk is regrouped from its counts
             fuse = fuse and degree == 1
             scale, weights = self._dispatch_scale(r, sm, S)
-            send, packed = self._send_rows(x_c, sm, scale, wire, fuse, W, degree, own_first)
+            send, packed = self._send_rows(x_c, sm, scale, wire, fuse, W)
             n = r.counts  # [E] routes per expert (all kept)
             send_cnt = n if S == 1 else n.repeat_interleave(S)  # rank e*S+s gets expert e's rows
             recv_cnt = _comm.exchange_counts(send_cnt, comm, El_dest)
