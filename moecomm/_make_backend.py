@@ -15,6 +15,7 @@ CPU collectives run on gloo, that group. An NCCL-only group (and a single proces
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any, Optional, Union
 
 import torch
@@ -26,6 +27,8 @@ from .launch import detect_launcher, host_name, mpi_agree, mpi_world
 from .layout import Layout
 
 __all__ = ["make_backend"]
+
+_LOG = logging.getLogger("moecomm")
 
 
 Made = tuple[Backend, list[str], int, Optional[HostChannel]]
@@ -94,8 +97,11 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
                                    problem)
     if launcher == "single" and problem is not None:
         raise problem  # no peers to tell
+    gpu_auto = False  # under an MPI launcher with CUDA: NCCL, or peer memory where ranks share a GPU
     if problem is None and backend == "auto":
-        if nccl_available():
+        if launcher == "mpi" and torch.cuda.is_available() and _peer_available():
+            backend, gpu_auto = "nccl", True
+        elif nccl_available():
             backend = "nccl"
         else:
             backend = {"torchrun": "torch", "single": "self"}.get(launcher, "mpi")
@@ -121,20 +127,38 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     try:
         if problem is not None:
             raise problem
-        _nccl_only(nccl_only, backend)
+        _nccl_only(nccl_only, "nccl" if backend == "peer" else backend)
         if backend == "torch":
             raise ValueError("backend='torch' needs process_group= (or a torchrun launch)")
+        if backend == "peer" and p2p_bytes == 0:
+            raise ValueError("p2p_bytes=0 turns peer memory off, and the peer backend is made of it: give a size "
+                             "(bytes) or None (the default)")
         outcome: Union[bytes, Exception] = host_name().encode()
     except (TypeError, ValueError) as exc:
         outcome = exc
     hosts = [h.decode() for h in mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init")]
     if backend == "mpi":
-        from .backends.mpi import MpiBackend
-
-        mpi = MpiBackend(world, timeout_s)
-        return mpi, hosts, rank, MpiHostChannel(mpi.mpi_comm, timeout_s, duplicate=False, owned=False)
+        return _mpi_backend(world, timeout_s, hosts, rank)
     try:
         dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
+        outcome = _gpu_uuid(dev).encode()
+    except Exception as exc:  # noqa: BLE001 - named to every rank by the agreement
+        outcome = exc
+    uuids = [u.decode() for u in mpi_agree(world, outcome, timeout_s=timeout_s, what="moecomm.init (GPUs)")]
+    backend = _gpu_backend(backend, gpu_auto, uuids, hosts, rank)  # the same on every rank, or the same error
+    if backend == "mpi":
+        return _mpi_backend(world, timeout_s, hosts, rank)
+    if backend == "peer":
+        from .backends.peer import PeerBackend
+
+        host = MpiHostChannel(world, timeout_s)
+        try:
+            peer = PeerBackend.create(MpiHostChannel(world, timeout_s), dev, timeout_s, p2p_bytes, uuids)
+        except BaseException:
+            host.abort()
+            raise
+        return peer, hosts, rank, host
+    try:
         outcome = NcclBackend.new_unique_id() if rank == 0 else b""
     except Exception as exc:  # noqa: BLE001 - named to every rank by the agreement
         outcome = exc
@@ -146,6 +170,58 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
         host.abort()
         raise
     return nccl, hosts, rank, host
+
+
+def _mpi_backend(world: Any, timeout_s: float, hosts: list[str], rank: int) -> Made:
+    from .backends.mpi import MpiBackend
+
+    mpi = MpiBackend(world, timeout_s)
+    return mpi, hosts, rank, MpiHostChannel(mpi.mpi_comm, timeout_s, duplicate=False, owned=False)
+
+
+def _peer_available() -> bool:
+    """True where the peer backend can be made: CUDA runtime bindings import."""
+    try:
+        from .backends import _cudart  # noqa: F401  (import check only)
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+def _gpu_uuid(dev: torch.device) -> str:
+    """The GPU's UUID (what tells two ranks that they share one), else its PCI bus id."""
+    props = torch.cuda.get_device_properties(dev)
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else f"pci-{props.pci_bus_id}-{props.pci_device_id}"
+
+
+def _gpu_backend(backend: str, auto: bool, uuids: list[str], hosts: list[str], rank: int) -> str:
+    """The GPU backend once every rank's GPU is known: ``"auto"`` (``auto``) takes the peer
+    backend where ranks share a GPU, else NCCL where nccl4py is there, else MPI. NCCL asked
+    for on a shared GPU is refused (NCCL cannot run two ranks on one GPU).
+
+    Raises:
+        ValueError: ``backend="nccl"`` while ranks share a GPU (the message names the GPU,
+            the ranks and the backend to use); the same on every rank.
+    """
+    from .backends.nccl import nccl_available
+    from .backends.peer import shared_gpus
+
+    shared = shared_gpus(uuids, hosts)
+    if auto:
+        if shared:
+            if rank == 0:
+                (host, gpu), ranks = next(iter(shared.items()))
+                _LOG.info("moecomm: backend 'auto' chose 'peer' (peer memory, no NCCL): ranks %s share GPU %s on %s",
+                          ranks, gpu, host)
+            return "peer"
+        return "nccl" if nccl_available() else "mpi"
+    if backend == "nccl" and shared:
+        (host, gpu), ranks = next(iter(shared.items()))
+        raise ValueError(f"backend='nccl' cannot run ranks {ranks} on one GPU ({gpu} on host {host}): NCCL needs a "
+                         f"GPU per rank. Use backend='peer' (peer memory, several ranks per GPU; 'auto' picks it), "
+                         f"or give each rank its own GPU (device=)")
+    return backend
 
 
 def _torch_dist_initialized() -> bool:
@@ -201,6 +277,9 @@ def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float,
             backend = "nccl" if "nccl" in pg_backend else "torch"
         if backend == "mpi":
             raise ValueError("backend='mpi' cannot be built on a torch process_group; use 'torch' or 'nccl'")
+        if backend == "peer":
+            raise ValueError("backend='peer' is made under an MPI launcher (mpirun/mpiexec), not on a torch "
+                             "process_group or under torchrun")
         _nccl_only(nccl_only, backend)
         mine: tuple = (host_name(), None)
     except (TypeError, ValueError) as exc:

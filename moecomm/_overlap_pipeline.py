@@ -56,7 +56,7 @@ class Transport:
             request: Request = DoneRequest()
         elif engine.peer is not None:  # copy engines through peer memory: every rank takes part, always
             request = engine.peer.exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
-        elif b.stream_ordered and not (any(send_counts) or any(recv_counts)):
+        elif b.stream_ordered and not b.collective_exchanges and not (any(send_counts) or any(recv_counts)):
             b.check_health()  # point to point: a peer expects nothing from a rank that sends nothing
             request = DoneRequest()
         else:

@@ -26,7 +26,7 @@ from .pool import StagingPool
 
 __all__ = ["init", "default_communicator", "set_default_communicator", "communicator_for", "BACKENDS"]
 
-BACKENDS = ("auto", "mpi", "nccl", "torch", "self")
+BACKENDS = ("auto", "mpi", "nccl", "peer", "torch", "self")
 
 _default: dict[str, Communicator] = {}  # explicit registry: the communicator ``group=None`` means
 
@@ -236,7 +236,13 @@ def _engine_and_topology(backend_obj: Any, layout: Layout, hosts: list[str], poo
     is aborted."""
     engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate, host=host)
     try:
-        p2p_bytes = resolve_p2p_bytes(engine, layout.num_nodes, p2p_bytes, hosts, _whole_launch(process_group))
+        if backend_obj.name == "peer":  # its own transport; the counts-on-the-GPU round where ranks run concurrently
+            p2p_bytes = 0
+            if backend_obj.gpu_counts_transport() is not None:
+                engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate, host=host,
+                                peer=backend_obj.gpu_counts_transport(), copy_engine_min_bytes=0)
+        else:
+            p2p_bytes = resolve_p2p_bytes(engine, layout.num_nodes, p2p_bytes, hosts, _whole_launch(process_group))
         if p2p_bytes:
             min_bytes = COPY_ENGINE_MIN_BYTES if p2p_min_bytes is None else p2p_min_bytes
             engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate, host=host,

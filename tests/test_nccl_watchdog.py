@@ -10,7 +10,7 @@ import types
 import pytest
 
 import moecomm
-from moecomm.backends import nccl
+from moecomm.backends import _stream
 from moecomm.backends._deadline import call_before_deadline
 
 
@@ -27,19 +27,19 @@ class _Request:
 
 def _backend() -> types.SimpleNamespace:
     aborted = threading.Event()
-    return types.SimpleNamespace(rank=3, device=types.SimpleNamespace(index=0), abort=aborted.set, aborted=aborted)
+    return types.SimpleNamespace(name="nccl", rank=3, device=types.SimpleNamespace(index=0), abort=aborted.set, aborted=aborted)
 
 
 @pytest.fixture(autouse=True)
 def fake_cuda(monkeypatch):
-    monkeypatch.setattr(nccl, "_cudart", types.SimpleNamespace(set_device=lambda index: None,
+    monkeypatch.setattr(_stream, "_cudart", types.SimpleNamespace(set_device=lambda index: None,
                                                                relax_capture_mode=lambda: None,
                                                                destroy_event=lambda event: None))
 
 
 def test_finished_requests_leave_no_failure():
     b = _backend()
-    w = nccl._Watchdog(b, period_s=0.005)
+    w = _stream.Watchdog(b, period_s=0.005)
     for i in range(20):
         w.watch(_Request(0.001 * i), f"op {i}", timeout_s=5.0)
     time.sleep(0.2)
@@ -49,7 +49,7 @@ def test_finished_requests_leave_no_failure():
 
 def test_overdue_request_aborts_and_names_the_operation():
     b = _backend()
-    w = nccl._Watchdog(b, period_s=0.005)
+    w = _stream.Watchdog(b, period_s=0.005)
     w.watch(_Request(0.0), "barrier", timeout_s=5.0)
     w.watch(_Request(60.0), "all_to_all_v", timeout_s=0.05)
     assert b.aborted.wait(5.0)
@@ -60,7 +60,7 @@ def test_overdue_request_aborts_and_names_the_operation():
 
 def test_failing_gpu_poll_aborts_instead_of_killing_the_thread():
     b = _backend()
-    w = nccl._Watchdog(b, period_s=0.005)
+    w = _stream.Watchdog(b, period_s=0.005)
     w.watch(_Request(error=RuntimeError("moecomm: CUDA cudaEventQuery failed: cudaErrorIllegalAddress")), "allreduce",
             timeout_s=5.0)
     assert b.aborted.wait(5.0)
@@ -77,7 +77,7 @@ def test_failing_gpu_poll_aborts_instead_of_killing_the_thread():
 ])
 def test_failure_reported_by_a_finished_exchange_is_kept_as_is(reported):
     b = _backend()
-    w = nccl._Watchdog(b, period_s=0.005)
+    w = _stream.Watchdog(b, period_s=0.005)
     w.watch(_Request(0.0), "barrier", timeout_s=5.0)
     w.watch(_Request(error=reported), "all_to_all_v (copy engines)", timeout_s=5.0)
     assert b.aborted.wait(5.0)
@@ -86,21 +86,21 @@ def test_failure_reported_by_a_finished_exchange_is_kept_as_is(reported):
 
 def test_event_request_reports_its_problem_once_complete(monkeypatch):
     state = {"done": False}
-    monkeypatch.setattr(nccl, "_cudart", types.SimpleNamespace(query=lambda event: state["done"],
+    monkeypatch.setattr(_stream, "_cudart", types.SimpleNamespace(query=lambda event: state["done"],
                                                                destroy_event=lambda event: None))
     problem = moecomm.CountMismatchError("counts disagree")
-    request = nccl._EventRequest(object(), 0, lambda: problem)
+    request = _stream.EventRequest(object(), 0, lambda: problem)
     assert request.test() is False  # not complete: the status is not looked at yet
     state["done"] = True
     with pytest.raises(moecomm.CountMismatchError, match="counts disagree"):
         request.test()
-    assert nccl._EventRequest(object(), 0, lambda: None).test() is True
+    assert _stream.EventRequest(object(), 0, lambda: None).test() is True
 
 
 def test_a_captured_operation_cannot_be_polled():
     """An operation recorded into a CUDA graph capture runs at each replay: its request
     refuses test() (a query of a captured event would break the capture) and names the op."""
-    request = nccl._EventRequest(object(), 0, None, "all_to_all_v")
+    request = _stream.EventRequest(object(), 0, None, "all_to_all_v")
     with pytest.raises(RuntimeError, match=r"all_to_all_v was captured into a CUDA graph.*only wait\(\)"):
         request.test()
 

@@ -12,12 +12,13 @@ import torch
 from cuda.bindings import runtime as _rt
 
 __all__ = ["current_stream", "new_event", "destroy_event", "record", "wait", "query", "copy_async",
-           "set_device", "relax_capture_mode", "H2D", "D2H"]
+           "set_device", "relax_capture_mode", "H2D", "D2H", "D2D"]
 
 _SUCCESS = _rt.cudaError_t.cudaSuccess
 _NOT_READY = _rt.cudaError_t.cudaErrorNotReady
 H2D = _rt.cudaMemcpyKind.cudaMemcpyHostToDevice
 D2H = _rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+D2D = _rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
 _current_raw_stream = torch._C._cuda_getCurrentRawStream
 
 

@@ -72,6 +72,11 @@ class Backend(abc.ABC):
     disagreement can be reported after the rows moved; elsewhere (gloo aborts the process,
     NCCL may hang) the per-peer count records are compared before any row moves."""
 
+    collective_exchanges: bool = False
+    """True where every rank must take part in every exchange, also one in which it moves no
+    row (the peer backend's rounds); elsewhere an exchange is point to point, and a rank with
+    nothing to send or receive may skip it."""
+
     supports_displacements: bool = False
     """True where :meth:`alltoallv` takes ``send_displs``/``recv_displs``."""
 

@@ -12,16 +12,15 @@ operation outlives the timeout, so that no GPU wait hangs forever.
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..errors import MoeCommError
 from ._deadline import call_before_deadline
+from ._stream import EventRequest as _EventRequest
+from ._stream import StreamOrdered, Watchdog
 from .base import Backend, Request
 
 try:
@@ -48,93 +47,6 @@ def nccl_available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return False
     return True
-
-
-class _EventRequest(Request):
-    """Done when a CUDA event recorded after the operation on the backend's stream completes.
-
-    An operation issued while the caller's stream captures a CUDA graph only joins the
-    graph: it runs at each replay, and its event can be waited on but not queried."""
-
-    __slots__ = ("event", "_device_index", "_problem", "_op")
-
-    def __init__(self, event: object, device_index: int,
-                 problem: Optional[Callable[[], Optional[BaseException]]] = None, captured_op: str = "") -> None:
-        self.event = event
-        self._device_index = device_index
-        self._problem = problem  # after completion: what the GPU reported as failed, if anything
-        self._op = captured_op
-
-    def test(self) -> bool:
-        """True once complete; raises what ``problem`` reports (a transport's failed exchange)."""
-        if self._op:
-            raise RuntimeError(f"moecomm: {self._op} was captured into a CUDA graph: it runs when the graph is "
-                               f"replayed, and only wait() (which orders the current stream) applies to it")
-        done = _cudart.query(self.event)
-        if done and self._problem is not None:
-            exc = self._problem()
-            if exc is not None:
-                raise exc
-        return done
-
-    def join(self) -> None:
-        _cudart.wait(_cudart.current_stream(self._device_index), self.event)
-
-    def __del__(self) -> None:
-        if _cudart is not None:  # None while the interpreter shuts down
-            _cudart.destroy_event(self.event)
-
-
-class _Watchdog:
-    """Polls the requests in flight; aborts the communicator past a deadline."""
-
-    def __init__(self, backend: "NcclBackend", period_s: float = 0.05) -> None:
-        self._backend = backend
-        self._period = period_s
-        self._pending: collections.deque = collections.deque()  # appends and pops are atomic
-        self._stop = threading.Event()
-        self.failure: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="moecomm-nccl-watchdog", daemon=True)
-        self._thread.start()
-
-    def watch(self, request: _EventRequest, op: str, timeout_s: float) -> None:
-        self._pending.append((request, time.monotonic() + timeout_s, op, timeout_s))
-
-    def _run(self) -> None:
-        failure: Optional[BaseException] = None
-        try:
-            _cudart.set_device(self._backend.device.index)
-            _cudart.relax_capture_mode()
-            while failure is None and not self._stop.wait(self._period):
-                failure = self._overdue()
-        except Exception as exc:  # noqa: BLE001 - a CUDA error: nothing may wait on this context now
-            failure = RuntimeError(f"moecomm: the NCCL watchdog on rank {self._backend.rank} could not poll the "
-                                   f"GPU ({exc}); the NCCL communicator was aborted")
-        if failure is not None:
-            self.failure = failure
-            self._backend.abort()
-
-    def _overdue(self) -> Optional[BaseException]:
-        """Drop the finished requests; a TimeoutError naming the oldest if it is past its deadline,
-        or the failure a finished one reported."""
-        pending = self._pending
-        # Operations on the backend's stream complete in issue order: only the oldest
-        # unfinished one can be late.
-        try:
-            while pending and pending[0][0].test():
-                pending.popleft()
-        except (TimeoutError, MoeCommError) as exc:  # an exchange that completed with a reported failure
-            return exc
-        if pending and time.monotonic() > pending[0][1]:
-            _, _, op, timeout_s = pending[0]
-            return TimeoutError(f"moecomm: {op} did not complete on the GPU within {timeout_s:g} s on rank "
-                                f"{self._backend.rank}; the NCCL communicator was aborted")
-        return None
-
-    def stop(self) -> None:
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
 
 
 _NATIVE_CALLS: dict = {}
@@ -177,7 +89,7 @@ def _native_calls() -> Optional[Any]:
     return None if isinstance(cached, str) else cached
 
 
-class NcclBackend(Backend):
+class NcclBackend(StreamOrdered, Backend):
     name = "nccl"
     stream_ordered = True
     supports_displacements = True
@@ -192,14 +104,8 @@ class NcclBackend(Backend):
         self.size = int(nccl_comm.nranks)
         self.device = device
         self.timeout_s = timeout_s
-        self.stream = torch.cuda.Stream(device, priority=-1)
-        self._stream = self.stream.cuda_stream  # the raw handle, for the hot path
-        self._index = device.index
-        # Re-recorded by every operation at the caller's stream point: a wait takes the
-        # state an event had when it was enqueued, so one event serves every call.
-        self._ready = _cudart.new_event()
+        self._init_stream(device)
         self._barrier_token = torch.zeros(1, dtype=torch.int32, device=device)
-        self._watchdog = _Watchdog(self)
         self._aborted = False
         self._native = _native_calls()
         self._comm_ptr = int(nccl_comm.ptr)
@@ -248,38 +154,6 @@ class NcclBackend(Backend):
         return bytes(nc.get_unique_id())
 
     # -- plumbing -------------------------------------------------------------------------
-
-    def check_health(self) -> None:
-        if self._watchdog.failure is not None:
-            raise self._watchdog.failure
-
-    def begin(self, *tensors: torch.Tensor) -> int:
-        """Order the backend's stream after the caller's; returns the backend stream's handle.
-        With :meth:`end`, what a transport issuing on this stream (the peer transport) brackets
-        its work with."""
-        self.check_health()
-        _cudart.record(self._ready, _cudart.current_stream(self._index))
-        _cudart.wait(self._stream, self._ready)
-        for t in tensors:
-            t.record_stream(self.stream)
-        return self._stream
-
-    def end(self, op: str, problem: Optional[Callable[[], Optional[BaseException]]] = None) -> _EventRequest:
-        """The request of what was issued on the backend's stream since :meth:`begin`, under the
-        watchdog (``problem()``: a failure to report once it completes)."""
-        event = _cudart.new_event()
-        _cudart.record(event, self._stream)
-        if torch.cuda.is_current_stream_capturing():  # nothing runs now: replays are watched by watch_stream
-            return _EventRequest(event, self._index, None, op)
-        request = _EventRequest(event, self._index, problem)
-        self._watchdog.watch(request, op, self.timeout_s)
-        return request
-
-    def watch_stream(self, op: str, timeout_s: float,
-                     problem: Optional[Callable[[], Optional[BaseException]]] = None) -> None:
-        event = _cudart.new_event()
-        _cudart.record(event, _cudart.current_stream(self._index))
-        self._watchdog.watch(_EventRequest(event, self._index, problem), op, timeout_s)
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -336,12 +210,6 @@ class NcclBackend(Backend):
             with torch.cuda.stream(self.stream):
                 recv.reshape(-1).view(torch.uint8)[my_offset:my_offset + mine].copy_(send.reshape(-1).view(torch.uint8))
         return self.end("all_gather_v")
-
-    def copy_to_host(self, src, dst) -> Request:
-        self.begin(src)
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        return self.end("copy to the host")
 
     def exchange_counts(self, send, dev, host) -> Request:
         n = host.numel() // 2  # int64s out, then as many in

@@ -37,7 +37,8 @@ needs the host between its two kernels and cannot be captured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -85,13 +86,17 @@ class PeerTransport:
         backend: "NcclBackend" = engine.backend
         self._ext = load_p2p()
         self._backend = backend
+        # the peer backend (moecomm.backends.peer): every exchange is collective and cut into
+        # rounds there, never left to another transport
+        self.collective = backend.name == "peer"
         self.size, self.rank = backend.size, backend.rank
         self._device = backend.device.index
         W = self.size
         dev = backend.device
         devices = [row[0] for row in engine.gather_ints([dev.index], "p2p setup")]
         for r, d in enumerate(devices):
-            if r != self.rank and not self._ext.can_access_peer(dev.index, d):
+            # ranks that share a GPU map each other's memory through CUDA IPC alone
+            if r != self.rank and d != dev.index and not self._ext.can_access_peer(dev.index, d):
                 raise ValueError(f"p2p_bytes: GPU {dev.index} (rank {self.rank}) cannot map the memory of GPU {d} "
                                  f"(rank {r}); the peer-memory transport needs every pair of GPUs linked")
         # layout (moecomm_ext/csrc/p2p_cuda.cu): the counts-on-the-GPU headers, the copy-engine
@@ -144,6 +149,7 @@ class PeerTransport:
         self._fork = self._ext.new_event(dev.index)
         self._join = self._ext.new_event(dev.index)
         self._order = self._ext.new_event(dev.index)  # the counts-on-the-GPU path: after the backend's stream
+        self._host_event = _cudart.new_event()  # the host-coordinated rounds wait on it
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
         engine.barrier()  # every rank has mapped every arena before any exchange writes to one
@@ -188,11 +194,26 @@ class PeerTransport:
         ``recv_displs[p]`` of ``out`` (displacements None: blocks back to back). Collective:
         every rank calls it, also with nothing to move. Rows beyond a region's capacity go
         through NCCL afterwards, on the same stream."""
+        if self.collective:
+            return self._backend.alltoallv(x, send, out, recv, row_bytes, send_displs, recv_displs)
         me = self.rank
         b = self._backend
         # x and out are recorded on the backend's stream only: it waits for the own-block
         # copy on the second stream before its completion event, which is what frees them
         stream = b.begin(x, out)
+        self.issue_round(stream, x, send, send_displs, out, recv, recv_displs, row_bytes)
+        request = b.end("all_to_all_v (copy engines)", self.problem)
+        # the rank's own block went whole (input to output): only the peers' overflow remains
+        rest = self._overflow(x, send, send_displs, out, recv, recv_displs, row_bytes, me)
+        return request if rest is None else rest  # (the rest follows on the same stream)
+
+    def issue_round(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
+                    out: torch.Tensor, recv: Sequence[int], recv_displs: Optional[Sequence[int]],
+                    row_bytes: int) -> None:
+        """Enqueue one known-counts round on ``stream`` (the backend's, after its ``begin``):
+        the rank's own block whole, at most a region's capacity of every other block. The
+        GPU waits for the peers' headers (spins): only for ranks that run concurrently."""
+        me = self.rank
         self._ce_half ^= 1
         # the ready kernel (moecomm_ext/csrc/p2p_cuda.cu) only where the exchange before this one on
         # the device may have used the same half: the first of a capture; eager ones once captured
@@ -207,10 +228,56 @@ class PeerTransport:
                               self._ptrs[0], me, self._ce_state.data_ptr(), self._ce_half, ready, self.region_bytes,
                               self.ce_data_off, self.ce_header_off, self.ce_ack_off, self._status_t.data_ptr(),
                               self._timeout_ns)
-        request = b.end("all_to_all_v (copy engines)", self.problem)
-        # the rank's own block went whole (input to output): only the peers' overflow remains
-        rest = self._overflow(x, send, send_displs, out, recv, recv_displs, row_bytes, me)
-        return request if rest is None else rest  # (the rest follows on the same stream)
+
+    def issue_round_host(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Sequence[int],
+                         out: torch.Tensor, recv: Sequence[int], recv_displs: Sequence[int], row_bytes: int,
+                         handshake: Callable[[list[int]], list[list[int]]]) -> Optional[str]:
+        """One known-counts round coordinated by the host, for ranks that share a GPU without
+        MPS (a kernel spinning on a peer would hold the GPU's time slice): copies into the
+        peers' regions, the host waits for them (at most the timeout), ``handshake`` (an
+        all-gather of this rank's counts on the host) tells every rank that its peers' rows
+        have landed, then copies out of this rank's regions. Blocks the host. The own block
+        is not part of a round (0 rows). Returns what disagreed (None: nothing): then only
+        the rows both sides agree on are copied out.
+
+        Why two buffer halves suffice: a rank writes half h again two rounds later, after
+        the handshake of the round between, which every peer joined only after its stream
+        had passed its copy-out of the round that used h."""
+        me, W = self.rank, self.size
+        self._ce_half ^= 1
+        half = self._ce_half
+        cap = self.capacity_rows(row_bytes)
+        xp, op = x.data_ptr(), out.data_ptr()
+        for p in range(W):
+            rows = min(send[p], cap)
+            if p != me and rows > 0:
+                region = self._base_list[p] + self.ce_data_off + (half * W + me) * self.region_bytes
+                _cudart.copy_async(region, xp + send_displs[p] * row_bytes, rows * row_bytes, _cudart.D2D, stream)
+        self.wait_stream(stream, "all_to_all_v (peer memory, copies to the peers)")
+        table = handshake(list(send))
+        problem = None
+        for p in range(W):
+            sent = table[p][me]
+            if p != me and sent != recv[p] and problem is None:
+                problem = (f"rank {me} expected {recv[p]} rows from rank {p} in this round, but rank {p} sent "
+                           f"{sent} (the ranks' splits disagree)")
+            rows = min(recv[p], sent, cap)
+            if p != me and rows > 0:
+                region = self._base + self.ce_data_off + (half * W + p) * self.region_bytes
+                _cudart.copy_async(op + recv_displs[p] * row_bytes, region, rows * row_bytes, _cudart.D2D, stream)
+        return problem
+
+    def wait_stream(self, stream: int, op: str) -> None:
+        """Block the host until ``stream`` has done what was issued on it, at most the timeout
+        (then the backend is aborted and ``TimeoutError`` raised)."""
+        _cudart.record(self._host_event, stream)
+        deadline = time.monotonic() + self._timeout_ns / 1e9
+        while not _cudart.query(self._host_event):
+            if time.monotonic() > deadline:
+                self._backend.abort()
+                raise TimeoutError(f"moecomm: {op} did not complete on the GPU within {self._timeout_ns / 1e9:g} s on "
+                                   f"rank {self.rank}; the communicator was aborted")
+            time.sleep(2e-6)
 
     def problem(self) -> Optional[BaseException]:
         """What the copy-engine wait kernel reported (checked once an exchange completes)."""
@@ -252,7 +319,7 @@ class PeerTransport:
         on the backend's stream, from and into the places right after what the arenas carried;
         None when every pair fit."""
         cap = self.capacity_rows(row_bytes)
-        if max(send) <= cap and max(recv) <= cap:
+        if max(send) <= cap and max(recv) <= cap and not self.collective:
             return None
         send_displs = split_offsets(send) if send_displs is None else send_displs
         recv_displs = split_offsets(recv) if recv_displs is None else recv_displs
@@ -292,6 +359,9 @@ class PeerTransport:
             if event:
                 self._ext.destroy_event(event)
             setattr(self, name, 0)
+        if getattr(self, "_host_event", None) is not None:
+            _cudart.destroy_event(self._host_event)
+            self._host_event = None
 
 
 class _HostFlagRequest(Request):

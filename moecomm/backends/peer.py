@@ -1,0 +1,316 @@
+"""The peer-memory backend: the ranks of one node exchange rows through each other's GPU
+memory (CUDA IPC), with no NCCL; several ranks may share one GPU.
+
+``moecomm.init(backend="peer")`` makes it; ``backend="auto"`` picks it where ranks of one
+launch share a GPU (NCCL refuses two ranks on one GPU). Every rank owns an arena
+(:class:`moecomm.backends.p2p.PeerTransport`, ``p2p_bytes`` of device memory) that the
+others map. An exchange moves each block through the destination's arena, in rounds of at
+most a region's capacity per pair (:mod:`moecomm.backends.peer_rounds`: the ranks agree on
+the number of rounds over the host channel), so any size goes through buffers of a fixed
+size. The rank's own block is one device copy. Small host agreements (the rounds, the
+counts, barriers) go over the host channel (MPI or gloo).
+
+How a round waits for the peers depends on whether the ranks' kernels run at the same time
+(:attr:`PeerBackend.concurrent`, measured at creation, below):
+
+* concurrent (one GPU per rank, or ranks sharing a GPU under MPS): the GPU waits for the
+  peers' headers (a one-block kernel spins with a timeout); exchanges can be captured in a
+  CUDA graph; ``all_to_all_v`` with counts on the GPU takes one kernel round
+  (:meth:`PeerTransport.start`);
+* not concurrent (ranks sharing a GPU without MPS, where the GPU time-slices between
+  processes and a spinning kernel holds its slice, about 4.5 ms a round trip on an H200):
+  the host waits for its copies, then an all-gather on the host channel tells every rank
+  that its peers' rows have landed (about 0.2 ms a round). No kernel ever spins on a peer;
+  capture is refused. Rank 0 says once (logger ``moecomm``) that MPS makes it fast.
+
+Whether the ranks run concurrently is measured, not guessed: at creation the ranks time a
+few empty GPU rounds (their kernels spin on each other's headers); a round trip under a
+millisecond on every rank means concurrent (about 10 us under MPS, 4.5 ms without). Ranks
+on distinct GPUs are concurrent without a probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import CountMismatchError
+from ..splits import split_offsets
+from ._stream import StreamOrdered
+from .base import Backend, DoneRequest, Request
+from .peer_rounds import round_blocks, rounds_needed
+
+try:
+    from . import _cudart
+except Exception:  # noqa: BLE001 - no CUDA runtime bindings: then no peer backend (create raises)
+    _cudart = None
+
+__all__ = ["PeerBackend", "DEFAULT_REGION_BYTES", "CONCURRENT_ROUND_S", "default_arena_bytes", "shared_gpus"]
+
+_LOG = logging.getLogger("moecomm")
+
+DEFAULT_REGION_BYTES = 32 << 20
+"""Default region per (source, buffer half) in each rank's arena: an arena of
+``4 * size * 32 MiB`` plus headers (256 MiB per rank at 2 ranks, 1 GiB at 8), capped so
+that the ranks of one GPU together take at most a quarter of its free memory."""
+
+CONCURRENT_ROUND_S = 1e-3
+"""A probe round trip below this on every rank: the ranks' kernels run concurrently."""
+
+_PROBE_ROUNDS = 5
+_MIN_REGION_BYTES = 1 << 20
+
+
+class _Setup:
+    """What :class:`PeerTransport` needs of an engine while it sets up: the backend, an
+    all-gather of ints and a barrier, over the host channel."""
+
+    def __init__(self, backend: "PeerBackend", host: Any) -> None:
+        self.backend = backend
+        self._host = host
+
+    def gather_ints(self, values: list[int], op: str) -> list[list[int]]:
+        return self._host.allgather(values, what=op)
+
+    def barrier(self) -> None:
+        self._host.allreduce([0], "max", what="peer-memory setup (barrier)")
+
+
+def default_arena_bytes(size: int, ranks_per_gpu: int, free_bytes: int) -> int:
+    """The arena per rank when ``p2p_bytes`` is not given: ``4 * size`` regions of
+    :data:`DEFAULT_REGION_BYTES` and 1 MiB of headers, shrunk (in steps of 1 MiB per
+    region) so that ``ranks_per_gpu`` arenas take at most a quarter of ``free_bytes``.
+
+    Raises:
+        ValueError: not even 1 MiB regions fit.
+    """
+    budget = free_bytes // 4 // max(1, ranks_per_gpu)
+    region = min(DEFAULT_REGION_BYTES, (budget - (1 << 20)) // (4 * size) >> 20 << 20)
+    if region < _MIN_REGION_BYTES:
+        raise ValueError(f"the peer-memory backend needs at least {4 * size} MiB + 1 MiB of GPU memory per rank "
+                         f"for {size} ranks ({ranks_per_gpu} on this GPU); {free_bytes >> 20} MiB are free")
+    return 4 * size * region + (1 << 20)
+
+
+class PeerBackend(StreamOrdered, Backend):
+    """Collectives of one node's ranks through CUDA IPC peer memory (see the module)."""
+
+    name = "peer"
+    stream_ordered = True
+    supports_displacements = True
+    collective_exchanges = True
+    """Every rank takes part in every exchange, also with nothing to move (rounds are collective)."""
+
+    def __init__(self, host: Any, device: torch.device, timeout_s: float) -> None:
+        if _cudart is None:
+            raise RuntimeError("moecomm: the peer backend needs cuda-bindings (pip install cuda-bindings)")
+        self._host = host
+        self.rank, self.size = host.rank, host.size
+        self.device = device
+        self.timeout_s = float(timeout_s)
+        self._init_stream(device)
+        self._aborted = False
+        self.concurrent = True
+        self.transport: Any = None
+        self.arena_bytes = 0
+        self._calls = 0
+
+    @classmethod
+    def create(cls, host: Any, device: torch.device, timeout_s: float, arena_bytes: Optional[int] = None,
+               devices: Optional[Sequence[str]] = None) -> "PeerBackend":
+        """Collective over ``host``'s ranks: map every rank's arena, and measure whether the
+        ranks run concurrently. ``devices``: every rank's GPU (its UUID), when known.
+
+        Raises:
+            ValueError: ``arena_bytes`` too small, or GPUs that cannot map each other's memory.
+            RuntimeError: the transport's extension cannot be built or loaded.
+        """
+        from .p2p import PeerTransport
+
+        torch.cuda.set_device(device)
+        backend = cls(host, device, timeout_s)
+        try:
+            if devices is None:
+                uuid = str(torch.cuda.get_device_properties(device).uuid)
+                devices = [bytes(v).decode() for v in
+                           host.allgather(list(uuid.encode()), what="peer backend (GPUs)")]
+            ranks_per_gpu = max(list(devices).count(d) for d in devices)
+            if arena_bytes is None:
+                free = min(v[0] for v in host.allgather([torch.cuda.mem_get_info(device)[0]],
+                                                         what="peer backend (free memory)"))
+                arena_bytes = default_arena_bytes(backend.size, ranks_per_gpu, free)
+            backend.arena_bytes = arena_bytes
+            backend.transport = PeerTransport(_Setup(backend, host), arena_bytes)
+            backend.concurrent = ranks_per_gpu == 1 or backend.probe_concurrency()
+        except BaseException:
+            backend.abort()
+            raise
+        if not backend.concurrent and backend.rank == 0:
+            _LOG.warning("moecomm: %d ranks share a GPU without MPS: the peer backend coordinates every exchange "
+                         "on the host (about 0.2 ms a round); start the MPS control daemon "
+                         "(nvidia-cuda-mps-control -d) before the launch to make it GPU-driven and capturable",
+                         ranks_per_gpu)
+        return backend
+
+    def probe_concurrency(self) -> bool:
+        """Time empty GPU rounds (each rank's kernel spins until the peers' headers land):
+        True when the fastest takes under :data:`CONCURRENT_ROUND_S` on every rank."""
+        zeros = [0] * self.size
+        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+        best = float("inf")
+        for _ in range(_PROBE_ROUNDS):
+            h = self.begin()
+            t0 = time.perf_counter()
+            self.transport.issue_round(h, empty, zeros, None, empty, zeros, None, 1)
+            self.transport.wait_stream(h, "peer backend (concurrency probe)")
+            best = min(best, time.perf_counter() - t0)
+        slowest = self._host.allreduce([int(best * 1e9)], "max", what="peer backend (concurrency probe)")[0]
+        return slowest < CONCURRENT_ROUND_S * 1e9
+
+    # -- what the engine uses --------------------------------------------------------------
+
+    def gpu_counts_transport(self) -> Any:
+        """The transport for ``all_to_all_v`` with counts on the GPU in one kernel round
+        (concurrent ranks only), else None (the counts then cross the host first)."""
+        return self.transport if self.concurrent else None
+
+    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
+        t, me = self.transport, self.rank
+        send_counts, recv_counts = list(send_counts), list(recv_counts)
+        sd = split_offsets(send_counts) if send_displs is None else list(send_displs)
+        rd = split_offsets(recv_counts) if recv_displs is None else list(recv_displs)
+        cap = t.capacity_rows(row_bytes)
+        self._calls += 1
+        mine = rounds_needed(send_counts, recv_counts, me, cap)
+        # the call number travels too: two ranks in different exchanges never pair up
+        agreed = self._host.allreduce([mine, self._calls, -self._calls], "max", what="all_to_all_v (peer rounds)")
+        rounds = agreed[0]
+        if agreed[1] != -agreed[2]:
+            self.abort()
+            raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): the ranks are in different exchanges "
+                                     f"(rank {me} is in its exchange number {self._calls}, some rank in "
+                                     f"{agreed[1] if agreed[1] != self._calls else -agreed[2]}); the communicator "
+                                     f"was aborted")
+        if not self.concurrent and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moecomm: the peer backend cannot capture exchanges of ranks that share a GPU without "
+                               "MPS (each round waits on the host); run the ranks under MPS")
+        h = self.begin(send, recv)
+        own = min(send_counts[me], recv_counts[me])
+        if own and row_bytes:
+            _cudart.copy_async(recv.data_ptr() + rd[me] * row_bytes, send.data_ptr() + sd[me] * row_bytes,
+                               own * row_bytes, _cudart.D2D, h)
+        problems: list[str] = []
+        if send_counts[me] != recv_counts[me]:
+            problems.append(f"rank {me} sends itself {send_counts[me]} rows but expects {recv_counts[me]}")
+        for r in range(rounds):
+            part = round_blocks(send_counts, sd, recv_counts, rd, me, cap, r)
+            if self.concurrent:
+                t.issue_round(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs, row_bytes)
+            else:
+                problem = t.issue_round_host(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs,
+                                             row_bytes, self._handshake)
+                if problem:
+                    problems.append(problem)
+        if problems:  # every round was issued: the peers are not left waiting
+            request = self.end("all_to_all_v (peer memory)")
+            raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {problems[0]}")
+        return self.end("all_to_all_v (peer memory)", t.problem if self.concurrent and rounds else None)
+
+    def _handshake(self, sent: list[int]) -> list[list[int]]:
+        return self._host.allgather(sent, what="all_to_all_v (peer memory, host round)")
+
+    def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
+        me = self.rank
+        mine = recv_counts[me]
+        return self.alltoallv(send, [mine] * self.size, recv, list(recv_counts), row_bytes,
+                              [0] * self.size, split_offsets(list(recv_counts)))
+
+    def exchange_counts(self, send, dev, host) -> Request:
+        n = host.numel() // 2
+        if send is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            host[:n].copy_(send)
+        values = host[:n].tolist()
+        per = n // self.size
+        table = self._host.allgather(values, what="all_to_all_v (count exchange)")
+        me = self.rank
+        host[n:] = torch.tensor([v for row in table for v in row[me * per:(me + 1) * per]], dtype=torch.int64)
+        return DoneRequest()
+
+    def alltoall(self, send, recv) -> Request:
+        n = send.numel() * send.element_size() // self.size
+        return self.alltoallv(send, [n] * self.size, recv, [n] * self.size, 1)
+
+    def allgather(self, send, recv) -> Request:
+        n = send.numel() * send.element_size()
+        return self.allgatherv(send, recv, [1] * self.size, n)
+
+    def allreduce(self, tensor, op) -> Request:
+        if not tensor.numel():
+            return self.barrier()
+        gathered = torch.empty((self.size,) + tuple(tensor.shape), dtype=tensor.dtype, device=self.device)
+        flat = tensor.contiguous()
+        request = self.allgather(flat, gathered)
+        request.join()
+        reduce = {"sum": torch.sum, "prod": torch.prod}
+        if op in reduce:
+            result = reduce[op](gathered, dim=0, dtype=tensor.dtype)
+        else:
+            result = getattr(gathered, "amax" if op == "max" else "amin")(dim=0)
+        tensor.copy_(result)
+        return self.end_after_current("allreduce")
+
+    def end_after_current(self, op: str) -> Request:
+        """A request done once the caller's current stream has done what was issued on it."""
+        self.begin()
+        return self.end(op)
+
+    def broadcast(self, tensor, root) -> Request:
+        n = tensor.numel() * tensor.element_size()
+        me, W = self.rank, self.size
+        send = [n if me == root and p != root else 0 for p in range(W)]
+        recv = [n if p == root and me != root else 0 for p in range(W)]
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        return self.alltoallv(flat.view(torch.uint8), send, flat.view(torch.uint8), recv, 1, [0] * W, [0] * W)
+
+    def barrier(self) -> Request:
+        torch.cuda.current_stream(self.device).synchronize()
+        self._host.allreduce([0], "max", what="barrier")
+        return DoneRequest()
+
+    def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["PeerBackend"]:
+        self.check_health()
+        torch.cuda.current_stream(self.device).synchronize()
+        sub_host = self._host.split(color, key)
+        if color is None:
+            return None
+        if sub_host is None:
+            raise RuntimeError(f"moecomm: the peer backend splits over an MPI host channel; this one is "
+                               f"{self._host.kind!r} (launch with mpirun/mpiexec)")
+        return PeerBackend.create(sub_host, self.device, self.timeout_s, self.arena_bytes)
+
+    def close(self) -> None:
+        self._watchdog.stop()
+        if self.transport is not None and not self._aborted:
+            self.transport.close(_Setup(self, self._host))
+        self.transport = None
+        _cudart.destroy_event(self._ready)
+        self._host.close()
+
+    def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        self._watchdog.stop()
+        self._host.abort()
+
+
+def shared_gpus(devices: Sequence[str], hosts: Sequence[str]) -> dict[tuple[str, str], list[int]]:
+    """(host, GPU) -> the ranks on it, for every GPU that two or more ranks share."""
+    where: dict[tuple[str, str], list[int]] = {}
+    for r, key in enumerate(zip(hosts, devices)):
+        where.setdefault(key, []).append(r)
+    return {k: v for k, v in where.items() if len(v) > 1}

@@ -1,0 +1,134 @@
+"""The peer-memory backend's host-side logic, on the CPU: rounds through buffers smaller
+than an exchange (against a reference exchange), the arena's default size, and the choice
+of backend on shared GPUs (the GPUs faked). The backend itself runs in the device suites
+(tests/ranks/peer_gpu.py, bench/gpu_session.sh)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moecomm import _make_backend
+from moecomm.backends.peer import default_arena_bytes, shared_gpus
+from moecomm.backends.peer_rounds import round_blocks, rounds_needed
+
+
+@st.composite
+def exchanges(draw):
+    world = draw(st.integers(1, 7))
+    counts = draw(st.lists(st.lists(st.integers(0, 23) | st.just(0), min_size=world, max_size=world),
+                           min_size=world, max_size=world))
+    cap = draw(st.integers(1, 9))
+    gaps = draw(st.lists(st.integers(0, 3), min_size=2 * world * world, max_size=2 * world * world))
+    return world, counts, cap, gaps
+
+
+def _displs(counts, gaps):
+    out, at = [], 0
+    for n, g in zip(counts, gaps):
+        at += g
+        out.append(at)
+        at += n
+    return out, at
+
+
+@settings(max_examples=300, deadline=None)
+@given(exchanges())
+def test_rounds_move_every_row_once_and_agree_pairwise(case):
+    world, C, cap, gaps = case
+    rows = {}  # every rank's input (rows tagged src, dst, index) and output, with gaps between blocks
+    plan = {}
+    for me in range(world):
+        send = C[me]
+        recv = [C[p][me] for p in range(world)]
+        sd, send_len = _displs(send, gaps[2 * world * me: 2 * world * me + world])
+        rd, recv_len = _displs(recv, gaps[2 * world * me + world: 2 * world * (me + 1)])
+        x = np.full((send_len, 3), -1, dtype=np.int64)
+        for p in range(world):
+            for i in range(send[p]):
+                x[sd[p] + i] = (me, p, i)
+        rows[me] = (x, np.full((recv_len, 3), -7, dtype=np.int64))
+        plan[me] = (send, sd, recv, rd)
+    rounds = max(rounds_needed(plan[me][0], plan[me][2], me, cap) for me in range(world))
+    for me in range(world):  # the own block: one copy, outside the rounds
+        send, sd, recv, rd = plan[me]
+        x, out = rows[me]
+        out[rd[me]:rd[me] + recv[me]] = x[sd[me]:sd[me] + send[me]]
+    for r in range(rounds):
+        parts = {me: round_blocks(*plan[me][:4], me, cap, r) for me in range(world)}
+        for s in range(world):
+            for d in range(world):
+                n = parts[s].send[d]
+                assert n == parts[d].recv[s], "sender and receiver disagree on a round's block"
+                assert n <= cap and (s != d or n == 0)
+                if n:
+                    src = rows[s][0][parts[s].send_displs[d]:parts[s].send_displs[d] + n]
+                    rows[d][1][parts[d].recv_displs[s]:parts[d].recv_displs[s] + n] = src
+    for me in range(world):
+        _, out = rows[me]
+        _, _, recv, rd = plan[me]
+        for p in range(world):
+            block = out[rd[p]:rd[p] + recv[p]]
+            expected = np.array([(p, me, i) for i in range(recv[p])], dtype=np.int64).reshape(-1, 3)
+            np.testing.assert_array_equal(block, expected)
+        # nothing written into the gaps between blocks
+        mask = np.ones(len(out), dtype=bool)
+        for p in range(world):
+            mask[rd[p]:rd[p] + recv[p]] = False
+        assert (out[mask] == -7).all()
+
+
+def test_rounds_needed_counts_peers_only():
+    assert rounds_needed([100, 3, 0], [100, 0, 7], 0, 4) == 2  # the own block (100) is no round's
+    assert rounds_needed([5], [5], 0, 1) == 0
+    assert rounds_needed([0, 0], [0, 0], 1, 3) == 0
+    assert rounds_needed([0, 9], [0, 9], 0, 3) == 3
+    with pytest.raises(ValueError, match="cap"):
+        rounds_needed([1], [1], 0, 0)
+
+
+def test_default_arena_fits_a_quarter_of_the_free_memory():
+    full = default_arena_bytes(2, 2, 140 << 30)
+    assert full == 4 * 2 * (32 << 20) + (1 << 20)
+    eight = default_arena_bytes(8, 8, 140 << 30)
+    assert eight * 8 <= (140 << 30) // 4
+    small = default_arena_bytes(8, 8, 2 << 30)
+    assert small * 8 <= (2 << 30) // 4 and (small - (1 << 20)) % (4 * 8 << 20) == 0
+    with pytest.raises(ValueError, match="free"):
+        default_arena_bytes(8, 8, 64 << 20)
+
+
+def test_shared_gpus_names_each_gpu_and_its_ranks():
+    hosts = ["a", "a", "a", "b", "b"]
+    uuids = ["G0", "G0", "G1", "G0", "G2"]
+    assert shared_gpus(uuids, hosts) == {("a", "G0"): [0, 1]}
+    assert shared_gpus(["G0", "G1"], ["a", "a"]) == {}
+
+
+def test_auto_takes_the_peer_backend_where_ranks_share_a_gpu(caplog):
+    with caplog.at_level(logging.INFO, logger="moecomm"):
+        assert _make_backend._gpu_backend("nccl", True, ["G0", "G0", "G1"], ["h"] * 3, 0) == "peer"
+    assert "ranks [0, 1] share GPU G0" in caplog.text
+    assert _make_backend._gpu_backend("nccl", True, ["G0", "G0"], ["h"] * 2, 1) == "peer"
+    assert _make_backend._gpu_backend("peer", False, ["G0", "G1"], ["h"] * 2, 0) == "peer"
+    assert _make_backend._gpu_backend("nccl", False, ["G0", "G1"], ["h"] * 2, 0) == "nccl"
+
+
+def test_auto_without_shared_gpus_is_nccl_or_mpi(monkeypatch):
+    from moecomm.backends import nccl
+
+    monkeypatch.setattr(nccl, "nccl_available", lambda: True)
+    assert _make_backend._gpu_backend("nccl", True, ["G0", "G1"], ["h", "h"], 0) == "nccl"
+    monkeypatch.setattr(nccl, "nccl_available", lambda: False)
+    assert _make_backend._gpu_backend("nccl", True, ["G0", "G0"], ["h", "k"], 0) == "mpi"
+
+
+def test_nccl_on_a_shared_gpu_is_refused_with_the_gpu_ranks_and_remedy():
+    with pytest.raises(ValueError) as info:
+        _make_backend._gpu_backend("nccl", False, ["G0", "G1", "G0"], ["h"] * 3, 2)
+    text = str(info.value)
+    assert "ranks [0, 2]" in text and "G0" in text and "backend='peer'" in text and "host h" in text
