@@ -10,7 +10,7 @@ to whole rows, and the table, the JSON and the bandwidths all use those bytes. `
 size / time and ``busbw`` is algbw * (n-1)/n, as nccl-tests define them for alltoall. Times
 are per exchange, the slowest rank's, over ``--iters`` timed runs: median and p99.
 
-Methods (``--compare`` adds the last two):
+Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCCL refuses):
   moecomm        ``comm.all_to_all_v(x, send_counts)`` with the counts in a tensor on the
                  communicator's device, as MoE code has them (counts exchanged each call)
   moecomm-known  ``comm.all_to_all_v(x, send, recv)`` with both sides' counts known
@@ -20,6 +20,8 @@ Methods (``--compare`` adds the last two):
   moecomm-known-checked  ``--check-cost``: as ``moecomm-known`` with the per-peer count records
                  beside the rows (what validate=True does besides its all-gather), to time
                  what they would cost by default
+  copy           one device copy of the same bytes (``torch.empty_like(x).copy_(x)``): the
+                 floor where the ranks share one device's memory (ranks sharing a GPU)
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
                  all_to_all_single with splits (gloo on CPU, NCCL on GPU)
   raw            the backend itself: mpi4py ``Alltoallv`` (CPU), nccl4py ``ncclAlltoAll``
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -127,7 +130,11 @@ class Bench:
         self.cuda = self.device.type == "cuda"
         self.dtype = DTYPES[args.dtype]
         self.wire = getattr(torch, args.wire_dtype) if args.wire_dtype else None
-        self.pg = self._torch_group() if args.compare else None
+        # NCCL (torch's MoE pattern, the raw method) cannot run ranks that share a GPU
+        self.shared_gpu = self.comm.backend == "peer"
+        self.pg = self._torch_group() if args.compare and not self.shared_gpu else None
+        if args.compare and self.shared_gpu and self.comm.rank == 0:
+            sys.stderr.write("# --compare: torch's NCCL pattern and the raw method need a GPU per rank: left out\n")
         self.p2p = None
         if self.cuda and args.p2p_bytes:
             self.p2p = moecomm.init(backend="nccl", timeout=args.timeout, p2p_bytes=args.p2p_bytes, set_default=False)
@@ -211,6 +218,8 @@ class Bench:
                                                           self.dtype)
 
         def check(out: torch.Tensor, name: str) -> bool:
+            if name == "copy":
+                return bool(self.world.allreduce(bool(torch.equal(out, x)), op=_land_op()))
             want = expect_wire if "fp8" in name else expect_rows
             ok = out.shape == (sum(recv), self.args.row_elems) and bool((out == want).all())
             return bool(self.world.allreduce(ok, op=_land_op()))
@@ -218,6 +227,7 @@ class Bench:
         methods: dict[str, Optional[Callable[[], torch.Tensor]]] = {
             "moecomm": lambda: self.comm.all_to_all_v(x, counts_dev)[0],
             "moecomm-known": lambda: self.comm.all_to_all_v(x, send, recv)[0],
+            "copy": lambda: torch.empty_like(x).copy_(x),  # the floor where ranks share a device's memory
         }
         if self.args.check_cost:
             methods["moecomm-known-checked"] = lambda: self._checked(x, send, recv)
@@ -411,8 +421,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         print(format_table(results, header), flush=True)
         bad = [r for r in results if not r["check"]]
         if args.json:
+            backend = bench.comm.engine.backend
             with open(args.json, "w") as fh:
-                json.dump({"header": header, "results": results}, fh, indent=1)
+                json.dump({"header": header, "world_size": bench.comm.size, "backend": bench.comm.backend,
+                           "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) and bench.cuda,
+                           "concurrent": getattr(backend, "concurrent", None), "results": results}, fh, indent=1)
         if bad:
             print(f"# {len(bad)} CHECK FAILURES", flush=True)
     if any(not r["check"] for r in results):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (2 x H200; NRANKS=1 on one GPU): the GPU test suites and the benchmarks,
+# One device call (2 x H200; NRANKS=1 on one GPU; the step "shared": several ranks on one GPU): the GPU test suites and the benchmarks,
 # logged under $OUT.
 # Needs the nccl4py wheel in .whl/ (see ../shared/DEVICE.md) and `carry: [".whl"]`.
 # Usage: bash bench/gpu_session.sh [STEP ...]   (default: the measurement steps below; the diagnostic
@@ -19,6 +19,17 @@ MPI=(mpirun --allow-run-as-root -n $NRANKS -x PYTHONPATH -x PYTHONUNBUFFERED -x 
 LOG=$OUT/session.log
 SUMMARY=()
 
+mps_on() {  # an MPS control daemon of this call's own, in /tmp (../shared/DEVICE.md)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "===== MPS on" >> "$LOG"
+}
+
+mps_off() {
+  echo quit | nvidia-cuda-mps-control && sleep 1 && echo "===== MPS off" >> "$LOG"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 step() {
   local name=$1 limit=$2
   shift 2
@@ -30,7 +41,18 @@ step() {
   SUMMARY+=("$name rc=$rc $((SECONDS - start))s")
 }
 
-run_step() {
+run_mps_on() {  # an MPS control daemon of this call's own, in /tmp (../shared/DEVICE.md)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "===== MPS on" >> "$LOG"
+}
+
+mps_off() {
+  echo quit | nvidia-cuda-mps-control && sleep 1 && echo "===== MPS off" >> "$LOG"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+step() {
   case $1 in
     core)
       step core_mpirun 90 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives nccl -check_timeout
@@ -173,6 +195,37 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       step dl_fused_syncs 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --dropless --sync-report
       step moe_fused_profile 90 "${MPI[@]}" python3 -m bench.moe_layer --top-k 2 -n 3 --profile /tmp/moe_fused_trace.json
       step moe_fused_summary 60 python3 -m bench.trace_summary --host --top 30 /tmp/moe_fused_trace.json ;;
+    shared)  # issue 26: SHARED_RANKS ranks sharing GPU 0 on the peer backend: the rank suites (SHARED_PARTS)
+      # under MPS, then the core suite and the exchange benchmark without MPS (2 ranks)
+      local parts=${SHARED_PARTS:-core overlap quant moe a2a moebench}
+      mps_on
+      for n in ${SHARED_RANKS:-2 3 4 8}; do
+        local M=(mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
+                 -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
+        for part in $parts; do
+          case $part in
+            core) step "shared_core_$n" 240 "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives peer ;;
+            overlap) step "shared_overlap_$n" 240 "${M[@]}" python3 -m tests.ranks.overlap_checks peer ;;
+            quant) step "shared_quant_$n" 200 "${M[@]}" python3 -m tests.ranks.quant_checks peer ;;
+            moe) step "shared_moe_$n" 240 "${M[@]}" python3 -m tests.ranks.moe_layer_checks all cuda ;;
+            a2a) step "shared_a2a_$n" 200 "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M \
+                   -f 4 -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_$n.json" ;;
+            moebench) [ $n = 2 ] || [ $n = 4 ] && step "shared_moe_layer_$n" 200 "${M[@]}" python3 -m bench.moe_layer \
+                   --tokens $((8192 / n)) --top-k 2 --json "$RES/shared_gpu_moe_layer_$n.json" ;;
+          esac
+        done
+      done
+      mps_off
+      if [ -z "${SHARED_NO_NOMPS:-}" ]; then
+        local M=(mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
+                 -x CUDA_VISIBLE_DEVICES=0)
+        step shared_core_2_nomps 240 "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives peer
+        step shared_a2a_2_nomps 200 "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 \
+          -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
+      fi ;;
+    sobuild)  # build every native extension in place and send the libraries back (carry them next time)
+      step build_ext 400 env MAX_JOBS=16 python3 setup.py -q build_ext --inplace
+      mkdir -p "$RES/so" && find moecomm moecomm_ext -name "*cpython-3*.so" -exec cp --parents {} "$RES/so" \; ;;
     perpeer) step per_peer 90 "${MPI[@]}" python3 -m bench.latency --only-per-peer -n 100 --json "$RES/latency_per_peer.json" ;;
     deadlines) step nccl_deadlines 90 "${MPI[@]}" python3 -m tests.ranks.nccl_init_timeout ;;
     perpeerx3)  # the same, three runs

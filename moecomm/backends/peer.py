@@ -186,7 +186,8 @@ class PeerBackend(StreamOrdered, Backend):
         self._calls += 1
         mine = rounds_needed(send_counts, recv_counts, me, cap)
         # the call number travels too: two ranks in different exchanges never pair up
-        agreed = self._host.allreduce([mine, self._calls, -self._calls], "max", what="all_to_all_v (peer rounds)")
+        agreed = self._agree(self._host.allreduce, [mine, self._calls, -self._calls], "max",
+                             what="all_to_all_v (peer rounds)")
         rounds = agreed[0]
         if agreed[1] != -agreed[2]:
             self.abort()
@@ -220,7 +221,18 @@ class PeerBackend(StreamOrdered, Backend):
         return self.end("all_to_all_v (peer memory)", t.problem if self.concurrent and rounds else None)
 
     def _handshake(self, sent: list[int]) -> list[list[int]]:
-        return self._host.allgather(sent, what="all_to_all_v (peer memory, host round)")
+        return self._agree(self._host.allgather, sent, what="all_to_all_v (peer memory, host round)")
+
+    def _agree(self, call: Any, *args: Any, **kw: Any) -> Any:
+        """A host-channel collective; one that times out (a peer gone or stuck) aborts the
+        backend, and every later call raises that failure (then the communicator is closed)."""
+        try:
+            return call(*args, **kw)
+        except (TimeoutError, RuntimeError) as exc:
+            if self._watchdog.failure is None:
+                self._watchdog.failure = exc
+            self.abort()
+            raise
 
     def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
         me = self.rank
@@ -235,7 +247,7 @@ class PeerBackend(StreamOrdered, Backend):
             host[:n].copy_(send)
         values = host[:n].tolist()
         per = n // self.size
-        table = self._host.allgather(values, what="all_to_all_v (count exchange)")
+        table = self._agree(self._host.allgather, values, what="all_to_all_v (count exchange)")
         me = self.rank
         host[n:] = torch.tensor([v for row in table for v in row[me * per:(me + 1) * per]], dtype=torch.int64)
         return DoneRequest()
@@ -278,7 +290,7 @@ class PeerBackend(StreamOrdered, Backend):
 
     def barrier(self) -> Request:
         torch.cuda.current_stream(self.device).synchronize()
-        self._host.allreduce([0], "max", what="barrier")
+        self._agree(self._host.allreduce, [0], "max", what="barrier")
         return DoneRequest()
 
     def split(self, color: Optional[int], key: int, table: Sequence[Sequence[int]]) -> Optional["PeerBackend"]:

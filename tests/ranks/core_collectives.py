@@ -314,7 +314,16 @@ def check_cuda_graph() -> None:
     during capture, naming recv_splits; a replay is put under the watchdog by watch_stream.
     With peer memory the captured exchanges move by copy engines: three in the graph, so
     that consecutive replays reuse a buffer half back to back."""
-    if DEV.type != "cuda" or BACKEND != "nccl":
+    if DEV.type != "cuda" or BACKEND not in ("nccl", "peer"):
+        return
+    if BACKEND == "peer" and not COMM.engine.backend.concurrent:  # ranks sharing a GPU without MPS
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                COMM.all_to_all_v(torch.zeros(W, 16, device=DEV), [1] * W, [1] * W)
+            refused = ""
+        except RuntimeError as exc:
+            refused = str(exc)
+        collective_assert("run the ranks under MPS" in refused, f"capture without MPS: {refused!r}")
         return
     m = count_matrix(91, W, 9, 0.3)
     send, recv = m[R].tolist(), m[:, R].tolist()
