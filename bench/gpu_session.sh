@@ -41,18 +41,7 @@ step() {
   SUMMARY+=("$name rc=$rc $((SECONDS - start))s")
 }
 
-run_mps_on() {  # an MPS control daemon of this call's own, in /tmp (../shared/DEVICE.md)
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && echo "===== MPS on" >> "$LOG"
-}
-
-mps_off() {
-  echo quit | nvidia-cuda-mps-control && sleep 1 && echo "===== MPS off" >> "$LOG"
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-}
-
-step() {
+run_step() {
   case $1 in
     core)
       step core_mpirun 90 "${MPI[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives nccl -check_timeout
