@@ -96,12 +96,26 @@ _GUARD: dict[str, _ExitGuard] = {}  # explicit registry: this process's exit hoo
 
 def arm(world: Any, timeout_s: float) -> None:
     """Register the exit hook (once per process; later calls do nothing). Collective over
-    ``world`` (``MPI.COMM_WORLD``) but non-blocking: every rank's first ``init`` calls it."""
+    ``world`` (``MPI.COMM_WORLD``): every rank's first ``init`` calls it.
+
+    The duplicate of ``world`` is completed here, before ``init`` posts other collectives on
+    ``world``: Open MPI mismatches an ``MPI_Comm_idup`` still in flight with later
+    non-blocking collectives on the same communicator (``MPI_ERR_TRUNCATE`` in its NBC
+    schedules, seen with two ranks on one GPU).
+
+    Raises:
+        TimeoutError: some rank did not reach it within ``timeout_s`` (the hook stays
+            registered: the exit still does not wait forever).
+    """
     guard = _GUARD.get("guard")
     if guard is None:
+        from .launch import mpi_wait
+
         guard = _ExitGuard(world, timeout_s)
         atexit.register(guard.at_exit)
         _GUARD["guard"] = guard
+        mpi_wait(guard.ready, timeout_s=timeout_s, what="moecomm.init (MPI_Comm_idup of the exit hook)",
+                 rank=guard.rank)
     guard.timeout_s = max(guard.timeout_s, timeout_s)  # the longest wait any communicator may make
 
 

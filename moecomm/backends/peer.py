@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import CountMismatchError
+from ..errors import CommunicatorClosedError, CountMismatchError
 from ..splits import split_offsets
 from ._stream import StreamOrdered
 from .base import Backend, DoneRequest, Request
@@ -113,6 +113,7 @@ class PeerBackend(StreamOrdered, Backend):
         self.timeout_s = float(timeout_s)
         self._init_stream(device)
         self._aborted = False
+        self._host_failure: Optional[BaseException] = None
         self.concurrent = True
         self.transport: Any = None
         self.arena_bytes = 0
@@ -229,10 +230,15 @@ class PeerBackend(StreamOrdered, Backend):
         try:
             return call(*args, **kw)
         except (TimeoutError, RuntimeError) as exc:
-            if self._watchdog.failure is None:
-                self._watchdog.failure = exc
+            if self._host_failure is None:
+                self._host_failure = exc
             self.abort()
             raise
+
+    def check_health(self) -> None:
+        if self._host_failure is not None:  # the call that met it raised it; every later one says closed
+            raise CommunicatorClosedError(f"moecomm: the communicator was aborted: {self._host_failure}")
+        super().check_health()
 
     def allgatherv(self, send, recv, recv_counts, row_bytes) -> Request:
         me = self.rank
