@@ -212,6 +212,8 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         step shared_a2a_2_nomps 200 "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 \
           -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
       fi ;;
+    peercosts) mps_on; step peer_costs 60 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY \
+        -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.peer_costs; mps_off ;;
     sobuild)  # build every native extension in place and send the libraries back (carry them next time)
       step build_ext 400 env MAX_JOBS=16 python3 setup.py -q build_ext --inplace
       mkdir -p "$RES/so" && find moecomm moecomm_ext -name "*cpython-3*.so" -exec cp --parents {} "$RES/so" \; ;;

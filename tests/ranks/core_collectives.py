@@ -243,7 +243,7 @@ def check_peer_memory() -> None:
     over many calls (both arena halves), with rows beyond a region's capacity (through NCCL)
     and rows that are not a multiple of 16 bytes (NCCL path)."""
     if BACKEND != "nccl" or under_torchrun():
-        if BACKEND != "nccl":
+        if BACKEND not in ("nccl", "peer"):  # (the peer backend takes p2p_bytes: its arena)
             try:
                 make_comm(p2p_bytes=1 << 20, set_default=False)
                 raised = None

@@ -1,0 +1,86 @@
+"""Where the time of a small exchange on the peer backend goes (ranks sharing a GPU).
+
+Run under MPI with the peer backend (``mpirun -n 2 python -m bench.peer_costs``): rank 0
+prints the median host time per call of each piece, synchronised like ``bench.alltoall``
+(a device synchronisation and an MPI barrier after every call), and without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+import moecomm
+
+
+def _median_us(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> float:
+    times = []
+    for i in range(n + 5):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("-n", type=int, default=200)
+    p.add_argument("--rows", type=int, default=64, help="rows of 2048 bf16 per peer")
+    args = p.parse_args()
+    from mpi4py import MPI
+
+    comm = moecomm.init()
+    world = MPI.COMM_WORLD
+    W, dev = comm.size, comm.device
+    backend = comm.engine.backend
+    host = backend._host  # noqa: SLF001 - a diagnostic of the backend's own pieces
+    t = backend.transport
+    x = torch.randn(W * args.rows, 2048, device=dev).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    send = [args.rows] * W
+    counts = torch.tensor(send, device=dev)
+
+    def device_sync() -> None:
+        torch.cuda.synchronize(dev)
+        world.Barrier()
+
+    def none() -> None:
+        pass
+
+    empty = torch.empty(0, dtype=torch.uint8, device=dev)
+    zeros = [0] * W
+
+    def round_only() -> None:
+        h = backend.begin()
+        t.issue_round(h, empty, zeros, None, empty, zeros, None, 1)
+        backend.end("probe")
+
+    pieces = {
+        "sync alone": none,
+        "host allreduce (3 ints)": lambda: host.allreduce([1, 2, 3], "max"),
+        "empty GPU round": round_only,
+        "backend.alltoallv known": lambda: backend.alltoallv(x, send, out, send, 4096).join(),
+        "all_to_all_v known": lambda: comm.all_to_all_v(x, send, send),
+        "all_to_all_v counts on GPU": lambda: comm.all_to_all_v(x, counts),
+        "copy": lambda: out.copy_(x),
+    }
+    rows = []
+    for name, fn in pieces.items():
+        synced = _median_us(fn, args.n, device_sync)
+        rows.append((name, synced))
+    if comm.rank == 0:
+        print(f"# peer backend, {W} ranks, concurrent={backend.concurrent}, {args.rows} rows of 4 KiB per peer")
+        for name, us in rows:
+            print(f"{name:>30} {us:9.1f} us (with sync + barrier)")
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
