@@ -572,7 +572,7 @@ def check_cuda_graph():
     plain = _comm()
     # with peer memory, every exchange by copy engines (p2p_min_bytes=0)
     peer = moecomm.init(backend="nccl", p2p_bytes=64 << 20, p2p_min_bytes=0, set_default=False) \
-        if plain.size > 1 else None
+        if plain.size > 1 and plain.backend == "nccl" else None  # (the peer backend: copy engines already)
     try:
         for comm in [c for c in (plain, peer) if c is not None]:
             _check_cuda_graph(comm, errs)

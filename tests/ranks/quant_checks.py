@@ -312,7 +312,11 @@ def check_moe_layer() -> None:
             w = next(p for n, p in lay.named_parameters() if "experts" in n)
             outs.append((y.detach(), xx.grad, w.grad))
         names = ("output", "input gradient", "expert weight gradient")
-        problems += [f"case {i}: {n}" for n, a, b in zip(names, *outs) if not same_bits(a, b)]
+        for n, a, b in zip(names, *outs):
+            # on a GPU the input gradient sums each token's k routes with atomics, in any order
+            close = n == "input gradient" and DEV.type == "cuda" and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+            if not (same_bits(a, b) or close):
+                problems.append(f"case {i}: {n} (largest difference {(a.float() - b.float()).abs().max().item():.3g})")
     layer = moe_layer(gate_type={"type": "top", "k": 1}, model_dim=D, experts={"type": "ffn", "count_per_node": 2,
                       "hidden_size_per_expert": H}, group=COMM, wire_dtype=torch.float8_e5m2)
     if layer.wire_dtype != torch.float8_e5m2:
