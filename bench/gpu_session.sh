@@ -186,20 +186,20 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       step moe_fused_summary 60 python3 -m bench.trace_summary --host --top 30 /tmp/moe_fused_trace.json ;;
     shared)  # issue 26: SHARED_RANKS ranks sharing GPU 0 on the peer backend: the rank suites (SHARED_PARTS)
       # under MPS, then the core suite and the exchange benchmark without MPS (2 ranks)
-      local parts=${SHARED_PARTS:-core overlap quant moe a2a moebench}
+      local parts=${SHARED_PARTS:-core overlap quant moe a2a moebench} L=${SHARED_STEP_S:-240}
       mps_on
       for n in ${SHARED_RANKS:-2 3 4 8}; do
         local M=(mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
                  -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
         for part in $parts; do
           case $part in
-            core) step "shared_core_$n" 240 "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives peer ;;
-            overlap) step "shared_overlap_$n" 240 "${M[@]}" python3 -m tests.ranks.overlap_checks peer ;;
-            quant) step "shared_quant_$n" 200 "${M[@]}" python3 -m tests.ranks.quant_checks peer ;;
-            moe) step "shared_moe_$n" 240 "${M[@]}" python3 -m tests.ranks.moe_layer_checks all cuda ;;
-            a2a) step "shared_a2a_$n" 200 "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M \
+            core) step "shared_core_$n" $L "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives peer ;;
+            overlap) step "shared_overlap_$n" $L "${M[@]}" python3 -m tests.ranks.overlap_checks peer ;;
+            quant) step "shared_quant_$n" $L "${M[@]}" python3 -m tests.ranks.quant_checks peer ;;
+            moe) step "shared_moe_$n" $L "${M[@]}" python3 -m tests.ranks.moe_layer_checks all cuda ;;
+            a2a) step "shared_a2a_$n" $L "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M \
                    -f 4 -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_$n.json" ;;
-            moebench) [ $n = 2 ] || [ $n = 4 ] && step "shared_moe_layer_$n" 200 "${M[@]}" python3 -m bench.moe_layer \
+            moebench) [ $n = 2 ] || [ $n = 4 ] && step "shared_moe_layer_$n" $L "${M[@]}" python3 -m bench.moe_layer \
                    --tokens $((8192 / n)) --top-k 2 --json "$RES/shared_gpu_moe_layer_$n.json" ;;
           esac
         done
@@ -208,10 +208,11 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       if [ -z "${SHARED_NO_NOMPS:-}" ]; then
         local M=(mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
                  -x CUDA_VISIBLE_DEVICES=0)
-        step shared_core_2_nomps 240 "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives peer
-        step shared_a2a_2_nomps 200 "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 \
+        step shared_core_2_nomps $L "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives peer
+        step shared_a2a_2_nomps $L "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 \
           -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
       fi ;;
+    moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
     peercosts) mps_on; step peer_costs 60 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY \
         -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.peer_costs; mps_off ;;
     sobuild)  # build every native extension in place and send the libraries back (carry them next time)
