@@ -148,7 +148,8 @@ class TagPlan:
                            f"{self.dtype} rows of {self.row_shape}" + (f" as {self.wire}" if self.wire else ""))
                 continue
             if nbytes is None:
-                out.append(f"rank {p} sends more than the {_show(want)} {self.unit} rank {me} expects from it")
+                got = f"a count of {sent} mod 64" if len(want) == 1 else "more"
+                out.append(f"rank {p} sends more {self.unit} ({got}) to rank {me}, which expects {_show(want)}")
             elif nbytes != exp_bytes or sent != mine[3]:
                 got = _show([nbytes // self.row_bytes]) if self.row_bytes and len(want) == 1 else "other counts"
                 out.append(f"rank {p} sends {got} {self.unit} to rank {me}, which expects {_show(want)}")

@@ -6,9 +6,10 @@ rank either raises CountMismatchError or holds exactly the reference bytes, and 
   count exchange (a dtype or row shape that differs is named on the ranks that see it);
 * validate=True: every disagreement raises on every rank before anything moves, also when
   ranks mix recv_splits and None (the records keep their collectives in step);
-* records beside the rows (the private switch bench.alltoall --check-cost times): the two
-  ranks of a disagreeing pair raise, the others complete, the communicator stays usable,
-  unless rows could never arrive (then it is aborted); gloo compares before the rows.
+* known counts, by default (issue 32): every MPI exchange travels tagged (moecomm._tags):
+  the two ranks of a disagreeing pair raise, the others complete, the communicator stays
+  usable (also where one side sends no rows: an empty message still carries its tag);
+  ranks mixing recv_splits and None raise; gloo with records beside compares before the rows.
 """
 
 from __future__ import annotations
@@ -26,17 +27,12 @@ W = MPI.COMM_WORLD.size
 LOCAL = 2 if W % 2 == 0 and W > 2 else 1
 
 
-def _make(validate: bool = False, beside: bool = False) -> moecomm.Communicator:
-    c = moecomm.init(backend="mpi", timeout=30, local_size=LOCAL, hierarchy=True, validate=validate)
-    if beside:
-        for sub in (c, c.topology.hierarchy.intra, c.topology.hierarchy.rail):
-            sub.engine.records_beside = True
-    return c
+def _make(validate: bool = False) -> moecomm.Communicator:
+    return moecomm.init(backend="mpi", timeout=30, local_size=LOCAL, hierarchy=True, validate=validate)
 
 
 COMM = _make()
 COMMV = _make(validate=True)
-COMMB = _make(beside=True)
 R = COMM.rank
 
 
@@ -115,7 +111,7 @@ def check_dtype_and_row_shape_by_default() -> None:
     that differs (every rank exchanges with rank 1, so every rank raises)."""
     if W == 1:
         return
-    for comm, recvs in ((COMM, (None,)), (COMMV, (None, "known")), (COMMB, (None, "known"))):
+    for comm, recvs in ((COMM, (None, "known")), (COMMV, (None, "known"))):
         for what in ("dtype", "shape"):
             m = count_matrix(9, W, 4, 0.0) + 1
             x = input_for(9, R, m, (2, 4), torch.float32)
@@ -132,7 +128,7 @@ def check_dtype_and_row_shape_by_default() -> None:
 def check_mixed_known_and_unknown_agree() -> None:
     """validate=True: one rank passes (right) recv_splits, the others None: the same
     collectives in the same order, the right rows."""
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV,):
         res, ref = _run_case(comm, 6, (2, 3), torch.int32, _send, lambda m: [int(v) for v in m[:, R]] if R == 0 else None)
         _expect(res, ref, False, [])
         res, ref = _run_case(comm, 7, (5,), torch.float16, _send,
@@ -143,7 +139,7 @@ def check_mixed_known_and_unknown_agree() -> None:
 def check_flat_recv_splits_wrong() -> None:
     if W == 1:
         return
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV, COMM):
         for delta in (-1, +2):
             for others_known in (True, False):
                 def recv_of(m, delta=delta, others_known=others_known):
@@ -153,15 +149,17 @@ def check_flat_recv_splits_wrong() -> None:
                         return r
                     return r if others_known else None
                 res, ref = _run_case(comm, 5, (3,), torch.float32, _send, recv_of)
-                words = ["rank 1 sends", "to rank 0, which expects"]
-                _expect(res, ref, comm is COMMV or R in (0, 1), words)
+                if comm is COMM and not others_known:  # by default a mix of recv_splits and None is refused
+                    _expect(res, ref, True, ["recv_splits"])
+                else:
+                    _expect(res, ref, comm is COMMV or R in (0, 1), ["rank 1 sends", "to rank 0, which expects"])
                 _still_usable(comm)
 
 
 def check_single_and_list_wrong_sizes() -> None:
     if W == 1:
         return
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV, COMM):
         for kind in ("single", "list"):
             def recv_of(m):
                 r = [int(v) for v in m[:, R]]
@@ -169,7 +167,7 @@ def check_single_and_list_wrong_sizes() -> None:
                     r[0] += 1
                 return r
             res, ref = _run_case(comm, 8, (4,), torch.float32, _send, recv_of, kind=kind)
-            unit = "bytes" if kind == "list" and comm is COMMB else "rows"
+            unit = "bytes" if kind == "list" and comm is COMM else "rows"
             _expect(res, ref, comm is COMMV or R in (0, W - 1), ["rank 0 sends", f"{unit} to rank {W - 1}, which expects"])
             _still_usable(comm)
 
@@ -177,7 +175,7 @@ def check_single_and_list_wrong_sizes() -> None:
 def check_2dh_recv_splits_wrong() -> None:
     if W < 4 or LOCAL == 1:
         return
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV, COMM):
         def recv_of(m):
             r = [int(v) for v in m[:, R]]
             if R == 0:
@@ -191,31 +189,37 @@ def check_2dh_recv_splits_wrong() -> None:
         _still_usable(comm)
 
 
-def check_stuck_rows_abort() -> None:
-    """Records beside the rows: a rank expecting rows from a peer that sends none (MPI posts
-    no message for an empty block, so they would never arrive): both raise at once, their
-    communicator aborted. The other ranks exchange nothing here, so they complete."""
-    global COMMB
+def check_mixed_known_and_unknown_named_by_default() -> None:
+    """Issue 32: rank 0 passes recv_splits, the others None (validate=False): every rank
+    exchanges with rank 0, so every rank raises naming it (flat); nobody reads rows as counts."""
+    if W == 1:
+        return
+    res, ref = _run_case(COMM, 14, (3,), torch.float32, _send, lambda m: [int(v) for v in m[:, R]] if R == 0 else None)
+    _expect(res, ref, True, ["passed recv_splits" if R else "passed no recv_splits"])
+    _still_usable(COMM)
+
+
+def check_empty_side_named_not_stuck() -> None:
+    """A rank expecting rows from a peer that sends none: the peer's empty message still
+    carries its tag, so both raise where the rows land; the others complete and the
+    communicator stays usable (before issue 32 this needed records and aborted it)."""
     if W == 1:
         return
     m = np.zeros((W, W), dtype=np.int64)
     m[0, 0] = 2
-    for known in (True, False):
-        def recv_of(m, known=known):
-            r = [int(v) for v in m[:, R]]
-            if R == 1:
-                r[0] = 3
-                return r
-            return r if known else None
-        res, ref = _run_case(COMMB, 12, (3,), torch.float32, _send, recv_of, m=m)
-        if R in (0, 1):
-            _expect(res, ref, True, ["rank 0 sends 0 rows to rank 1, which expects 3", "aborted"])
-        else:
-            _expect(res, ref, False, [])
-        collective_assert(COMMB.closed == (R in (0, 1)), f"closed={COMMB.closed}")
-        COMMB.abort()
-        COMMB = _make(beside=True)
-        _still_usable(COMMB)
+
+    def recv_of(m):
+        r = [int(v) for v in m[:, R]]
+        if R == 1:
+            r[0] = 3
+        return r
+    res, ref = _run_case(COMM, 12, (3,), torch.float32, _send, recv_of, m=m)
+    if R in (0, 1):
+        _expect(res, ref, True, ["rank 0 sends 0 rows to rank 1, which expects"])
+    else:
+        _expect(res, ref, False, [])
+    collective_assert(not COMM.closed, f"closed={COMM.closed}")
+    _still_usable(COMM)
 
 
 def check_gloo_compares_before_rows() -> None:
@@ -247,4 +251,5 @@ def check_gloo_compares_before_rows() -> None:
 if __name__ == "__main__":
     rank_main([check_pool_across_shapes_dtypes_algorithms, check_dtype_and_row_shape_by_default,
                check_mixed_known_and_unknown_agree, check_flat_recv_splits_wrong, check_single_and_list_wrong_sizes,
-               check_2dh_recv_splits_wrong, check_stuck_rows_abort, check_gloo_compares_before_rows])
+               check_2dh_recv_splits_wrong, check_mixed_known_and_unknown_named_by_default,
+               check_empty_side_named_not_stuck, check_gloo_compares_before_rows])
