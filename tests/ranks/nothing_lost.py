@@ -222,6 +222,106 @@ def check_empty_side_named_not_stuck() -> None:
     _still_usable(COMM)
 
 
+def _raises_on(ranks, fn, words) -> None:
+    """``fn()`` raises CountMismatchError naming ``words`` on ``ranks`` (all: None); elsewhere returns."""
+    kind, value = _outcome(fn)
+    if ranks is None or R in ranks:
+        collective_assert(kind == "mismatch" and all(w in value for w in words), f"{kind}: {value!r} (want {words})")
+    else:
+        collective_assert(kind == "ok", f"rank {R} raised {value!r}")
+
+
+def check_issue32_cases_by_default() -> None:
+    """Issue 32's table with the defaults: each case raises CountMismatchError where the
+    disagreeing rows land, naming what differs (the rest of the table is above: recv_splits
+    too large, mixes of recv_splits and None, 2DH recv_splits, all_to_all_single sizes)."""
+    if W == 1:
+        return
+    import moecomm.distributed as mdist
+
+    m = count_matrix(21, W, 3, 0.0) + 1
+    send, recv = _send(m), [int(v) for v in m[:, R]]
+    x = input_for(21, R, m, (8,), torch.float32)
+    # the torch drop-in with another dtype on rank 1 (every rank exchanges with it)
+    xd = x.view(torch.int32) if R == 1 else x
+    out = torch.empty((sum(recv), 8), dtype=xd.dtype)
+    _raises_on(None, lambda: mdist.all_to_all_single(out, xd, recv, send, group=COMM), ["another dtype"])
+    # wire dtypes that differ: e4m3 on rank 0, e5m2 elsewhere
+    wire = torch.float8_e4m3fn if R == 0 else torch.float8_e5m2
+    xf = torch.randn(sum(send), 128)
+    _raises_on(None, lambda: COMM.all_to_all_v(xf, send, recv, wire_dtype=wire), ["another wire dtype"])
+    # known counts with the same wire dtype, counts that disagree (rank 0 expects one more from rank 1)
+    bad = list(recv)
+    if R == 0:
+        bad[1] += 1
+    _raises_on((0, 1), lambda: COMM.all_to_all_v(xf, send, bad, wire_dtype=torch.float8_e4m3fn),
+               ["rank 1 sends", "to rank 0, which expects"])
+    _still_usable(COMM)
+    # scatter_compute_gather whose fn returns another dtype, then another row width, on rank 1
+    # (a disagreement inside the pipeline aborts the communicator: a fresh one each time)
+    for what in ("dtype", "width"):
+        c = _make()
+
+        def fn(rows, chunk, what=what):
+            if R != 1:
+                return rows * 2
+            return (rows * 2).double() if what == "dtype" else torch.cat([rows, rows], 1)
+        words = ["another dtype"] if what == "dtype" else ["rank"]
+        _raises_on(None, lambda c=c, fn=fn: c.scatter_compute_gather(x, send, fn, recv_splits=recv), words)
+        c.abort()
+
+
+def check_skipped_backward_does_not_pair() -> None:
+    """Issue 34, item 5: rank 0 runs a backward while the others start a forward of the same
+    shape and counts; before, both finished with each other's data (also with validate)."""
+    if W == 1:
+        return
+    import moecomm.functional as F
+
+    for comm in (COMM, COMMV):
+        m = count_matrix(23, W, 3, 0.0) + 1
+        m = np.minimum(m, m.T)  # symmetric: the backward's counts are the forward's
+        send = _send(m)
+        x = input_for(23, R, m, (4,), torch.float32).requires_grad_(True)
+        out, _ = F.all_to_all_v(x, send, send, comm=comm)
+        if R == 0:
+            _raises_on(None, lambda: out.sum().backward(), ["another exchange"])
+        else:
+            _raises_on(None, lambda: comm.all_to_all_v(x.detach(), send, send), ["another exchange"])
+        _still_usable(comm)
+
+
+def check_2dh_timeout_closes_everything() -> None:
+    """Issue 34, item 4: a 2DH call that times out (rank 1 never joins) leaves the communicator
+    closed on the ranks that timed out; their next 2DH and flat calls raise a named error at
+    once, and the messages name world ranks."""
+    if W < 4 or LOCAL == 1:
+        return
+    from moecomm.errors import CommunicatorClosedError
+
+    c = _make()
+    c.timeout = 1.5
+    x = torch.ones(W, 3)
+    problem = ""
+    if R != 1:  # recv_splits None: the first wait is the intra-node count exchange, on a sub-communicator
+        try:
+            c.all_to_all_v(x, [1] * W, None, algorithm="2dh")
+            problem = "the 2dh call returned"
+        except TimeoutError as exc:
+            if f"world rank {R}" not in str(exc) and f"on rank {R} " not in str(exc):
+                problem = f"the timeout does not name world rank {R}: {exc}"
+        if not c.closed:
+            problem += "; a 2dh timeout left the communicator open"
+        for algorithm in ("2dh", "flat"):
+            try:
+                c.all_to_all_v(x, [1] * W, [1] * W, algorithm=algorithm)
+                problem += f"; {algorithm} after the timeout returned"
+            except CommunicatorClosedError:
+                pass
+    collective_assert(not problem, problem)
+    c.abort()
+
+
 def check_gloo_compares_before_rows() -> None:
     """gloo aborts the process on rows of another size than expected: the records are compared
     first, both ranks raise, and a mix of known and unknown counts gets the right rows."""
@@ -252,4 +352,5 @@ if __name__ == "__main__":
     rank_main([check_pool_across_shapes_dtypes_algorithms, check_dtype_and_row_shape_by_default,
                check_mixed_known_and_unknown_agree, check_flat_recv_splits_wrong, check_single_and_list_wrong_sizes,
                check_2dh_recv_splits_wrong, check_mixed_known_and_unknown_named_by_default,
-               check_empty_side_named_not_stuck, check_gloo_compares_before_rows])
+               check_empty_side_named_not_stuck, check_issue32_cases_by_default, check_skipped_backward_does_not_pair,
+               check_2dh_timeout_closes_everything, check_gloo_compares_before_rows])
