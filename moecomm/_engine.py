@@ -265,7 +265,10 @@ class Engine:
         return t
 
     def check_count_tensor(self, counts: torch.Tensor, name: str) -> None:
-        """A tensor of counts: integer, ``[size]``."""
+        """A tensor of counts: integer, ``[size]``, holding values (not on the meta device)."""
+        if counts.device.type == "meta":
+            raise ValueError(f"{name} is a tensor on the meta device, which holds no counts: pass counts on the "
+                             f"CPU or {self.device}")
         if counts.dtype.is_floating_point or counts.dtype == torch.bool or counts.dtype.is_complex:
             raise TypeError(f"{name} must be an integer tensor, got dtype {counts.dtype}")
         if counts.shape != (self.size,):
@@ -280,6 +283,16 @@ class Engine:
             raise ValueError(f"recv_splits sums to {sum(recv)} rows of {row_bytes} bytes, beyond the {limit} rows "
                              f"(2**62 bytes) an output can hold: {recv}")
         return recv
+
+    def output(self, rows: int, row_shape: tuple, dtype: torch.dtype, name: str = "recv_splits") -> torch.Tensor:
+        """The output of an exchange, ``[rows, *row_shape]``; ``ValueError`` naming ``name`` where
+        it cannot be allocated (before anything is sent)."""
+        try:
+            return torch.empty((rows,) + tuple(row_shape), dtype=dtype, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory and size errors
+            nbytes = rows * math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
+            raise ValueError(f"{name} sums to {rows} rows ({nbytes} bytes of {dtype} rows of {tuple(row_shape)}), "
+                             f"an output that cannot be allocated on {self.device}: {str(exc).splitlines()[0]}") from None
 
     # -- small exchanges of ints (block the host) ---------------------------------------------
 

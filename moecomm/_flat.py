@@ -95,7 +95,7 @@ def start_all_to_all_v(engine: Engine, input: torch.Tensor, send_splits: Splits,
     try:
         if engine.validate:
             engine.cross_check(op, send, recv, x.dtype, row_shape, problem)
-        out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+        out = engine.output(sum(recv), row_shape, x.dtype)
         request = alltoallv(engine, x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
     except BaseException:
         settle(engine, records)

@@ -163,7 +163,13 @@ class Run:
         so that a peer's late transfer never lands in freed memory), and abort the communicator."""
         for works in (self.scatter, self.gather, self.grad_scatter, self.grad_gather):
             for w in works:
-                if w is not None and not w.is_completed():
+                if w is None:
+                    continue
+                try:
+                    done = w.is_completed()
+                except Exception:  # noqa: BLE001 - it completed, and found a disagreement (raised already)
+                    done = True
+                if not done:
                     self.engine.keep(w)
         self.engine.abort()
 
@@ -245,10 +251,14 @@ class Run:
         """Wait for every stage's exchange in ``works``; the result: ``whole`` (direct: the
         exchanges landed in it), else the stages' rows put back in input order."""
         parts = []
-        for c in range(self.plan.stages):
-            rows, _ = self._wait(works[c])
-            works[c] = None
-            parts.append(rows)
+        try:
+            for c in range(self.plan.stages):
+                rows, _ = self._wait(works[c])
+                works[c] = None
+                parts.append(rows)
+        except BaseException:  # later stages still in flight: keep their buffers, abort
+            self.abandon()
+            raise
         return whole if self.transport.direct else self.plan.unpack(parts, row_shape, dtype)
 
     def collect(self) -> torch.Tensor:

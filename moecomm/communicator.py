@@ -26,6 +26,12 @@ from .splits import Splits, split_sizes
 __all__ = ["Communicator", "Work", "SUPPORTED_DTYPES"]
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors of one storage share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class Communicator(OtherCollectives):
     """Variable-length collectives among ``size`` ranks, over MPI, NCCL or torch.distributed.
 
@@ -346,6 +352,13 @@ class Communicator(OtherCollectives):
         ins = [self._engine.check_tensor(t, f"input_tensor_list[{i}]", min_dim=0) for i, t in enumerate(input_tensor_list)]
         outs = [self._engine.check_tensor(t, f"output_tensor_list[{i}]", min_dim=0, written=True)
                 for i, t in enumerate(output_tensor_list)]
+        for i, t in enumerate(outs):
+            for j in range(i):
+                o = outs[j]
+                if t.numel() and o.numel() and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() and \
+                        _overlap(t, o):
+                    raise ValueError(f"output_tensor_list[{i}] overlaps output_tensor_list[{j}] (the same memory): "
+                                     f"each rank's rows need a tensor of their own")
         dtype = ins[0].dtype
         for i, t in enumerate(ins + outs):
             if t.dtype != dtype:

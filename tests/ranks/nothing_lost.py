@@ -246,6 +246,14 @@ def check_issue32_cases_by_default() -> None:
     xd = x.view(torch.int32) if R == 1 else x
     out = torch.empty((sum(recv), 8), dtype=xd.dtype)
     _raises_on(None, lambda: mdist.all_to_all_single(out, xd, recv, send, group=COMM), ["another dtype"])
+    # issue 34, item 7: one output tensor in every slot of the drop-in all_to_all is refused
+    y = torch.empty(2, 8)
+    try:
+        mdist.all_to_all([y] * W, [torch.ones(2, 8)] * W, group=COMM)
+        problem = "the same output in every slot was accepted"
+    except ValueError as exc:
+        problem = "" if "output_tensor_list[1] overlaps output_tensor_list[0]" in str(exc) else str(exc)
+    collective_assert(not problem, problem)
     # wire dtypes that differ: e4m3 on rank 0, e5m2 elsewhere
     wire = torch.float8_e4m3fn if R == 0 else torch.float8_e5m2
     xf = torch.randn(sum(send), 128)
