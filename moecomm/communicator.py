@@ -46,7 +46,8 @@ class Communicator(OtherCollectives):
             from the ``local_size=`` override).
         timeout: seconds any wait may last before the communicator is aborted.
         validate: check that ranks agree on counts, dtype and row shape on every exchange,
-            before anything moves (without it, only exchanges that exchange counts are checked).
+            before anything moves (without it, MPI checks every exchange where its rows land,
+            NCCL and gloo only exchanges that exchange counts).
         host_channel: the kind of host channel of the integer agreements (``"mpi"``, ``"gloo"``
             or None: through the device).
         engine, topology: internal (:mod:`moecomm._engine`, :mod:`moecomm._topology`).
@@ -182,9 +183,12 @@ class Communicator(OtherCollectives):
                 A conjugate or negative view is resolved first (a copy); sparse tensors are
                 refused. An input that requires grad warns: use :mod:`moecomm.functional`.
             CountMismatchError: a peer sends another count than ``recv_splits`` says, expects
-                another than ``send_splits`` says, or moves another dtype or row shape; raised
-                on both ranks of each such pair, at completion (``wait()`` when ``async_op``),
-                before it where rows could never arrive (then the communicator is aborted).
+                another than ``send_splits`` says, moves another dtype, row shape or wire
+                dtype, or is in another exchange (it passed no ``recv_splits`` where this rank
+                did, or runs a backward); raised on both ranks of each such pair, at completion
+                (``wait()`` when ``async_op``). By default on MPI (tagged messages, see
+                :mod:`moecomm._tags`); on NCCL and gloo, with ``recv_splits`` given, only with
+                ``validate=True`` (before anything moves).
             TimeoutError: a wait outlived the communicator's timeout (it is aborted).
         """
         warn_if_graph_lost(input, "all_to_all_v")
