@@ -17,9 +17,9 @@ Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCC
   moecomm-p2p    as ``moecomm``, on a communicator made with ``p2p_bytes`` (GPUs of one node:
                  the rows move through peer memory with the counts still on the GPU)
   moecomm-p2p-known  as ``moecomm-known`` on that communicator: the rows move by copy engines
-  moecomm-known-checked  ``--check-cost``: as ``moecomm-known`` with the per-peer count records
-                 beside the rows (what validate=True does besides its all-gather), to time
-                 what they would cost by default
+  moecomm-known-unchecked  ``--check-cost``: as ``moecomm-known`` without the default check
+                 (MPI: the rows as one ``Ialltoallv``, not tagged messages, see moecomm/_tags.py),
+                 to time what the check costs
   copy           one device copy of the same bytes (``torch.empty_like(x).copy_(x)``): the
                  floor where the ranks share one device's memory (ranks sharing a GPU)
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
@@ -230,7 +230,7 @@ class Bench:
             "copy": lambda: torch.empty_like(x).copy_(x),  # the floor where ranks share a device's memory
         }
         if self.args.check_cost:
-            methods["moecomm-known-checked"] = lambda: self._checked(x, send, recv)
+            methods["moecomm-known-unchecked"] = lambda: self._unchecked(x, send, recv)
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
             methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]
@@ -262,12 +262,12 @@ class Bench:
                 results[-1]["times_us"] = [t * 1e6 for t in times]
         return results
 
-    def _checked(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        self.comm.engine.records_beside = True  # private switch, for this measurement only
+    def _unchecked(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        self.comm.engine.row_tags = False  # private switch, for this measurement only
         try:
             return self.comm.all_to_all_v(x, send, recv)[0]
         finally:
-            self.comm.engine.records_beside = False
+            self.comm.engine.row_tags = True
 
     def _torch_pattern(self, x: torch.Tensor, counts_dev: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck exchange aborts")
     p.add_argument("--compare", action="store_true", help="also time torch's MoE pattern and the raw backend")
     p.add_argument("--check-cost", action="store_true",
-                   help="also time moecomm-known with per-peer count records beside the rows (their cost); "
+                   help="also time moecomm-known without the default check (its cost); "
                         "the JSON then holds every round's time (times_us)")
     p.add_argument("--p2p-bytes", type=parse_size, default=None,
                    help="GPUs: also time a communicator with this much peer memory per rank (init(p2p_bytes=))")

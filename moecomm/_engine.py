@@ -22,7 +22,8 @@ import torch
 from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES
 from ._flat import COPY_ENGINE_MIN_BYTES
 from ._host_channel import OPS, HostChannel
-from ._requests import ThenRequest, Work
+from ._requests import TagChecked, ThenRequest, Work
+from ._tags import TagPlan
 from .backends._deadline import poll_yielding
 from .backends.base import Backend, Request
 from .errors import CommunicatorClosedError, CountMismatchError
@@ -70,6 +71,12 @@ class Engine:
         # validate: off by default for their cost (README, "Bad input and faults"); a switch
         # for bench.alltoall --check-cost, which times them, and for tests.
         self.records_beside = False
+        # Row exchanges as tagged messages (moecomm._tags) where the backend has them: the
+        # default check; a switch for bench.alltoall --check-cost, which times it.
+        self.row_tags = True
+        self.seq = 0  # exchanges issued on this engine (their tags carry it)
+        self.world_ranks: Optional[list[int]] = None  # a sub-engine's members' ranks in its parent
+        self.parent: Optional[Engine] = None
         self.closed_as: Optional[str] = None  # "closed" or "aborted"
         self._abandoned: list = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -107,6 +114,38 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self.closed_as is not None
+
+    @property
+    def tagged(self) -> bool:
+        """Whether row exchanges travel tagged (checked where they land, see :mod:`moecomm._tags`)."""
+        return self.row_tags and self.backend.tagged and self.size > 1
+
+    def start_tagged(self, send: torch.Tensor, send_counts: Sequence[Sequence[int]], send_displs: Sequence[int],
+                     recv: torch.Tensor, recv_counts: Sequence[Sequence[int]], recv_displs: Sequence[int],
+                     row_bytes: int, op: str, dtype: torch.dtype, row_shape: Sequence[int], unit: str = "rows",
+                     label: Optional[str] = None) -> TagChecked:
+        """A tagged exchange (only where :attr:`tagged`): ``sum(send_counts[p])`` rows of
+        ``row_bytes`` from row ``send_displs[p]`` to each peer ``p`` (the counts as the rank
+        plans them, one or more per peer), likewise in; raises ``CountMismatchError`` at
+        completion where a peer disagrees."""
+        plan = TagPlan(op, self.rank, self.seq, send_counts, recv_counts, row_bytes, dtype, row_shape, unit, label)
+        self.seq += 1
+        request = self.backend.exchange_tagged(send, [sum(c) for c in send_counts], send_displs, recv,
+                                               [sum(c) for c in recv_counts], recv_displs, row_bytes, plan.tags)
+        return TagChecked(request, plan)
+
+    def where(self) -> str:
+        """This rank as messages name it: its world rank, and its rank here if it differs."""
+        world = self.world_rank
+        return f"rank {world}" if world == self.rank else f"world rank {world} (rank {self.rank} of a sub-communicator)"
+
+    @property
+    def world_rank(self) -> int:
+        engine, rank = self, self.rank
+        while engine.parent is not None and engine.world_ranks is not None:
+            rank = engine.world_ranks[rank]
+            engine = engine.parent
+        return rank
 
     def keep(self, obj: Any) -> None:
         """Keep ``obj`` (a request in flight and its buffers) referenced for the engine's life,
@@ -170,6 +209,8 @@ class Engine:
             return None, []
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
         sub = Engine(sub_backend, self.pool, timeout=self.timeout, validate=self.validate, host=sub_host)
+        sub.world_ranks, sub.parent = members, self
+        sub.row_tags = self.row_tags
         if owned:
             self._owned.append(sub)
         return sub, members
@@ -224,7 +265,10 @@ class Engine:
         return t
 
     def check_count_tensor(self, counts: torch.Tensor, name: str) -> None:
-        """A tensor of counts: integer, ``[size]``."""
+        """A tensor of counts: integer, ``[size]``, holding values (not on the meta device)."""
+        if counts.device.type == "meta":
+            raise ValueError(f"{name} is a tensor on the meta device, which holds no counts: pass counts on the "
+                             f"CPU or {self.device}")
         if counts.dtype.is_floating_point or counts.dtype == torch.bool or counts.dtype.is_complex:
             raise TypeError(f"{name} must be an integer tensor, got dtype {counts.dtype}")
         if counts.shape != (self.size,):
@@ -239,6 +283,16 @@ class Engine:
             raise ValueError(f"recv_splits sums to {sum(recv)} rows of {row_bytes} bytes, beyond the {limit} rows "
                              f"(2**62 bytes) an output can hold: {recv}")
         return recv
+
+    def output(self, rows: int, row_shape: tuple, dtype: torch.dtype, name: str = "recv_splits") -> torch.Tensor:
+        """The output of an exchange, ``[rows, *row_shape]``; ``ValueError`` naming ``name`` where
+        it cannot be allocated (before anything is sent)."""
+        try:
+            return torch.empty((rows,) + tuple(row_shape), dtype=dtype, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory and size errors
+            nbytes = rows * math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
+            raise ValueError(f"{name} sums to {rows} rows ({nbytes} bytes of {dtype} rows of {tuple(row_shape)}), "
+                             f"an output that cannot be allocated on {self.device}: {str(exc).splitlines()[0]}") from None
 
     # -- small exchanges of ints (block the host) ---------------------------------------------
 
@@ -273,11 +327,21 @@ class Engine:
             if self.size == 1:
                 dev[n:].copy_(dev[:n])
             else:
-                self.wait_host(self.backend.alltoall(dev[:n], dev[n:]), op, None)
+                self.wait_host(self.start_ints(dev[:n], dev[n:], per_peer, op), op, None)
             if host is not dev:
                 host.copy_(dev)
         values_out = host.tolist()
         return values_out[:n], values_out[n:]
+
+    def start_ints(self, mine: torch.Tensor, theirs: torch.Tensor, per_peer: int, op: str) -> Request:
+        """A host backend's all-to-all of ``per_peer`` int64s per peer (non-blocking): tagged
+        as a count exchange where :attr:`tagged`, so that it never pairs with rows."""
+        if not self.tagged:
+            return self.backend.alltoall(mine, theirs)
+        ones = [[1]] * self.size
+        displs = list(range(self.size))
+        return self.start_tagged(mine, ones, displs, theirs, ones, displs, 8 * per_peer, op, torch.int64,
+                                 (per_peer,), unit="records", label="count exchange")
 
     def exchange_counts(self, send_splits: Union[torch.Tensor, list[int]], name: str) -> tuple[list[int], list[int]]:
         """One all-to-all of row counts; returns (send, recv) as host lists."""
@@ -444,8 +508,12 @@ class Engine:
 
     def _time_out(self, request: Request, op: str, limit: float) -> None:
         self.keep(request)
+        top = self
+        while top.parent is not None and top in top.parent._owned:
+            top = top.parent
+        top.abort()  # a hierarchy group's timeout leaves its communicator unusable too
         self.abort()
         raise TimeoutError(
-            f"moecomm: {op} did not complete within {limit:g} s on rank {self.rank} "
+            f"moecomm: {op} did not complete within {limit:g} s on {self.where()} "
             f"(backend {self.backend.name}); the communicator was aborted"
         )

@@ -17,7 +17,7 @@ from ._peer_check import PeerCheck
 from ._requests import CheckedRequest, RaiseAfter
 from .backends._p2p_limits import ROW_ALIGN as PEER_ROW_ALIGN
 from .backends.base import DoneRequest, Request
-from .splits import Splits, check_own_block, check_split_total, normalize_splits
+from .splits import Splits, check_own_block, check_split_total, normalize_splits, split_offsets
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._engine import Engine
@@ -95,7 +95,7 @@ def start_all_to_all_v(engine: Engine, input: torch.Tensor, send_splits: Splits,
     try:
         if engine.validate:
             engine.cross_check(op, send, recv, x.dtype, row_shape, problem)
-        out = torch.empty((sum(recv),) + row_shape, dtype=x.dtype, device=x.device)
+        out = engine.output(sum(recv), row_shape, x.dtype)
         request = alltoallv(engine, x, send, out, recv, check=check, issues=issues, stuck=stuck, records=records)
     except BaseException:
         settle(engine, records)
@@ -155,14 +155,14 @@ def start_records(engine: Engine, check: PeerCheck) -> Optional[tuple]:
     carried them), before anything else of the call, as a call without ``recv_splits``
     exchanges its counts first. Host backends: non-blocking, ``(request, mine, theirs)``;
     NCCL: exchanged at once (validate=True blocks the host anyway). None: not sent."""
-    if engine.size == 1 or not (engine.validate or engine.records_beside):
+    if engine.size == 1 or not (engine.validate or (engine.records_beside and not engine.tagged)):
         return None
     if engine.backend.stream_ordered:
         _, got = engine.exchange_ints(check.record(), check.per_peer, f"{check.op} (count records)")
         return DoneRequest(), None, torch.tensor(got, dtype=torch.int64)
     mine = torch.tensor(check.record(), dtype=torch.int64)
     theirs = torch.empty_like(mine)
-    return engine.backend.alltoall(mine, theirs), mine, theirs
+    return engine.start_ints(mine, theirs, check.per_peer, f"{check.op} (count records)"), mine, theirs
 
 
 def settle(engine: Engine, records: Optional[tuple]) -> None:
@@ -233,13 +233,21 @@ def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tenso
         engine.wait_host(beside[0], f"{check.op} (count records)", None)
         _, issues, stuck = check.compare(beside[2].tolist())
         beside = None
-    if issues and (stuck or not complete):
+    if issues and ((stuck and not engine.tagged) or not complete):
         # Rows that could never arrive (a side that sends or expects none posts nothing),
         # or a backend that cannot complete rows of disagreeing sizes (gloo, NCCL): raise
         # before the rows and abort; peers waiting for this rank's rows time out.
         engine.abort()
         raise check.error(issues, moved=False, aborted=True)
-    if row_bytes == 0:
+    if engine.tagged:
+        # One tagged message per peer (empty ones too): checked where the rows land.
+        op = check.op if check is not None else "all_to_all_v"
+        sent = check.sent if check is not None and check.k > 1 else [[c] for c in send]
+        expected = check.expected if check is not None and check.k > 1 and check.expected else [[c] for c in recv]
+        unit = check.unit if check is not None else "rows"
+        request = engine.start_tagged(x, sent, split_offsets(send), out, expected, split_offsets(recv), row_bytes, op,
+                                      x.dtype, tuple(x.shape[1:]), unit)
+    elif row_bytes == 0:
         # Host backends still run the row exchange (empty), so that every rank issues the
         # same collectives whatever the others' rows; NCCL has no matching to keep.
         if host and engine.size > 1:

@@ -80,6 +80,8 @@ def make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]], dtype: t
         for n in range(N):
             for l in range(L):
                 recv[h.members[n][l]] = rgrid[n][l]
+        # the rail rows' tags carry the per-source counts, as where recv_splits is given
+        found.rail_check = PeerCheck(rail.op, h.rail.rank, rail_sent, rgrid, dtype, row_shape, unit=rail.unit)
     else:
         rgrid = [[recv[h.members[n][l]] for l in range(L)] for n in range(N)]
         if N > 1:

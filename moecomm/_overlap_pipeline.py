@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import _tags
 from ._dtypes import SUPPORTED_DTYPES
 from ._engine import Engine
 from ._overlap_chunk import Chunk
@@ -46,14 +47,20 @@ class Transport:
         self.direct = kw.get("algorithm", "flat") == "flat" and not engine.validate and b.supports_displacements
 
     def exchange(self, send: torch.Tensor, send_counts: list[int], send_displs: list[int], recv: torch.Tensor,
-                 recv_counts: list[int], recv_displs: list[int]) -> Any:
+                 recv_counts: list[int], recv_displs: list[int], label: str) -> Any:
+        """``label``: which of the pipeline's exchanges this is (one of :data:`moecomm._tags.LABELS`)."""
         engine = self.engine
         if engine.closed:
             raise CommunicatorClosedError(f"moecomm: cannot run {self.OP}: the communicator is closed")
         b = self.backend
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
-        if row_bytes == 0:  # the same on every rank (row shapes agree): nothing moves anywhere
-            request: Request = DoneRequest()
+        if engine.tagged:  # checked where the rows land (moecomm._tags), row width and dtype included
+            request: Request = engine.start_tagged(send, [[c] for c in send_counts], send_displs, recv,
+                                                   [[c] for c in recv_counts], recv_displs, row_bytes,
+                                                   f"{self.OP} ({label})", send.dtype, tuple(send.shape[1:]),
+                                                   label=label)
+        elif row_bytes == 0:  # the same on every rank (row shapes agree): nothing moves anywhere
+            request = DoneRequest()
         elif engine.peer is not None:  # copy engines through peer memory: every rank takes part, always
             request = engine.peer.exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
         elif b.stream_ordered and not b.collective_exchanges and not (any(send_counts) or any(recv_counts)):
@@ -156,7 +163,13 @@ class Run:
         so that a peer's late transfer never lands in freed memory), and abort the communicator."""
         for works in (self.scatter, self.gather, self.grad_scatter, self.grad_gather):
             for w in works:
-                if w is not None and not w.is_completed():
+                if w is None:
+                    continue
+                try:
+                    done = w.is_completed()
+                except Exception:  # noqa: BLE001 - it completed, and found a disagreement (raised already)
+                    done = True
+                if not done:
                     self.engine.keep(w)
         self.engine.abort()
 
@@ -171,10 +184,11 @@ class Run:
 
             x = pack_rows(x.detach(), self.wire, WIRE_BLOCK)
         p = self.plan
-        for c in range(p.stages):
-            self.scatter[c] = self._to_experts(x, c)
+        with _tags.labelled(wire=self.wire):  # packed rows: their tags name the FP8 dtype
+            for c in range(p.stages):
+                self.scatter[c] = self._to_experts(x, c, "scatter_compute_gather scatter")
 
-    def _to_experts(self, x: torch.Tensor, c: int) -> Any:
+    def _to_experts(self, x: torch.Tensor, c: int, label: str) -> Any:
         """Stage ``c``'s rows of ``x`` (laid out like the input) to the experts' ranks."""
         p, t = self.plan, self.transport
         if p.is_local(c):
@@ -182,9 +196,9 @@ class Run:
         if not t.direct:
             return self._a2a(p.pack(x, c), p.send_counts[c], p.recv_counts[c])
         buf = torch.empty((p.recv_totals[c],) + tuple(x.shape[1:]), dtype=x.dtype, device=p.device)
-        return t.exchange(x, p.send_counts[c], p.send_displs[c], buf, p.recv_counts[c], p.chunk_displs[c])
+        return t.exchange(x, p.send_counts[c], p.send_displs[c], buf, p.recv_counts[c], p.chunk_displs[c], label)
 
-    def _from_experts(self, y: torch.Tensor, c: int, dest: Optional[torch.Tensor]) -> tuple:
+    def _from_experts(self, y: torch.Tensor, c: int, dest: Optional[torch.Tensor], label: str) -> tuple:
         """Stage ``c``'s rows ``y`` (grouped by source) back home; direct: into ``dest``
         (made here when None, laid out like the input). Returns (work, dest)."""
         p, t = self.plan, self.transport
@@ -197,7 +211,8 @@ class Run:
         if p.is_local(c):
             p.own_rows(dest, c).copy_(y)
             return self._local(dest), dest
-        return t.exchange(y, p.recv_counts[c], p.chunk_displs[c], dest, p.send_counts[c], p.send_displs[c]), dest
+        return t.exchange(y, p.recv_counts[c], p.chunk_displs[c], dest, p.send_counts[c], p.send_displs[c],
+                          label), dest
 
     def wait_scatter(self, c: int) -> torch.Tensor:
         rows, _ = self._wait(self.scatter[c])
@@ -230,16 +245,20 @@ class Run:
         return y.contiguous()
 
     def issue_gather(self, c: int, y: torch.Tensor) -> None:
-        self.gather[c], self.out = self._from_experts(y, c, self.out)
+        self.gather[c], self.out = self._from_experts(y, c, self.out, "scatter_compute_gather gather")
 
     def _drain(self, works: list, whole: Optional[torch.Tensor], row_shape: tuple, dtype: Any) -> torch.Tensor:
         """Wait for every stage's exchange in ``works``; the result: ``whole`` (direct: the
         exchanges landed in it), else the stages' rows put back in input order."""
         parts = []
-        for c in range(self.plan.stages):
-            rows, _ = self._wait(works[c])
-            works[c] = None
-            parts.append(rows)
+        try:
+            for c in range(self.plan.stages):
+                rows, _ = self._wait(works[c])
+                works[c] = None
+                parts.append(rows)
+        except BaseException:  # later stages still in flight: keep their buffers, abort
+            self.abandon()
+            raise
         return whole if self.transport.direct else self.plan.unpack(parts, row_shape, dtype)
 
     def collect(self) -> torch.Tensor:
@@ -250,7 +269,7 @@ class Run:
     # backward
     def issue_grad_scatter(self, grad: torch.Tensor) -> None:
         for c in reversed(range(self.plan.stages)):  # the autograd engine runs the last stage's backward first
-            self.grad_scatter[c] = self._to_experts(grad, c)
+            self.grad_scatter[c] = self._to_experts(grad, c, "scatter_compute_gather gradient scatter")
 
     def wait_grad_scatter(self, c: int) -> torch.Tensor:
         g, _ = self._wait(self.grad_scatter[c])
@@ -258,7 +277,8 @@ class Run:
         return self._used_here(g)
 
     def issue_grad_gather(self, c: int, g: torch.Tensor) -> None:
-        self.grad_gather[c], self.grad_in = self._from_experts(g.contiguous(), c, self.grad_in)
+        self.grad_gather[c], self.grad_in = self._from_experts(g.contiguous(), c, self.grad_in,
+                                                               "scatter_compute_gather gradient gather")
 
     def finish_backward(self) -> torch.Tensor:
         p = self.plan

@@ -13,7 +13,7 @@ from .backends.base import Request
 if TYPE_CHECKING:  # pragma: no cover
     from ._engine import Engine
 
-__all__ = ["Work", "CheckedRequest", "RaiseAfter", "ThenRequest"]
+__all__ = ["Work", "CheckedRequest", "TagChecked", "RaiseAfter", "ThenRequest"]
 
 
 class Work:
@@ -102,6 +102,32 @@ class CheckedRequest(Request):
 
     def join(self) -> None:  # stream-ordered backends: the records were compared before the rows
         self._rows.join()
+
+
+class TagChecked(Request):
+    """A tagged exchange (:meth:`moecomm.backends.base.Backend.exchange_tagged`): done once
+    every message is, then raises :class:`CountMismatchError` if what arrived disagrees with
+    ``plan`` (:class:`moecomm._tags.TagPlan`). Every rank sent and received one message per
+    peer whatever it found, so the communicator stays matched."""
+
+    __slots__ = ("_inner", "_plan", "_done", "plan")
+
+    def __init__(self, inner: Request, tag_plan: Any) -> None:
+        self._inner = inner
+        self._plan = tag_plan
+        self._done = False
+        self.plan = None
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if not self._inner.test():
+            return False
+        self._done = True
+        issues = self._plan.issues(self._inner.arrived)
+        if issues:
+            raise self._plan.error(issues)
+        return True
 
 
 class RaiseAfter(Request):

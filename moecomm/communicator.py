@@ -26,6 +26,12 @@ from .splits import Splits, split_sizes
 __all__ = ["Communicator", "Work", "SUPPORTED_DTYPES"]
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors of one storage share bytes."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class Communicator(OtherCollectives):
     """Variable-length collectives among ``size`` ranks, over MPI, NCCL or torch.distributed.
 
@@ -40,7 +46,8 @@ class Communicator(OtherCollectives):
             from the ``local_size=`` override).
         timeout: seconds any wait may last before the communicator is aborted.
         validate: check that ranks agree on counts, dtype and row shape on every exchange,
-            before anything moves (without it, only exchanges that exchange counts are checked).
+            before anything moves (without it, MPI checks every exchange where its rows land,
+            NCCL and gloo only exchanges that exchange counts).
         host_channel: the kind of host channel of the integer agreements (``"mpi"``, ``"gloo"``
             or None: through the device).
         engine, topology: internal (:mod:`moecomm._engine`, :mod:`moecomm._topology`).
@@ -176,9 +183,12 @@ class Communicator(OtherCollectives):
                 A conjugate or negative view is resolved first (a copy); sparse tensors are
                 refused. An input that requires grad warns: use :mod:`moecomm.functional`.
             CountMismatchError: a peer sends another count than ``recv_splits`` says, expects
-                another than ``send_splits`` says, or moves another dtype or row shape; raised
-                on both ranks of each such pair, at completion (``wait()`` when ``async_op``),
-                before it where rows could never arrive (then the communicator is aborted).
+                another than ``send_splits`` says, moves another dtype, row shape or wire
+                dtype, or is in another exchange (it passed no ``recv_splits`` where this rank
+                did, or runs a backward); raised on both ranks of each such pair, at completion
+                (``wait()`` when ``async_op``). By default on MPI (tagged messages, see
+                :mod:`moecomm._tags`); on NCCL and gloo, with ``recv_splits`` given, only with
+                ``validate=True`` (before anything moves).
             TimeoutError: a wait outlived the communicator's timeout (it is aborted).
         """
         warn_if_graph_lost(input, "all_to_all_v")
@@ -346,6 +356,13 @@ class Communicator(OtherCollectives):
         ins = [self._engine.check_tensor(t, f"input_tensor_list[{i}]", min_dim=0) for i, t in enumerate(input_tensor_list)]
         outs = [self._engine.check_tensor(t, f"output_tensor_list[{i}]", min_dim=0, written=True)
                 for i, t in enumerate(output_tensor_list)]
+        for i, t in enumerate(outs):
+            for j in range(i):
+                o = outs[j]
+                if t.numel() and o.numel() and t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() and \
+                        _overlap(t, o):
+                    raise ValueError(f"output_tensor_list[{i}] overlaps output_tensor_list[{j}] (the same memory): "
+                                     f"each rank's rows need a tensor of their own")
         dtype = ins[0].dtype
         for i, t in enumerate(ins + outs):
             if t.dtype != dtype:

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import hierarchical, wire
+from . import _tags, hierarchical, wire
 from .communicator import Communicator
 from .init import default_communicator
 from .quant import WIRE_DTYPES, check_grad_wire_dtype
@@ -47,14 +47,21 @@ def _send_back(comm: Communicator, grad: torch.Tensor, send: list[int], recv: li
     """``grad`` exchanged with ``send``/``recv`` splits (a forward's, reversed) in
     ``grad_wire_dtype``: FP8 block-scaled, another floating dtype cast there and back, None as
     it is; along the reversed phases of a 2DH forward's ``plan`` where there is one. The
-    forward's quantization counts as the identity (straight-through)."""
+    forward's quantization counts as the identity (straight-through). Its tags say "backward",
+    so it never pairs with a peer's next forward (a skipped backward, see moecomm._tags)."""
+    with _tags.labelled("all_to_all_v backward"):
+        return _send_back_as_labelled(comm, grad, send, recv, algorithm, grad_wire_dtype, plan)
+
+
+def _send_back_as_labelled(comm: Communicator, grad: torch.Tensor, send: list[int], recv: list[int], algorithm: str,
+                           grad_wire_dtype: Optional[torch.dtype], plan: Any) -> torch.Tensor:
     gw = grad_wire_dtype
     if gw in WIRE_DTYPES:
         if plan is not None:
             return wire.reverse_rows(comm.engine, comm.topology, plan, grad, gw)
         return wire.exchange_rows(comm.engine, comm.topology, grad.contiguous(), send, recv, algorithm, gw)
     if gw is not None and gw != grad.dtype:
-        return _send_back(comm, grad.to(gw), send, recv, algorithm, None, plan).to(grad.dtype)
+        return _send_back_as_labelled(comm, grad.to(gw), send, recv, algorithm, None, plan).to(grad.dtype)
     if plan is not None:
         return hierarchical.reverse_all_to_all_v(comm.engine, comm.topology, plan, grad)
     out, _ = comm.all_to_all_v(grad.contiguous(), send, recv, algorithm=algorithm)

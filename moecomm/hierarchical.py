@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _flat
+from . import _flat, _tags
 from ._engine import Engine
 from ._hier_plan import Exchange, Local, Plan, forward_steps, make_plan, reverse_steps
 from ._requests import CheckedRequest, RaiseAfter
@@ -69,6 +69,7 @@ class _Chain(Request):
         self._pooled: list[torch.Tensor] = []
         self._done = False
         self._ordered = engine.backend.stream_ordered
+        self._tags = _tags.current()  # phases issued later (while polled) carry their call's label
         if not steps:
             out.copy_(x)
             self._finish()
@@ -112,11 +113,9 @@ class _Chain(Request):
     def _issue(self, step: Exchange) -> Request:
         last = self._i == len(self._steps) - 1
         recv = self._recv_buffer(sum(step.recv), last)
-        if step.check is not None and step.records is not None:
+        with _tags.using(self._tags):
             request = _flat.alltoallv(step.sub, self._buf, step.send, recv, step.recv, check=step.check,
                                       records=step.records)
-        else:
-            request = _flat.alltoallv(step.sub, self._buf, step.send, recv, step.recv)
         self._buf = recv
         self._i += 1
         return request
@@ -324,6 +323,7 @@ def reverse_all_to_all_v(engine: Engine, topology: Optional[Topology], plan: Pla
     out = torch.empty((sum(plan.send),) + row_shape, dtype=g.dtype, device=g.device)
     if math.prod(row_shape) == 0:
         return out
-    chain = _Chain(engine, h, reverse_steps(h, plan), g, out, plan)
+    with _tags.labelled("all_to_all_v backward"):
+        chain = _Chain(engine, h, reverse_steps(h, plan), g, out, plan)
     engine.complete(chain, "all_to_all_v (2dh backward)", None)
     return out

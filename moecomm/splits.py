@@ -25,6 +25,9 @@ def normalize_splits(splits: Splits, name: str, size: int) -> list[int]:
         if len(splits) == size and all(type(v) is int and v >= 0 for v in splits):
             return list(splits)
     if isinstance(splits, torch.Tensor):
+        if splits.device.type == "meta":
+            raise ValueError(f"{name} is a tensor on the meta device, which holds no counts: pass counts on the "
+                             f"CPU or the communicator's device")
         if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got dtype {splits.dtype}")
         if splits.dim() != 1:

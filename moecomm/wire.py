@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import hierarchical, quant
+from . import _tags, hierarchical, quant
 from ._engine import Engine
 from ._topology import Topology
 from .errors import CountMismatchError
@@ -142,8 +142,9 @@ def start_packed_all_to_all_v(
     uint8 from :func:`moecomm.quant.pack_rows` or :func:`moecomm.quant.gather_pack_rows`
     with block :data:`WIRE_BLOCK`; the caller's checks): the output is
     ``[sum(recv), *row_shape]`` in ``dtype``."""
-    landing, send, recv, request = hierarchical.start_all_to_all_v(engine, topology, packed, send_splits, recv_splits,
-                                                                   algorithm)
+    with _tags.labelled(wire=wire_dtype):  # the packed rows' tags name their FP8 dtype
+        landing, send, recv, request = hierarchical.start_all_to_all_v(engine, topology, packed, send_splits,
+                                                                       recv_splits, algorithm)
     out = torch.empty((sum(recv),) + tuple(row_shape), dtype=dtype, device=packed.device)
 
     def unpack() -> None:
@@ -172,7 +173,8 @@ def reverse_rows(engine: Engine, topology: Optional[Topology], plan: Any, g: tor
     if engine.validate:
         cross_check(engine, x, wire_dtype, "all_to_all_v (2dh backward)")
     row_shape = tuple(x.shape[1:])
-    landing = hierarchical.reverse_all_to_all_v(engine, topology, plan, quant.pack_rows(x, wire_dtype, WIRE_BLOCK))
+    with _tags.labelled(wire=wire_dtype):
+        landing = hierarchical.reverse_all_to_all_v(engine, topology, plan, quant.pack_rows(x, wire_dtype, WIRE_BLOCK))
     out = torch.empty((landing.shape[0],) + row_shape, dtype=x.dtype, device=x.device)
     if out.numel():
         quant.unpack_rows(landing, row_shape, x.dtype, wire_dtype, WIRE_BLOCK, out=out)

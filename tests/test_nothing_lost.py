@@ -190,3 +190,20 @@ def test_requires_grad_warns_once(comm1):
         comm1.all_to_all_v(x.detach(), [2])
     msgs = [str(w.message) for w in caught if "not differentiable" in str(w.message)]
     assert len(msgs) == 1 and "moecomm.functional" in msgs[0]
+
+
+# -- issue 34, item 7: our errors, not torch's -------------------------------------------------
+
+
+@pytest.mark.parametrize("arg", ["send_splits", "recv_splits"])
+def test_meta_counts_named(comm1, arg):
+    meta = torch.tensor([2], device="meta")
+    kw = {"send_splits": [2], "recv_splits": [2]}
+    kw[arg] = meta
+    with pytest.raises(ValueError, match=f"^{arg} is a tensor on the meta device"):
+        comm1.all_to_all_v(torch.zeros(2, 3), **kw)
+
+
+def test_recv_splits_that_cannot_be_allocated_named(comm1):
+    with pytest.raises(ValueError, match=r"^recv_splits sums to 35184372088832 rows .* cannot be allocated"):
+        comm1.all_to_all_v(torch.zeros(2, 3), [2], [2**45])

@@ -80,6 +80,10 @@ class Backend(abc.ABC):
     supports_displacements: bool = False
     """True where :meth:`alltoallv` takes ``send_displs``/``recv_displs``."""
 
+    tagged: bool = False
+    """True where :meth:`exchange_tagged` exists: one tagged message per peer (MPI; see
+    :mod:`moecomm._tags`). Elsewhere row exchanges carry no description of themselves."""
+
     timeout_s: float = 600.0
     """Seconds any wait of this backend may last: the communicator's ``timeout``, kept here
     only (the engine reads and sets it), so that the backend's own waits (NCCL's watchdog,
@@ -101,6 +105,14 @@ class Backend(abc.ABC):
         Blocks are consecutive in peer order, or start at row ``send_displs[p]`` /
         ``recv_displs[p]`` where the backend :attr:`supports_displacements`.
         """
+
+    def exchange_tagged(self, send: torch.Tensor, send_counts: Sequence[int], send_displs: Sequence[int],
+                        recv: torch.Tensor, recv_counts: Sequence[int], recv_displs: Sequence[int], row_bytes: int,
+                        tags: Sequence[int]) -> Request:
+        """:meth:`alltoallv` at displacements as one message per peer with tag ``tags[p]``;
+        the request's ``arrived[p]`` is then (tag, bytes or None) of what ``p`` sent. Only
+        where :attr:`tagged`."""
+        raise NotImplementedError(f"the {self.name} backend has no tagged exchange")
 
     @abc.abstractmethod
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> Request:

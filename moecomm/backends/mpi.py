@@ -19,7 +19,7 @@ from ..splits import split_offsets
 from ._deadline import call_before_deadline
 from .base import Backend, Request
 
-__all__ = ["MpiBackend", "MpiRequest", "byte_view"]
+__all__ = ["MpiBackend", "MpiRequest", "TaggedRequest", "byte_view"]
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
@@ -46,11 +46,52 @@ class MpiRequest(Request):
         return False
 
 
+class TaggedRequest(Request):
+    """The messages of :meth:`MpiBackend.exchange_tagged`; once done, ``arrived[p]`` is
+    ``(tag, bytes)`` of peer ``p``'s message (bytes None: it sent more than was posted)."""
+
+    __slots__ = ("_recvs", "_sends", "_statuses", "_keep", "arrived")
+
+    def __init__(self, recvs: list, sends: list, statuses: list, keep: tuple) -> None:
+        self._recvs = recvs
+        self._sends = sends
+        self._statuses = statuses
+        self._keep = keep
+        self.arrived: list = [None] * len(recvs)
+
+    def test(self) -> bool:
+        pending = False
+        for p, req in enumerate(self._recvs):
+            if req is None:
+                continue
+            status = self._statuses[p]
+            try:
+                done = req.Test(status)
+            except Exception:  # MPI_ERR_TRUNCATE: the peer sent more than was posted (the start landed)
+                done, status = True, None
+            if done:
+                self._recvs[p] = None
+                self.arrived[p] = (status.Get_tag(), status.Get_count()) if status is not None else \
+                    (self._statuses[p].Get_tag(), None)
+            else:
+                pending = True
+        for i, req in enumerate(self._sends):
+            if req is not None:
+                if req.Test():
+                    self._sends[i] = None
+                else:
+                    pending = True
+        if not pending:
+            self._keep = ()
+        return not pending
+
+
 class MpiBackend(Backend):
     name = "mpi"
     progress_on_test = True
     supports_displacements = True
     mismatched_rows_complete = True
+    tagged = True
 
     def __init__(self, comm: Any, timeout_s: float, *, adopt: bool = False) -> None:
         """A backend over a duplicate of ``comm`` (made without blocking: ``MPI_Comm_idup``,
@@ -102,6 +143,32 @@ class MpiBackend(Backend):
         sb, rb = byte_view(send), byte_view(recv)
         req = self._comm.Ialltoallv([sb, (list(send_counts), sd), rt], [rb, (list(recv_counts), rd), rt])
         return MpiRequest(req, (send, recv, sb, rb))
+
+    def exchange_tagged(self, send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes,
+                        tags) -> TaggedRequest:
+        """One message per peer, empty blocks included: ``send_counts[p]`` rows from row
+        ``send_displs[p]`` of ``send`` with tag ``tags[p]``; into row ``recv_displs[p]`` of
+        ``recv`` up to ``recv_counts[p]`` rows of any tag. Messages between two ranks match in
+        order (MPI's non-overtaking rule), and point-to-point traffic never meets collectives."""
+        MPI = self._MPI
+        sb, rb = byte_view(send), byte_view(recv)
+        rbytes, n = max(int(row_bytes), 0), self.size
+        recvs, statuses, sends = [], [], []
+        for k in range(n):  # receives first, from the rank whose message comes soonest
+            p = (self.rank - k) % n
+            start = recv_displs[p] * rbytes
+            recvs.append((p, self._comm.Irecv([rb[start:start + recv_counts[p] * rbytes], MPI.BYTE], source=p,
+                                              tag=MPI.ANY_TAG)))
+        for k in range(n):
+            p = (self.rank + k) % n
+            start = send_displs[p] * rbytes
+            sends.append(self._comm.Isend([sb[start:start + send_counts[p] * rbytes], MPI.BYTE], dest=p,
+                                          tag=int(tags[p])))
+        by_peer = [None] * n
+        for p, req in recvs:
+            by_peer[p] = req
+        statuses = [MPI.Status() for _ in range(n)]
+        return TaggedRequest(by_peer, sends, statuses, (send, recv, sb, rb))
 
     def alltoall(self, send, recv) -> Request:
         n = send.numel() * send.element_size() // self.size

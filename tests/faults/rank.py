@@ -36,10 +36,19 @@ def fault(kind: str, where: str) -> None:
     sys.exit(0)
 
 
-def on_first_call(obj, names, kind: str, where: str) -> None:
-    """Make the first call of any of ``obj``'s methods ``names`` fault instead."""
+def on_first_call(obj, names, kind: str, where: str, skip: int = 0) -> None:
+    """Make the first call of any of ``obj``'s methods ``names`` (after ``skip`` calls, which
+    run as usual) fault instead."""
+    calls = [0]
     for name in names:
-        setattr(obj, name, lambda *a, **k: fault(kind, where))
+        real = getattr(obj, name)
+
+        def hooked(*a, real=real, **k):
+            calls[0] += 1
+            if calls[0] > skip:
+                fault(kind, where)
+            return real(*a, **k)
+        setattr(obj, name, hooked)
 
 
 def splits(seed: int, W: int) -> list:
@@ -120,17 +129,21 @@ def run(phase: str, kind: str, bad: bool, comm, R: int, W: int, setup: dict) -> 
     x = torch.randn(sum(m[R]), 5)
     if phase == "counts":
         if bad:
-            on_first_call(comm.engine.backend, ["alltoall"], kind, "count exchange")
+            on_first_call(comm.engine.backend, ["alltoall", "exchange_tagged"], kind, "count exchange")
         comm.all_to_all_v(x, m[R])
     elif phase == "rows":
         if bad:
-            on_first_call(comm.engine.backend, ["alltoallv"], kind, "rows")
+            # MPI: the count exchange and the rows are both tagged exchanges (moecomm._tags)
+            tagged = comm.engine.tagged
+            on_first_call(comm.engine.backend, ["alltoallv", "exchange_tagged"] if tagged else ["alltoallv"], kind,
+                          "rows", skip=1 if tagged else 0)
         comm.all_to_all_v(x, m[R])
     elif phase.startswith("2dh"):
         if bad:
             hier = comm.topology.hierarchy
             sub = hier.intra if phase == "2dh-intra" else hier.rail
-            on_first_call(sub.engine.backend, ["alltoall", "alltoallv", "allgather", "allgatherv"], kind, phase)
+            on_first_call(sub.engine.backend, ["alltoall", "alltoallv", "allgather", "allgatherv", "exchange_tagged"],
+                          kind, phase)
         comm.all_to_all_v(x, m[R], [m[p][R] for p in range(W)], algorithm="2dh")
     elif phase == "overlap":
         def fn(rows, chunk):

@@ -6,9 +6,10 @@ rank either raises CountMismatchError or holds exactly the reference bytes, and 
   count exchange (a dtype or row shape that differs is named on the ranks that see it);
 * validate=True: every disagreement raises on every rank before anything moves, also when
   ranks mix recv_splits and None (the records keep their collectives in step);
-* records beside the rows (the private switch bench.alltoall --check-cost times): the two
-  ranks of a disagreeing pair raise, the others complete, the communicator stays usable,
-  unless rows could never arrive (then it is aborted); gloo compares before the rows.
+* known counts, by default (issue 32): every MPI exchange travels tagged (moecomm._tags):
+  the two ranks of a disagreeing pair raise, the others complete, the communicator stays
+  usable (also where one side sends no rows: an empty message still carries its tag);
+  ranks mixing recv_splits and None raise; gloo with records beside compares before the rows.
 """
 
 from __future__ import annotations
@@ -26,17 +27,12 @@ W = MPI.COMM_WORLD.size
 LOCAL = 2 if W % 2 == 0 and W > 2 else 1
 
 
-def _make(validate: bool = False, beside: bool = False) -> moecomm.Communicator:
-    c = moecomm.init(backend="mpi", timeout=30, local_size=LOCAL, hierarchy=True, validate=validate)
-    if beside:
-        for sub in (c, c.topology.hierarchy.intra, c.topology.hierarchy.rail):
-            sub.engine.records_beside = True
-    return c
+def _make(validate: bool = False) -> moecomm.Communicator:
+    return moecomm.init(backend="mpi", timeout=30, local_size=LOCAL, hierarchy=True, validate=validate)
 
 
 COMM = _make()
 COMMV = _make(validate=True)
-COMMB = _make(beside=True)
 R = COMM.rank
 
 
@@ -115,7 +111,7 @@ def check_dtype_and_row_shape_by_default() -> None:
     that differs (every rank exchanges with rank 1, so every rank raises)."""
     if W == 1:
         return
-    for comm, recvs in ((COMM, (None,)), (COMMV, (None, "known")), (COMMB, (None, "known"))):
+    for comm, recvs in ((COMM, (None, "known")), (COMMV, (None, "known"))):
         for what in ("dtype", "shape"):
             m = count_matrix(9, W, 4, 0.0) + 1
             x = input_for(9, R, m, (2, 4), torch.float32)
@@ -132,7 +128,7 @@ def check_dtype_and_row_shape_by_default() -> None:
 def check_mixed_known_and_unknown_agree() -> None:
     """validate=True: one rank passes (right) recv_splits, the others None: the same
     collectives in the same order, the right rows."""
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV,):
         res, ref = _run_case(comm, 6, (2, 3), torch.int32, _send, lambda m: [int(v) for v in m[:, R]] if R == 0 else None)
         _expect(res, ref, False, [])
         res, ref = _run_case(comm, 7, (5,), torch.float16, _send,
@@ -143,7 +139,7 @@ def check_mixed_known_and_unknown_agree() -> None:
 def check_flat_recv_splits_wrong() -> None:
     if W == 1:
         return
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV, COMM):
         for delta in (-1, +2):
             for others_known in (True, False):
                 def recv_of(m, delta=delta, others_known=others_known):
@@ -153,15 +149,17 @@ def check_flat_recv_splits_wrong() -> None:
                         return r
                     return r if others_known else None
                 res, ref = _run_case(comm, 5, (3,), torch.float32, _send, recv_of)
-                words = ["rank 1 sends", "to rank 0, which expects"]
-                _expect(res, ref, comm is COMMV or R in (0, 1), words)
+                if comm is COMM and not others_known:  # by default a mix of recv_splits and None is refused
+                    _expect(res, ref, True, ["recv_splits"])
+                else:
+                    _expect(res, ref, comm is COMMV or R in (0, 1), ["rank 1 sends", "to rank 0, which expects"])
                 _still_usable(comm)
 
 
 def check_single_and_list_wrong_sizes() -> None:
     if W == 1:
         return
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV, COMM):
         for kind in ("single", "list"):
             def recv_of(m):
                 r = [int(v) for v in m[:, R]]
@@ -169,7 +167,7 @@ def check_single_and_list_wrong_sizes() -> None:
                     r[0] += 1
                 return r
             res, ref = _run_case(comm, 8, (4,), torch.float32, _send, recv_of, kind=kind)
-            unit = "bytes" if kind == "list" and comm is COMMB else "rows"
+            unit = "bytes" if kind == "list" and comm is COMM else "rows"
             _expect(res, ref, comm is COMMV or R in (0, W - 1), ["rank 0 sends", f"{unit} to rank {W - 1}, which expects"])
             _still_usable(comm)
 
@@ -177,7 +175,7 @@ def check_single_and_list_wrong_sizes() -> None:
 def check_2dh_recv_splits_wrong() -> None:
     if W < 4 or LOCAL == 1:
         return
-    for comm in (COMMV, COMMB):
+    for comm in (COMMV, COMM):
         def recv_of(m):
             r = [int(v) for v in m[:, R]]
             if R == 0:
@@ -191,31 +189,145 @@ def check_2dh_recv_splits_wrong() -> None:
         _still_usable(comm)
 
 
-def check_stuck_rows_abort() -> None:
-    """Records beside the rows: a rank expecting rows from a peer that sends none (MPI posts
-    no message for an empty block, so they would never arrive): both raise at once, their
-    communicator aborted. The other ranks exchange nothing here, so they complete."""
-    global COMMB
+def check_mixed_known_and_unknown_named_by_default() -> None:
+    """Issue 32: rank 0 passes recv_splits, the others None (validate=False): every rank
+    exchanges with rank 0, so every rank raises naming it (flat); nobody reads rows as counts."""
+    if W == 1:
+        return
+    res, ref = _run_case(COMM, 14, (3,), torch.float32, _send, lambda m: [int(v) for v in m[:, R]] if R == 0 else None)
+    _expect(res, ref, True, ["passed recv_splits" if R else "passed no recv_splits"])
+    _still_usable(COMM)
+
+
+def check_empty_side_named_not_stuck() -> None:
+    """A rank expecting rows from a peer that sends none: the peer's empty message still
+    carries its tag, so both raise where the rows land; the others complete and the
+    communicator stays usable (before issue 32 this needed records and aborted it)."""
     if W == 1:
         return
     m = np.zeros((W, W), dtype=np.int64)
     m[0, 0] = 2
-    for known in (True, False):
-        def recv_of(m, known=known):
-            r = [int(v) for v in m[:, R]]
-            if R == 1:
-                r[0] = 3
-                return r
-            return r if known else None
-        res, ref = _run_case(COMMB, 12, (3,), torch.float32, _send, recv_of, m=m)
-        if R in (0, 1):
-            _expect(res, ref, True, ["rank 0 sends 0 rows to rank 1, which expects 3", "aborted"])
+
+    def recv_of(m):
+        r = [int(v) for v in m[:, R]]
+        if R == 1:
+            r[0] = 3
+        return r
+    res, ref = _run_case(COMM, 12, (3,), torch.float32, _send, recv_of, m=m)
+    if R in (0, 1):
+        _expect(res, ref, True, ["rank 0 sends 0 rows to rank 1, which expects"])
+    else:
+        _expect(res, ref, False, [])
+    collective_assert(not COMM.closed, f"closed={COMM.closed}")
+    _still_usable(COMM)
+
+
+def _raises_on(ranks, fn, words) -> None:
+    """``fn()`` raises CountMismatchError naming ``words`` on ``ranks`` (all: None); elsewhere returns."""
+    kind, value = _outcome(fn)
+    if ranks is None or R in ranks:
+        collective_assert(kind == "mismatch" and all(w in value for w in words), f"{kind}: {value!r} (want {words})")
+    else:
+        collective_assert(kind == "ok", f"rank {R} raised {value!r}")
+
+
+def check_issue32_cases_by_default() -> None:
+    """Issue 32's table with the defaults: each case raises CountMismatchError where the
+    disagreeing rows land, naming what differs (the rest of the table is above: recv_splits
+    too large, mixes of recv_splits and None, 2DH recv_splits, all_to_all_single sizes)."""
+    if W == 1:
+        return
+    import moecomm.distributed as mdist
+
+    m = count_matrix(21, W, 3, 0.0) + 1
+    send, recv = _send(m), [int(v) for v in m[:, R]]
+    x = input_for(21, R, m, (8,), torch.float32)
+    # the torch drop-in with another dtype on rank 1 (every rank exchanges with it)
+    xd = x.view(torch.int32) if R == 1 else x
+    out = torch.empty((sum(recv), 8), dtype=xd.dtype)
+    _raises_on(None, lambda: mdist.all_to_all_single(out, xd, recv, send, group=COMM), ["another dtype"])
+    # issue 34, item 7: one output tensor in every slot of the drop-in all_to_all is refused
+    y = torch.empty(2, 8)
+    try:
+        mdist.all_to_all([y] * W, [torch.ones(2, 8)] * W, group=COMM)
+        problem = "the same output in every slot was accepted"
+    except ValueError as exc:
+        problem = "" if "output_tensor_list[1] overlaps output_tensor_list[0]" in str(exc) else str(exc)
+    collective_assert(not problem, problem)
+    # wire dtypes that differ: e4m3 on rank 0, e5m2 elsewhere
+    wire = torch.float8_e4m3fn if R == 0 else torch.float8_e5m2
+    xf = torch.randn(sum(send), 128)
+    _raises_on(None, lambda: COMM.all_to_all_v(xf, send, recv, wire_dtype=wire), ["another wire dtype"])
+    # known counts with the same wire dtype, counts that disagree (rank 0 expects one more from rank 1)
+    bad = list(recv)
+    if R == 0:
+        bad[1] += 1
+    _raises_on((0, 1), lambda: COMM.all_to_all_v(xf, send, bad, wire_dtype=torch.float8_e4m3fn),
+               ["rank 1 sends", "to rank 0, which expects"])
+    _still_usable(COMM)
+    # scatter_compute_gather whose fn returns another dtype, then another row width, on rank 1
+    # (a disagreement inside the pipeline aborts the communicator: a fresh one each time)
+    for what in ("dtype", "width"):
+        c = _make()
+
+        def fn(rows, chunk, what=what):
+            if R != 1:
+                return rows * 2
+            return (rows * 2).double() if what == "dtype" else torch.cat([rows, rows], 1)
+        words = ["another dtype"] if what == "dtype" else ["rank"]
+        _raises_on(None, lambda c=c, fn=fn: c.scatter_compute_gather(x, send, fn, recv_splits=recv), words)
+        c.abort()
+
+
+def check_skipped_backward_does_not_pair() -> None:
+    """Issue 34, item 5: rank 0 runs a backward while the others start a forward of the same
+    shape and counts; before, both finished with each other's data (also with validate)."""
+    if W == 1:
+        return
+    import moecomm.functional as F
+
+    for comm in (COMM, COMMV):
+        m = count_matrix(23, W, 3, 0.0) + 1
+        m = np.minimum(m, m.T)  # symmetric: the backward's counts are the forward's
+        send = _send(m)
+        x = input_for(23, R, m, (4,), torch.float32).requires_grad_(True)
+        out, _ = F.all_to_all_v(x, send, send, comm=comm)
+        if R == 0:
+            _raises_on(None, lambda: out.sum().backward(), ["another exchange"])
         else:
-            _expect(res, ref, False, [])
-        collective_assert(COMMB.closed == (R in (0, 1)), f"closed={COMMB.closed}")
-        COMMB.abort()
-        COMMB = _make(beside=True)
-        _still_usable(COMMB)
+            _raises_on(None, lambda: comm.all_to_all_v(x.detach(), send, send), ["another exchange"])
+        _still_usable(comm)
+
+
+def check_2dh_timeout_closes_everything() -> None:
+    """Issue 34, item 4: a 2DH call that times out (rank 1 never joins) leaves the communicator
+    closed on the ranks that timed out; their next 2DH and flat calls raise a named error at
+    once, and the messages name world ranks."""
+    if W < 4 or LOCAL == 1:
+        return
+    from moecomm.errors import CommunicatorClosedError
+
+    c = _make()
+    c.timeout = 1.5
+    x = torch.ones(W, 3)
+    problem = ""
+    if R != 1:  # recv_splits None: the first wait is the intra-node count exchange, on a sub-communicator
+        try:
+            c.all_to_all_v(x, [1] * W, None, algorithm="2dh")
+            problem = "the 2dh call returned"
+        except TimeoutError as exc:
+            if f"world rank {R}" not in str(exc) and f"on rank {R} " not in str(exc):
+                problem = f"the timeout does not name world rank {R}: {exc}"
+        if not c.closed:
+            problem += "; a 2dh timeout left the communicator open"
+        for algorithm in ("2dh", "flat"):
+            try:
+                c.all_to_all_v(x, [1] * W, [1] * W, algorithm=algorithm)
+                problem += f"; {algorithm} after the timeout returned"
+            except CommunicatorClosedError:
+                pass
+    collective_assert(not problem, problem)
+    c.abort()
 
 
 def check_gloo_compares_before_rows() -> None:
@@ -247,4 +359,6 @@ def check_gloo_compares_before_rows() -> None:
 if __name__ == "__main__":
     rank_main([check_pool_across_shapes_dtypes_algorithms, check_dtype_and_row_shape_by_default,
                check_mixed_known_and_unknown_agree, check_flat_recv_splits_wrong, check_single_and_list_wrong_sizes,
-               check_2dh_recv_splits_wrong, check_stuck_rows_abort, check_gloo_compares_before_rows])
+               check_2dh_recv_splits_wrong, check_mixed_known_and_unknown_named_by_default,
+               check_empty_side_named_not_stuck, check_issue32_cases_by_default, check_skipped_backward_does_not_pair,
+               check_2dh_timeout_closes_everything, check_gloo_compares_before_rows])
