@@ -8,8 +8,11 @@ waiting for it.
 
 Beside the backend it makes the host channel of the short integer agreements
 (:mod:`moecomm._host_channel`), where the launch has one: under an MPI launcher a duplicate of
-``COMM_WORLD`` for NCCL (the MPI backend's own communicator for MPI); over a torch group whose
-CPU collectives run on gloo, that group. An NCCL-only group (and a single process) has none.
+``COMM_WORLD`` for NCCL, a duplicate of the MPI backend's own communicator for MPI (so that an
+agreement on one rank never meets an exchange of the backend on another: ranks that disagree
+on what comes next wait and time out instead of reading each other's messages); over a torch
+group whose CPU collectives run on gloo, that group. An NCCL-only group (and a single process)
+has none.
 """
 
 from __future__ import annotations
@@ -132,7 +135,11 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
         from .backends.mpi import MpiBackend
 
         mpi = MpiBackend(world, timeout_s)
-        return mpi, hosts, rank, MpiHostChannel(mpi.mpi_comm, timeout_s, duplicate=False, owned=False)
+        try:
+            return mpi, hosts, rank, MpiHostChannel(mpi.mpi_comm, timeout_s)
+        except BaseException:
+            mpi.abort()
+            raise
     try:
         dev = _cuda_device(device, _local_rank(rank, hosts, local_size))
         outcome = NcclBackend.new_unique_id() if rank == 0 else b""

@@ -51,6 +51,12 @@ class Segments:
     """The grouped GEMMs' segment ends, per (block or None, device): see ``_seg_gemm._offsets``."""
 
     def __post_init__(self) -> None:
+        # A negative count (from ranks out of step: a count exchange that met another
+        # collective) would make rows smaller than the segments' extent, and the row map's
+        # repeat_interleave(output_size=rows) write past its buffer.
+        for b, block in enumerate(self.counts):
+            if block and min(block) < 0:
+                raise ValueError(f"Segments: counts[{b}] = {list(block)} has a negative row count")
         self.rows = sum(sum(b) for b in self.counts)
 
     @classmethod
