@@ -60,7 +60,7 @@ def test_round_trips_and_reload(tmp_path):
 
 
 def test_divergent_replicas_are_reported(tmp_path):
-    from moecomm.moe import _checkpoint_file, checkpoint
+    from moecomm.moe import checkpoint
 
     d = str(tmp_path)
     run_ranks(1, "tests.ranks.moe_checkpoint", "save", d, "2")
@@ -69,7 +69,7 @@ def test_divergent_replicas_are_reported(tmp_path):
     key = "moe.gates.0.wg.weight"
     parts[1]["state_dict"][key] += 1
     parts[1]["checksums"][key] = checkpoint._checksum(parts[1]["state_dict"][key])  # a valid file, not a corrupt one
-    parts[1]["header_checksum"] = _checkpoint_file.header_checksum(parts[1])
+    parts[1] = sealed(parts[1])
     torch.save(parts[1], f"{d}/p.1.pt")
     with pytest.raises(ValueError, match="differs between rank 0 and rank 1"):
         checkpoint.gather(f"{d}/p.{{rank}}.pt", size=2)
@@ -224,15 +224,22 @@ def test_flipped_bytes_inside_a_tensor_are_detected(tmp_path):
     assert not (tmp_path / "full.pt").exists()
 
 
+def sealed(ck: dict) -> dict:
+    """``ck`` with its header checksum made anew: a file whose writer lied, not a corrupt one."""
+    from moecomm.moe import _checkpoint_file
+
+    return dict(ck, header_checksum=_checkpoint_file.header_checksum(ck))
+
+
 def test_header_that_lies_is_refused(tmp_path):
     from moecomm.moe import checkpoint
 
     d = str(tmp_path)
     parts = checkpoint.scatter(full_checkpoint(), None, 2)
     # a per-rank file (2 of the 4 experts) whose header claims a full file (world size 1)
-    lie = dict(parts[0], world_size=1, rank=0)
+    lie = sealed(dict(parts[0], world_size=1, rank=0))
     torch.save(lie, f"{d}/lie1.pt")
-    lie2 = dict(lie, layers={"moe.": dict(lie["layers"]["moe."], num_local_experts=E)})
+    lie2 = sealed(dict(lie, layers={"moe.": dict(lie["layers"]["moe."], num_local_experts=E)}))
     torch.save(lie2, f"{d}/lie2.pt")
     for name, words in (("lie1.pt", ["world_size=1", "num_local_experts=2"]),
                         ("lie2.pt", ["'moe.experts.fc1_weight'", "(2, 3, 4)"])):
@@ -240,7 +247,7 @@ def test_header_that_lies_is_refused(tmp_path):
         one_line_error(out, name, *words)
     # rank files whose headers claim world size 4 (of which two are missing) / 1
     for r in range(2):
-        torch.save(dict(parts[r], world_size=4), f"{d}/w4.{r}.pt")
+        torch.save(sealed(dict(parts[r], world_size=4)), f"{d}/w4.{r}.pt")
     one_line_error(main_err("gather", "--input", f"{d}/w4.{{rank}}.pt", "--output", f"{d}/o.pt"), "w4.0.pt")
     one_line_error(main_err("gather", "--input", f"{d}/w4.{{rank}}.pt", "--size", "2", "--output", f"{d}/o.pt"),
                    "w4.0.pt")
