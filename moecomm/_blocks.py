@@ -60,6 +60,8 @@ def _device_index(counts: Sequence[int], order: Sequence[int], device: torch.dev
     """:func:`block_order_index` built on ``device`` from the small block table: one copy of
     ``2 * len(order)`` ints to the device, no host synchronisation, no per-row host work."""
     shift, picked = _block_shifts(counts, order)
+    if (picked < 0).any():  # repeat_interleave(output_size=total) would write past its output
+        raise ValueError(f"block counts must be >= 0, got {list(counts)}")
     total = int(picked.sum())
     table = int64_table(np.concatenate([shift, picked]), device)
     k = len(order)

@@ -8,8 +8,11 @@ waiting for it.
 
 Beside the backend it makes the host channel of the short integer agreements
 (:mod:`moecomm._host_channel`), where the launch has one: under an MPI launcher a duplicate of
-``COMM_WORLD`` for NCCL (the MPI backend's own communicator for MPI); over a torch group whose
-CPU collectives run on gloo, that group. An NCCL-only group (and a single process) has none.
+``COMM_WORLD`` for NCCL, a duplicate of the MPI backend's own communicator for MPI (so that an
+agreement on one rank never meets an exchange of the backend on another: ranks that disagree
+on what comes next wait and time out instead of reading each other's messages); over a torch
+group whose CPU collectives run on gloo, that group. An NCCL-only group (and a single process)
+has none.
 """
 
 from __future__ import annotations
@@ -176,7 +179,11 @@ def _mpi_backend(world: Any, timeout_s: float, hosts: list[str], rank: int) -> M
     from .backends.mpi import MpiBackend
 
     mpi = MpiBackend(world, timeout_s)
-    return mpi, hosts, rank, MpiHostChannel(mpi.mpi_comm, timeout_s, duplicate=False, owned=False)
+    try:  # a duplicate: agreements never meet the backend's own collectives
+        return mpi, hosts, rank, MpiHostChannel(mpi.mpi_comm, timeout_s)
+    except BaseException:
+        mpi.abort()
+        raise
 
 
 def _peer_available() -> bool:

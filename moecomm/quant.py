@@ -247,12 +247,12 @@ _WIRE_CODE = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 def pack_rows(x: torch.Tensor, wire_dtype: torch.dtype, block: int = 128, *,
               use_native: Optional[bool] = None) -> torch.Tensor:
     """Quantize and pack each row: ``[N, packed_row_bytes(D, block)]`` uint8 (no validation:
-    ``x`` contiguous, of an input dtype; see the module docstring for the layout)."""
+    ``x`` of an input dtype, copied first if not contiguous; see the module docstring for the layout)."""
     n, d = x.shape[0], math.prod(x.shape[1:])
     row_bytes = packed_row_bytes(d, block)
     mod = _native(x.device.type, use_native)
     if mod is not None:
-        return mod.quantize_pack(x.reshape(n, d), _WIRE_CODE[wire_dtype], block, row_bytes)
+        return mod.quantize_pack(x.reshape(n, d).contiguous(), _WIRE_CODE[wire_dtype], block, row_bytes)
     out = torch.zeros(n, row_bytes, dtype=torch.uint8, device=x.device)
     if n and d:
         q, scales = quantize_rows_reference(x, wire_dtype, block)
@@ -267,7 +267,7 @@ def gather_pack_rows(x: torch.Tensor, index: torch.Tensor, wire_dtype: torch.dty
     """:func:`pack_rows` of the gathered rows ``x[index] * scale`` (the MoE dispatch gather,
     :func:`moecomm_ext.gather_rows`) in one pass: the gathered rows are never written out.
 
-    ``x``: ``[N, *row_shape]`` contiguous float32/bfloat16/float16; ``index``: ``[M]`` int64
+    ``x``: ``[N, *row_shape]`` float32/bfloat16/float16 (copied first if not contiguous); ``index``: ``[M]`` int64
     on ``x``'s device, entries in ``[-1, N)`` (``-1``: a zero row; checked on the CPU,
     ``ValueError`` naming ``index``; on a GPU it is the caller's promise, as reading the
     range would wait for the GPU); ``scale``: ``[M]`` floating or None (the
@@ -285,7 +285,7 @@ def gather_pack_rows(x: torch.Tensor, index: torch.Tensor, wire_dtype: torch.dty
     if mod is None:
         return gather_pack_rows_reference(x, index, wire_dtype, block, scale=scale)
     s = None if scale is None else scale.to(torch.float32).contiguous()
-    return mod.gather_quantize_pack(x.reshape(n, d), index.contiguous(), s, _WIRE_CODE[wire_dtype], block,
+    return mod.gather_quantize_pack(x.reshape(n, d).contiguous(), index.contiguous(), s, _WIRE_CODE[wire_dtype], block,
                                     packed_row_bytes(d, block))
 
 

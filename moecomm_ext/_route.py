@@ -61,14 +61,14 @@ def step_ops(device: torch.device, num_experts: int, use_native: bool | None):
 
 def run_route_capacity(topk_scores: Tensor, topk_idx: Tensor, num_experts: int, capacity: int, normalize: bool,
                        use_native: bool | None) -> CapacityRoutes:
-    """:func:`route_capacity` without argument checks (contiguous inputs of the documented
-    shapes and dtypes, expert ids in range: the caller's promise); ``capacity=-1``:
+    """:func:`route_capacity` without argument checks (inputs of the documented shapes and
+    dtypes, expert ids in range: the caller's promise; strided ones are copied); ``capacity=-1``:
     :func:`route_dropless`."""
     mod = _native(topk_scores.device, num_experts, use_native)
     if mod is None:
         out = reference.route_capacity(topk_scores, topk_idx, num_experts, capacity, normalize)
     else:
-        out = mod.route_capacity(topk_scores, topk_idx, num_experts, capacity, normalize)
+        out = mod.route_capacity(topk_scores.contiguous(), topk_idx.contiguous(), num_experts, capacity, normalize)
     return CapacityRoutes(*out)
 
 
@@ -80,8 +80,9 @@ def run_route_backward(grad_gates: Tensor, topk_scores: Tensor, topk_idx: Tensor
     if mod is None:
         return reference.route_backward(grad_gates, topk_scores, topk_idx, scores, normalize, aux_grad, aux_counts,
                                         aux_scale, split_bf16)
-    return mod.route_backward(grad_gates, topk_scores, topk_idx, scores, normalize, aux_grad, aux_counts, aux_scale,
-                              split_bf16)
+    aux_counts = None if aux_counts is None else aux_counts.contiguous()
+    return mod.route_backward(grad_gates.contiguous(), topk_scores.contiguous(), topk_idx.contiguous(),
+                              scores.contiguous(), normalize, aux_grad, aux_counts, aux_scale, split_bf16)
 
 
 def _route_dtype(fn: str, name: str, t: Tensor) -> None:

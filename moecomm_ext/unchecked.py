@@ -1,8 +1,8 @@
 """The kernels without argument checks, for hot paths that have checked their inputs once.
 
 Each function here is its public namesake (:func:`moecomm_ext.gather_rows`, ...) minus the
-validation: inputs must be contiguous tensors of the documented shapes, dtypes and devices,
-indices in range, and nothing may require grad. A bad input gives an exception from the
+validation: inputs must be tensors of the documented shapes, dtypes and devices (strided
+ones are copied to contiguous first), indices in range, and nothing may require grad. A bad input gives an exception from the
 native CPU kernel, a trap of the CUDA kernel (a sticky CUDA error) or, on the reference
 path, undefined results. ``use_native`` as in the public functions (None: the default).
 

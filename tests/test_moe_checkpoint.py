@@ -69,6 +69,7 @@ def test_divergent_replicas_are_reported(tmp_path):
     key = "moe.gates.0.wg.weight"
     parts[1]["state_dict"][key] += 1
     parts[1]["checksums"][key] = checkpoint._checksum(parts[1]["state_dict"][key])  # a valid file, not a corrupt one
+    parts[1] = sealed(parts[1])
     torch.save(parts[1], f"{d}/p.1.pt")
     with pytest.raises(ValueError, match="differs between rank 0 and rank 1"):
         checkpoint.gather(f"{d}/p.{{rank}}.pt", size=2)
@@ -223,15 +224,22 @@ def test_flipped_bytes_inside_a_tensor_are_detected(tmp_path):
     assert not (tmp_path / "full.pt").exists()
 
 
+def sealed(ck: dict) -> dict:
+    """``ck`` with its header checksum made anew: a file whose writer lied, not a corrupt one."""
+    from moecomm.moe import _checkpoint_file
+
+    return dict(ck, header_checksum=_checkpoint_file.header_checksum(ck))
+
+
 def test_header_that_lies_is_refused(tmp_path):
     from moecomm.moe import checkpoint
 
     d = str(tmp_path)
     parts = checkpoint.scatter(full_checkpoint(), None, 2)
     # a per-rank file (2 of the 4 experts) whose header claims a full file (world size 1)
-    lie = dict(parts[0], world_size=1, rank=0)
+    lie = sealed(dict(parts[0], world_size=1, rank=0))
     torch.save(lie, f"{d}/lie1.pt")
-    lie2 = dict(lie, layers={"moe.": dict(lie["layers"]["moe."], num_local_experts=E)})
+    lie2 = sealed(dict(lie, layers={"moe.": dict(lie["layers"]["moe."], num_local_experts=E)}))
     torch.save(lie2, f"{d}/lie2.pt")
     for name, words in (("lie1.pt", ["world_size=1", "num_local_experts=2"]),
                         ("lie2.pt", ["'moe.experts.fc1_weight'", "(2, 3, 4)"])):
@@ -239,7 +247,7 @@ def test_header_that_lies_is_refused(tmp_path):
         one_line_error(out, name, *words)
     # rank files whose headers claim world size 4 (of which two are missing) / 1
     for r in range(2):
-        torch.save(dict(parts[r], world_size=4), f"{d}/w4.{r}.pt")
+        torch.save(sealed(dict(parts[r], world_size=4)), f"{d}/w4.{r}.pt")
     one_line_error(main_err("gather", "--input", f"{d}/w4.{{rank}}.pt", "--output", f"{d}/o.pt"), "w4.0.pt")
     one_line_error(main_err("gather", "--input", f"{d}/w4.{{rank}}.pt", "--size", "2", "--output", f"{d}/o.pt"),
                    "w4.0.pt")
@@ -285,3 +293,96 @@ def test_version_1_files_still_read(tmp_path):
     torch.save(v3, f"{d}/v99.pt")
     with pytest.raises(ValueError, match="unsupported checkpoint version 99"):
         checkpoint.read(f"{d}/v99.pt")
+
+
+def _tiny_rank_file(rank: int = 0, size: int = 2) -> dict:
+    """A small per-rank checkpoint (2 experts over 2 ranks, a replicated tensor), by hand."""
+    from moecomm.moe import _checkpoint_file
+
+    g = torch.Generator().manual_seed(1)
+    sd = {"inp.weight": torch.randn(2, 2, generator=g), "moe.experts.fc1_weight": torch.randn(1, 2, 3, generator=g),
+          "moe.experts.fc2_bias": torch.randn(1, 2, generator=g)}
+    params = {"experts.fc1_weight": [0, 2, False], "experts.fc2_bias": [0, None, True]}
+    layers = {"moe.": {"num_experts": 2, "num_local_experts": 1, "shards": 1, "params": params}}
+    return _checkpoint_file.pack(size, rank, layers, sd)
+
+
+def _pickle_span(data: bytes) -> tuple[int, int]:
+    """(offset, length) of the pickle (header, table of names) inside a torch.save zip."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    local = info.header_offset
+    name_len = int.from_bytes(data[local + 26:local + 28], "little")
+    extra_len = int.from_bytes(data[local + 28:local + 30], "little")
+    return local + 30 + name_len + extra_len, info.file_size
+
+
+def _flip_outcomes(data: bytes, bits, path: str, reference: dict, act) -> list:
+    """For each bit index: flip it, write ``path``, ``act(path)``; the bits after which it
+    neither raised CheckpointError nor gave ``reference`` (with the exception, if any)."""
+    from moecomm.moe import checkpoint
+
+    def header(ck):
+        return {k: v for k, v in ck.items() if k != "state_dict"}
+
+    accepted = []
+    for bit in bits:
+        buf = bytearray(data)
+        buf[bit // 8] ^= 1 << (bit % 8)
+        with open(path, "wb") as f:
+            f.write(buf)
+        try:
+            got = act(path)
+        except checkpoint.CheckpointError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - any other error is a finding
+            accepted.append((bit, f"{type(exc).__name__}: {exc}"))
+            continue
+        for a, b in zip(got, reference):
+            if header(a) != header(b) or sorted(a["state_dict"]) != sorted(b["state_dict"]) or not all(
+                    a["state_dict"][k].dtype == b["state_dict"][k].dtype
+                    and torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"]):
+                accepted.append((bit, "read a different checkpoint"))
+                break
+    return accepted
+
+
+def test_single_bit_flips_give_checkpoint_error(tmp_path):
+    """Issue 34 item 6: single-bit flips of the header and the table of names (the whole pickle:
+    one random bit of every byte; every bit takes ~30 s) and sampled bits of the rest of the
+    file give CheckpointError from read() (and from scatter(), every 4th byte of its pickle), or
+    the identical checkpoint; never another checkpoint or another error."""
+    import io
+    import random
+
+    from moecomm.moe import _checkpoint_file, checkpoint
+
+    buf = io.BytesIO()
+    torch.save(_tiny_rank_file(), buf)
+    data = buf.getvalue()
+    start, length = _pickle_span(data)
+    path = str(tmp_path / "r.pt")
+    with open(path, "wb") as f:
+        f.write(data)
+    ref = [checkpoint.read(path)]
+    rng = random.Random(0)
+    rest = [b for b in range(8 * len(data)) if not start * 8 <= b < (start + length) * 8]
+    bits = [8 * byte + rng.randrange(8) for byte in range(start, start + length)] + rng.sample(rest, 100)
+    bad = _flip_outcomes(data, bits, path, ref, lambda p: [checkpoint.read(p)])
+    assert not bad, f"{len(bad)} of {len(bits)} flips were not refused, e.g. {bad[:5]}"
+
+    full = io.BytesIO()
+    torch.save(_checkpoint_file.pack(1, 0, {}, {"w": torch.arange(3.0)}), full)
+    fdata = full.getvalue()
+    fstart, flen = _pickle_span(fdata)
+    src = str(tmp_path / "full.pt")
+    with open(src, "wb") as f:
+        f.write(fdata)
+    out = str(tmp_path / "s.{rank}.pt")
+    sref = checkpoint.scatter(src, out, 2)
+    fbits = [8 * byte + rng.randrange(8) for byte in range(fstart, fstart + flen, 4)]
+    bad = _flip_outcomes(fdata, fbits, src, sref, lambda p: checkpoint.scatter(p, out, 2))
+    assert not bad, f"scatter: {len(bad)} of {len(fbits)} flips were not refused, e.g. {bad[:5]}"

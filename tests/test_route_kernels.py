@@ -265,3 +265,30 @@ def test_fused_step_covers_the_defaults_only():
     layer = MoELayer(8, 8, 4, comm=comm, seed=0)
     layer._run_experts = lambda rows, seg: rows  # noqa: SLF001 - a wrapped expert call is honoured
     assert not applies(layer, layer.gates[0], x, 1.0, False, 1, False, None, 1)
+
+
+def test_step_ops_take_strided_inputs():
+    """Issue 34 item 1: the fused step's native glue copies strided inputs instead of refusing
+    them (a zero-stride row map of one local expert, a transposed input, a strided bias), and
+    the uniform row map is contiguous at its source."""
+    from moecomm.moe._segments import uniform_row_expert
+    from moecomm_ext import unchecked
+
+    assert uniform_row_expert(3, 1, 4, torch.device("cpu")).is_contiguous()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 6, generator=g)
+    wg = torch.randn(4, 8, generator=g)
+    w1, w2 = torch.randn(1, 8, 5, generator=g), torch.randn(1, 5, 8, generator=g)
+    b1 = torch.randn(5, 1, generator=g).t()  # [1, 5], not contiguous
+    b2 = torch.randn(1, 8, generator=g)
+    row_expert = torch.zeros(1, dtype=torch.int64).expand(2 * 3)  # zero stride
+    for native in (True, False):
+        ops = unchecked.step_ops(x.device, 4, native)
+        got = ops.step_route(x.t(), wg, 2, 3, True, True, False, True)
+        want = ops.step_route(x.t().contiguous(), wg, 2, 3, True, True, False, True)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        rows = torch.randn(6, 8, generator=g)
+        for a, b in zip(ops.step_ffn(rows, w1, b1, w2, b2, row_expert, 1, 3),
+                        ops.step_ffn(rows, w1, b1.contiguous(), w2, b2, row_expert.contiguous(), 1, 3)):
+            assert torch.equal(a, b)

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 __all__ = ["FORMAT", "VERSION", "READABLE_VERSIONS", "CheckpointError", "read", "pack", "write", "write_temp",
-           "commit", "refuse_overwrite", "one_line", "checksum", "layout", "split_index"]
+           "commit", "refuse_overwrite", "one_line", "checksum", "header_checksum", "layout", "split_index"]
 
 FORMAT = "moecomm.moe.checkpoint"
-VERSION = 2
-"""Written by this module; versions 1 (no checksums) and 2 are read."""
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+"""Written by this module; versions 1 (no checksums), 2 (the tensors' checksums) and 3 (and the
+header's) are read."""
+READABLE_VERSIONS = (1, 2, 3)
+HEADER_KEY = "header_checksum"
 
 
 class CheckpointError(ValueError):
@@ -37,10 +39,33 @@ def checksum(t: torch.Tensor) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _canonical(v: Any) -> str:
+    """A text of plain data (dicts, lists, tuples, strings, numbers, None, bools) that is the
+    same exactly when the data is: dicts in sorted order, every value with its type."""
+    if isinstance(v, dict):
+        items = sorted((_canonical(k), _canonical(x)) for k, x in v.items())
+        return "{" + ",".join(f"{k}:{x}" for k, x in items) + "}"
+    if isinstance(v, (list, tuple)):
+        return type(v).__name__ + "[" + ",".join(_canonical(x) for x in v) + "]"
+    return f"{type(v).__name__}({v!r})"
+
+
+def header_checksum(ck: dict) -> str:
+    """``sha256:<hex>`` of everything in ``ck`` but the tensors: the header (format, version,
+    world size, rank, layers), the tensors' checksums and the names of the state_dict's
+    tensors (which a flipped bit could rename or drop in both tables at once)."""
+    head = {k: v for k, v in ck.items() if k not in ("state_dict", HEADER_KEY)}
+    sd = ck.get("state_dict")
+    names = sorted(_canonical(k) for k in sd) if isinstance(sd, dict) else None
+    return "sha256:" + hashlib.sha256(_canonical([head, names]).encode()).hexdigest()
+
+
 def pack(size: int, rank: int, layers: dict, sd: dict) -> dict:
-    """A checkpoint of the current version: header, checksums and ``sd``."""
-    return {"format": FORMAT, "version": VERSION, "world_size": size, "rank": rank, "layers": layers,
-            "checksums": {k: checksum(v) for k, v in sd.items()}, "state_dict": sd}
+    """A checkpoint of the current version: header, checksums, the header's checksum and ``sd``."""
+    ck = {"format": FORMAT, "version": VERSION, "world_size": size, "rank": rank, "layers": layers,
+          "checksums": {k: checksum(v) for k, v in sd.items()}, "state_dict": sd}
+    ck[HEADER_KEY] = header_checksum(ck)
+    return ck
 
 
 def write(obj: dict, path: str) -> None:
@@ -126,11 +151,26 @@ def read(path: str) -> dict:
         raise CheckpointError(f"{path}: cannot be read as a {FORMAT} file ({one_line(exc)})") from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file")
-    if ck.get("version") not in READABLE_VERSIONS:
+    if ck.get("version") not in READABLE_VERSIONS or type(ck.get("version")) is not int:
         raise CheckpointError(f"{path}: unsupported checkpoint version {ck.get('version')!r} (this reads "
                               f"versions {list(READABLE_VERSIONS)})")
+    _check_header_checksum(ck, path)
     _check_header(ck, path)
     return ck
+
+
+def _check_header_checksum(ck: dict, path: str) -> None:
+    """Version 3: the header's checksum matches (before any of the header is used). A file of an
+    older version must not carry one (a version number changed by corruption)."""
+    got = ck.get(HEADER_KEY)
+    if ck["version"] < 3:
+        if HEADER_KEY in ck:
+            raise CheckpointError(f"{path}: says version {ck['version']} but carries a header checksum (a version 3 "
+                                  f"field): the file is corrupt")
+        return
+    if not isinstance(got, str) or got != header_checksum(ck):
+        raise CheckpointError(f"{path}: the header or the table of tensor names fails its checksum: the file is "
+                              f"corrupt")
 
 
 def _check_header(ck: dict, path: str) -> None:

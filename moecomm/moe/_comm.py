@@ -11,7 +11,7 @@ import moecomm
 from moecomm import functional
 from moecomm.hierarchical import ALGORITHMS
 
-__all__ = ["resolve_comm", "exchange", "exchange_counts", "allreduce_max", "allreduce_sum_", "scatter_compute_gather",
+__all__ = ["resolve_comm", "exchange", "exchange_counts", "check_received_counts", "allreduce_max", "allreduce_sum_", "scatter_compute_gather",
            "ALGORITHMS"]
 
 
@@ -62,6 +62,25 @@ def exchange_counts(counts: torch.Tensor, comm: "moecomm.Communicator", per_rank
         return counts
     out, _ = comm.all_to_all_v(counts.contiguous(), [per_rank] * comm.size, [per_rank] * comm.size)
     return out
+
+
+def check_received_counts(got: Sequence[int], comm: "moecomm.Communicator", per_rank: int) -> None:
+    """Refuse the expert row counts of :func:`exchange_counts` (``got``: ``per_rank`` from
+    each rank, on the host) where one is negative: its sender was in another collective (its
+    layer's settings differ), and a negative count would size buffers wrongly.
+
+    Raises:
+        moecomm.errors.CountMismatchError: naming the sending ranks and their counts.
+    """
+    bad = [(r, list(got[r * per_rank:(r + 1) * per_rank])) for r in range(len(got) // max(per_rank, 1))
+           if min(got[r * per_rank:(r + 1) * per_rank], default=0) < 0]
+    if bad:
+        from moecomm.errors import CountMismatchError
+
+        raise CountMismatchError(
+            f"moecomm.moe: rank {comm.rank} received negative expert row counts from "
+            + ", ".join(f"rank {r} ({c})" for r, c in bad)
+            + ": the ranks are not in the same step (do their layers' settings differ?)")
 
 
 def allreduce_max(comm: "moecomm.Communicator", values: Sequence[int]) -> list[int]:

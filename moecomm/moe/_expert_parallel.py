@@ -119,6 +119,7 @@ class ExpertParallelPath:
             recv_cnt = _comm.exchange_counts(send_cnt, comm, El_dest)
             host = torch.cat([send_cnt, recv_cnt]).tolist()  # the one host sync of a dropless step
             mine, got = host[:W * El_dest], host[W * El_dest:]
+            _comm.check_received_counts(got, comm, El_dest)
             send_splits = [sum(mine[w * El_dest:(w + 1) * El_dest]) for w in range(W)]
             blocks = [got[w * El_dest:(w + 1) * El_dest] for w in range(W)]
             recv_splits = [sum(b) for b in blocks]

@@ -38,6 +38,7 @@ from moecomm.functional import all_to_all_v_backward
 from moecomm.wire import WIRE_BLOCK
 from moecomm_ext import unchecked
 
+from ._comm import check_received_counts
 from ._step_cache import StepConstants
 from ._wide_gemm import wide_gemm_available, wide_linear_applies
 from ._segments import Segments
@@ -217,6 +218,7 @@ class _DroplessStep(torch.autograd.Function):
             recv_counts = call.comm.all_to_all_v(counts, [El] * W, [El] * W)[0]
             host = torch.cat([counts, recv_counts]).tolist()  # the step's one host synchronisation
             mine, theirs = host[:W * El], host[W * El:]
+            check_received_counts(theirs, call.comm, El)
         else:
             recv_counts = counts
             mine = theirs = counts.tolist()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _comm
+from ._agreement import agree
 from ._step_cache import StepConstants
 from .gates import TopKGate
 from .losses import gshard_loss, load_importance_loss, router_z_loss
@@ -37,6 +37,7 @@ class RoutingStep:
     _z_loss: Optional[Tensor]
     _z_logits: Optional[Tensor]
     _agreed: dict
+    _call_settings: tuple
     _consts: StepConstants
 
     @property
@@ -89,12 +90,35 @@ class RoutingStep:
         all ranks (one ``allreduce``), bounded by ``|cf|`` times the fixed one when ``cf < 0``."""
         E = self.num_experts
         if cf > 0:
-            return fixed_capacity(self._agreed_tokens(T, r.topk_idx.device) if ineq else T, E, k, cf)
+            return fixed_capacity(self._step_tokens(T, r.topk_idx.device, ineq), E, k, cf)
         busiest = int(r.counts.max()) if T else 0
-        need, t = _comm.allreduce_max(self.comm, [busiest, T])
+        need, t = (busiest, T) if self.comm.size == 1 else agree(self.comm, busiest, T, T, self._call_settings, False)
         if cf < 0:  # the bound uses the largest token count of any rank, so that ranks agree
             need = min(need, fixed_capacity(t, E, k, cf))
         return need
+
+    def _step_tokens(self, T: int, device: torch.device, ineq: bool) -> int:
+        """The token count the capacity is computed from: the largest of any rank
+        (``inequivalent_tokens``), else ``T`` after checking that every rank has ``T`` (with
+        the call's settings, in one agreement; not while a CUDA graph is captured)."""
+        if ineq:
+            return self._agreed_tokens(T, device)
+        if self.comm.size > 1 and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            agree(self.comm, T, 0, T, self._call_settings, True)
+        return T
+
+    def _agree_settings_once(self, device: torch.device) -> None:
+        """Check the call's settings with every rank, once for each settings tuple (the dropless
+        step has no host agreement of its own to carry the check)."""
+        settings = self._call_settings
+        done = self.__dict__.setdefault("_settings_agreed", set())
+        if self.comm.size == 1 or settings in done or (
+                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        agree(self.comm, 0, 0, 0, settings, False)
+        if len(done) >= _AGREED_KEPT:
+            done.clear()
+        done.add(settings)
 
     def _agreed_tokens(self, T: int, device: torch.device) -> int:
         """The largest token count of any rank (one ``allreduce``); while a CUDA graph is
@@ -110,7 +134,7 @@ class RoutingStep:
                     f"capture: run the layer eagerly once with the same {T} tokens first (the warm-up), or pass "
                     f"inequivalent_tokens=False if every rank captures the same number of tokens")
             return agreed
-        agreed = _comm.allreduce_max(self.comm, [T])[0]
+        agreed = agree(self.comm, T, 0, T, self._call_settings, False)[0]
         if T not in self._agreed and len(self._agreed) >= _AGREED_KEPT:
             self._agreed.pop(next(iter(self._agreed)))
         self._agreed[T] = agreed

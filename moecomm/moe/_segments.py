@@ -23,8 +23,11 @@ __all__ = ["Segments", "uniform_row_expert"]
 
 def uniform_row_expert(blocks: int, num_local: int, capacity: int, device: torch.device) -> Tensor:
     """``[blocks * num_local * capacity]`` int64 local expert of every row of the uniform layout
-    (made on the device: an int ``repeat_interleave`` may size its output with a host sync)."""
-    return torch.arange(num_local, device=device).view(1, num_local, 1).expand(blocks, num_local, capacity).reshape(-1)
+    (made on the device: an int ``repeat_interleave`` may size its output with a host sync).
+    Contiguous: with one local expert the expanded view reshapes to a zero-stride view, which
+    the native row kernels refuse."""
+    rows = torch.arange(num_local, device=device).view(1, num_local, 1).expand(blocks, num_local, capacity)
+    return rows.reshape(-1).contiguous()
 
 
 @dataclass
@@ -48,6 +51,12 @@ class Segments:
     """The grouped GEMMs' segment ends, per (block or None, device): see ``_seg_gemm._offsets``."""
 
     def __post_init__(self) -> None:
+        # A negative count (from ranks out of step: a count exchange that met another
+        # collective) would make rows smaller than the segments' extent, and the row map's
+        # repeat_interleave(output_size=rows) write past its buffer.
+        for b, block in enumerate(self.counts):
+            if block and min(block) < 0:
+                raise ValueError(f"Segments: counts[{b}] = {list(block)} has a negative row count")
         self.rows = sum(sum(b) for b in self.counts)
 
     @classmethod

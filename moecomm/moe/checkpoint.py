@@ -3,19 +3,21 @@
 A *per-rank* file holds one rank's ``state_dict`` of a model containing
 :class:`~moecomm.moe.MoELayer` s, plus a description of every layer's expert parameters::
 
-    {"format": "moecomm.moe.checkpoint", "version": 2, "world_size": W, "rank": r,
+    {"format": "moecomm.moe.checkpoint", "version": 3, "world_size": W, "rank": r,
      "layers": {prefix: {"num_experts": E, "num_local_experts": El, "shards": S,
                          "params": {name: [expert_axis, shard_axis or None, replicated_over_shards]}}},
      "checksums": {key: "sha256:<hex of the dtype, the shape and the bytes of the tensor>"},
+     "header_checksum": "sha256:<hex of every other field but the tensors, and the tensors' names>",
      "state_dict": {...}}
 
 Reading is safe for files from anywhere: ``torch.load(weights_only=True)`` (a file whose
 pickle would run code is refused without running it), every tensor's checksum is checked,
-and the header is cross-checked against the tensors (the layout of the experts over
-``world_size`` ranks, the expert dimension of every expert parameter); a file that fails
-raises :class:`CheckpointError` naming the file (and the tensor). Version 1 files (written
-before checksums existed) are still read, without the checksum check. Writes go to a
-temporary file in the target's directory, renamed into place once complete (``scatter``
+the header's checksum before any of the header is used, and the header is cross-checked
+against the tensors (the layout of the experts over ``world_size`` ranks, the expert
+dimension of every expert parameter); a file that fails raises :class:`CheckpointError`
+naming the file (and the tensor). Version 1 files (written before checksums existed) are
+still read, without the checksum check, and version 2 files without the header's. Writes go
+to a temporary file in the target's directory, renamed into place once complete (``scatter``
 renames its files only once all are written); an output that is one of the inputs is refused
 before anything is read or written.
 

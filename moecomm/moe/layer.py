@@ -339,6 +339,11 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         ineq = self.inequivalent_tokens if inequivalent_tokens is None else bool_arg("inequivalent_tokens",
                                                                                      inequivalent_tokens)
         mode = self._call_mode(parallel_mode)
+        # what every rank must agree on (_agreement.SETTINGS): checked with the call's host agreement
+        self.__dict__["_call_settings"] = (self.model_dim, self.output_dim, self.num_experts, x.dtype, kk, cf,
+                                           drop_less, deg, own, algo, ineq, mode, wire)
+        if drop_less:  # no agreement per call: the settings once, as long as they stay the same
+            self._agree_settings_once(x.device)
 
         y = None
         if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
@@ -439,7 +444,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         """The step as one autograd Function (:mod:`._fused_step`); sets the call's losses and
         routing as :meth:`_route` does."""
         T, E = x2.shape[0], self.num_experts
-        C = None if dropless else fixed_capacity(self._agreed_tokens(T, x2.device) if ineq else T, E, kk, cf)
+        C = None if dropless else fixed_capacity(self._step_tokens(T, x2.device, ineq), E, kk, cf)
         gshard = self.balance_loss_type == "gshard"
         call = _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, self.normalize_gate, gshard,
                                     self._use_native, self._consts, wire, self.grad_wire_dtype)

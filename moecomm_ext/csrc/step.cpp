@@ -34,6 +34,12 @@ namespace {
 
 using Opt = std::optional<at::Tensor>;
 
+// The row kernels take contiguous tensors only; every tensor reaching them (or a view()) from
+// here goes through these (no copy when it already is): a caller's strided view, or a
+// zero-stride one, is copied instead of refused.
+at::Tensor dense(const at::Tensor& t) { return t.contiguous(); }
+Opt dense(const Opt& t) { return t.has_value() ? Opt(t->contiguous()) : std::nullopt; }
+
 // torch.mm / torch.bmm(..., out_dtype=): looked up at run time, so that the extension builds
 // against torch versions without them (the Python side asks for them only where they run)
 at::Tensor mm_dtype(const at::Tensor& a, const at::Tensor& b, at::ScalarType t) {
@@ -63,10 +69,10 @@ at::Tensor block_mm(const StepKernels& kern, const at::Tensor& x, const at::Tens
   const at::Tensor wt = transpose_w ? w.transpose(1, 2) : w;
   const int64_t R = x.size(0), B = wt.size(2);
   if (C == 0) return at::empty({R, B}, x.options());
-  const at::Tensor xb = x.view({-1, El, C, x.size(1)});
+  const at::Tensor xb = dense(x).view({-1, El, C, x.size(1)});
   const int64_t nb = xb.size(0);
   if (bias.has_value()) {
-    at::Tensor out = kern.gather_rows(*bias, *row_expert, std::nullopt);
+    at::Tensor out = kern.gather_rows(dense(*bias), dense(*row_expert), std::nullopt);
     at::Tensor ob = out.view({nb, El, C, B});
     for (int64_t b = 0; b < nb; ++b) ob.select(0, b).baddbmm_(xb.select(0, b), wt);
     return out;
@@ -84,8 +90,8 @@ at::Tensor block_mm(const StepKernels& kern, const at::Tensor& x, const at::Tens
 at::Tensor block_wgrad(const at::Tensor& a, const at::Tensor& g, int64_t El, int64_t C) {
   const int64_t A = a.size(1), B = g.size(1);
   if (C == 0 || a.size(0) == 0) return at::zeros({El, A, B}, a.options());
-  const at::Tensor ab = a.view({-1, El, C, A});
-  const at::Tensor gb = g.view({-1, El, C, B});
+  const at::Tensor ab = dense(a).view({-1, El, C, A});
+  const at::Tensor gb = dense(g).view({-1, El, C, B});
   at::Tensor out = at::bmm(ab.select(0, 0).transpose(1, 2), gb.select(0, 0));
   for (int64_t b = 1; b < ab.size(0); ++b) out.baddbmm_(ab.select(0, b).transpose(1, 2), gb.select(0, b));
   return out;
@@ -98,13 +104,13 @@ at::Tensor block_sum(const at::Tensor& g, int64_t El, int64_t C, const Opt& ones
   if (C == 0 || g.size(0) == 0) return at::zeros({El, B}, g.options());
   const at::ScalarType acc = acc_type(g);
   if (ones.has_value()) {
-    const at::Tensor blocks = g.view({-1, C, B});
+    const at::Tensor blocks = dense(g).view({-1, C, B});
     const int64_t nb = blocks.size(0);
     at::Tensor sums = bmm_dtype(ones->view({nb, 1, C}), blocks, acc);
     at::Tensor s = nb == El ? sums.view({El, B}) : sums.view({-1, El, B}).sum(0);
     return s.to(g.scalar_type());
   }
-  return g.view({-1, El, C, B}).sum(at::IntArrayRef{0, 2}, false, acc).to(g.scalar_type());
+  return dense(g).view({-1, El, C, B}).sum(at::IntArrayRef{0, 2}, false, acc).to(g.scalar_type());
 }
 
 }  // namespace
@@ -121,7 +127,7 @@ std::vector<at::Tensor> step_route(const StepKernels& kern, const at::Tensor& x,
     topv = at::empty({0, k}, scores.options());
     topi = at::empty({0, k}, scores.options().dtype(at::kLong));
   }
-  std::vector<at::Tensor> rt = kern.route_capacity(topv, topi, E, capacity, normalize);
+  std::vector<at::Tensor> rt = kern.route_capacity(dense(topv), dense(topi), E, capacity, normalize);
   // rt: gates, locations, counts, first_counts, token_slots, slot_token, slot_route, slot_gate
   at::Tensor aux;
   if (!gshard) {
@@ -131,7 +137,7 @@ std::vector<at::Tensor> step_route(const StepKernels& kern, const at::Tensor& x,
   } else {
     aux = at::mul(at::sum(scores), 0.0);
   }
-  at::Tensor send = gather ? kern.gather_rows(x, rt[5], std::nullopt) : at::Tensor();  // undefined: None
+  at::Tensor send = gather ? kern.gather_rows(dense(x), rt[5], std::nullopt) : at::Tensor();  // undefined: None
   return {send, logits, scores, topv, topi, rt[0], rt[1], rt[2], rt[3], rt[4], rt[5], rt[7], aux};
 }
 
@@ -147,8 +153,9 @@ std::vector<at::Tensor> step_combine_backward(const StepKernels& kern, const at:
                                               const at::Tensor& slot_token, const at::Tensor& slot_gate,
                                               const at::Tensor& back, const at::Tensor& token_slots,
                                               at::ScalarType gate_dtype) {
-  return {kern.gather_rows(gy, slot_token, slot_gate),
-          kern.gather_rowdot(gy, back, token_slots).to(gate_dtype)};
+  const at::Tensor g = dense(gy), tokens = dense(token_slots);
+  return {kern.gather_rows(g, dense(slot_token), dense(slot_gate)),
+          kern.gather_rowdot(g, dense(back), tokens).to(gate_dtype)};
 }
 
 std::vector<Opt> step_ffn_backward(const StepKernels& kern, const at::Tensor& gy, const at::Tensor& h, const at::Tensor& rows,
@@ -173,11 +180,12 @@ std::vector<Opt> step_route_backward(const StepKernels& kern, const Opt& grad_se
                                      const at::Tensor& x, const at::Tensor& wg, bool wide, bool need_x,
                                      bool need_wg) {
   Opt gx, gwg;
-  if (need_x) gx = kern.gather_reduce_rows(*grad_send, token_slots, std::nullopt);
+  if (need_x) gx = kern.gather_reduce_rows(dense(*grad_send), dense(token_slots), std::nullopt);
   if (!(need_x || need_wg)) return {gx, gwg};
   const Opt counts = aux_grad.has_value() ? Opt(aux_counts) : std::nullopt;
-  const at::Tensor gl = kern.route_backward(grad_gates, topk_scores, topk_idx, scores, normalize, aux_grad, counts,
-                                            aux_scale, wide);
+  const at::Tensor gl = kern.route_backward(dense(grad_gates), dense(topk_scores), dense(topk_idx),
+                                            dense(scores), normalize, dense(aux_grad), dense(counts), aux_scale,
+                                            wide);
   const int64_t E = wg.size(0);
   if (wide) {  // gl is [T, 2E] bfloat16: hi | lo of the float32 gradient
     if (need_x) gx = at::add(*gx, at::mm(gl, at::cat({wg, wg}, 0)));

@@ -108,7 +108,12 @@ def check_allreduce_ints_mpi_backend() -> None:
     comm = moecomm.init(backend="mpi", timeout=60, set_default=False)
     try:
         assert comm.host_channel == "mpi"
-        assert comm.engine.host.mpi_comm is comm.engine.backend.mpi_comm  # the backend's own communicator
+        # a duplicate of the backend's communicator (issue 34: an agreement must never meet an exchange)
+        host_comm, backend_comm = comm.engine.host.mpi_comm, comm.engine.backend.mpi_comm
+        assert host_comm is not backend_comm and host_comm.Get_size() == backend_comm.Get_size()
+        from mpi4py import MPI
+
+        assert MPI.Comm.Compare(host_comm, backend_comm) == MPI.CONGRUENT
         for n in (0, 1, 3, 16, 17, 35):
             for op in ("max", "min", "sum"):
                 table = np.array([_values(7 + n, r, n) for r in range(W)], dtype=np.int64).reshape(W, n)

@@ -456,13 +456,20 @@ def check_fused_step():
                dict(k=2, z_loss_weight=0.1), dict(k=2, capacity_factor=0.0),
                # dropless: fused too (any activation)
                dict(k=2, dropless=True), dict(k=3, dropless=True, activation="gelu", fc1_bias=False),
-               dict(k=1, dropless=True, balance_loss=None)]
+               dict(k=1, dropless=True, balance_loss=None),
+               # one expert per rank (issue 34: the uniform row map of one local expert was a
+               # zero-stride view the native gather refused), and with two ranks k = 2 of E = 2
+               dict(k=1, experts_per_rank=1), dict(k=min(2, W), experts_per_rank=1, capacity_factor=1.0)]
     for dt in dts:
         for i, cfg in enumerate(configs):
-            E = (8 if i % 2 else 6) * W
+            cfg = dict(cfg)
+            E = cfg.pop("experts_per_rank", 8 if i % 2 else 6) * W
             T = [0, 13, 29][(rank + i) % 3] if W > 1 else 23  # unequal counts, a rank with none
             g = torch.Generator().manual_seed(100 * i + rank)
-            x = torch.randn(T, D, generator=g).to(DEV, dt).requires_grad_(True)
+            x = torch.randn(T, D, generator=g).to(DEV, dt)
+            if "experts_per_rank" in configs[i]:  # and a transposed (non-contiguous) input
+                x = x.t().contiguous().t()
+            x.requires_grad_(True)
             gy = torch.randn(T, D, generator=g).to(DEV, dt)
             outs = []
             for fused in (True, False):
