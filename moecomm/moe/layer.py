@@ -28,6 +28,7 @@ from .routing import Routing, fixed_capacity
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
 _log = logging.getLogger("moecomm")
+_REASONS_LOGGED: set = set()  # why calls ran op by op, each logged once per process
 _AUTO_TRIALS = 3  # timed calls of each path before parallel_mode="auto" chooses (the first is a warm-up)
 
 
@@ -135,8 +136,9 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     pipelining (``wire_dtype`` across ranks too) (with gate noise only outside training).
     ``fused_step`` is the option; ``layer.last_step_path`` (a ``StepPath(path, reason)``:
     ``"fused"``, ``"op_by_op"`` or ``"cuda_graph"``, and why not fused, naming the option)
-    says which path the last call took, and the first call of each reason a layer with
-    ``fused_step=True`` runs op by op logs it once (a warning on the ``moecomm`` logger). The same results as the op-by-op step
+    says which path the last call took, and the first call that runs op by op although
+    ``fused_step=True`` logs why (a warning on the ``moecomm`` logger, once per process and
+    reason). The same results as the op-by-op step
     (``fused_step=False``): the output, aux loss, routing and the experts' gradients the same
     bits for ``k <= 4`` on the CPU and ``k <= 2`` on GPUs (torch sums more gates in another
     order), the input's and the gate's gradients to float32 rounding (the
@@ -253,7 +255,6 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
         self._graphed = StepGraphs()  # cuda_graph=True: the captured steps, per input shape and options
         self.last_step_path: Optional[_fused_step.StepPath] = None  # the last call's path and why
-        self._paths_logged: set = set()  # the reasons already logged (once per layer and reason)
 
     def _build_experts(self, cfg: MoEConfig, seed: int, device: torch.device) -> nn.Module:
         """This rank's experts: the built-in FFNs (sharded when ``shards > 1``) or the user's."""
@@ -458,16 +459,16 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     def _note_step_path(self, why: Optional[str]) -> None:
         """Record the call's path (:attr:`last_step_path`); the first call that a configuration
         sends op by op although ``fused_step=True`` says why on the ``moecomm`` logger (once
-        per layer and reason)."""
+        per process and reason)."""
         d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
         if why is None:
             d["last_step_path"] = _fused_step.FUSED
             return
         d["last_step_path"] = _fused_step.StepPath("op_by_op", why)
-        if self.fused_step and why not in self._paths_logged:
-            self._paths_logged.add(why)
-            _log.warning("MoELayer: this call runs op by op, not the fused step (slower): %s. "
-                         "Said once per layer and reason; layer.last_step_path tells each call's path.", why)
+        if self.fused_step and why not in _REASONS_LOGGED:
+            _REASONS_LOGGED.add(why)
+            _log.warning("MoELayer: a call runs op by op, not the fused step (slower): %s. Said once per process "
+                         "and reason; layer.last_step_path tells each call's path.", why)
 
     def _fused(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str],
                dropless: bool, wire: Optional[torch.dtype]) -> Tensor:
