@@ -16,7 +16,8 @@ also times each configuration captured once into a CUDA graph and replayed (mode
 ``graph``, beside ``eager``): the step's GPU work without the host's cost of issuing it.
 ``--activation swiglu --dropless --reference`` (one rank) also times a plain-torch layer
 written like torchtitan's (:mod:`bench.torch_moe`) on the same tokens and shapes and prints
-the layer's step time over the reference's. ``--layer-cuda-graph`` builds the layer with ``cuda_graph=True`` (rows ``"cuda_graph": true``,
+the layer's step time over the reference's.
+``--layer-cuda-graph`` builds the layer with ``cuda_graph=True`` (rows ``"cuda_graph": true``,
 mode ``eager``): the layer replays its own per-shape graphs inside each eager step.
 
 TFLOP/s counts the expert matmuls actually run per rank (``12 * rows * model_dim * hidden``

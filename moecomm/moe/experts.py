@@ -19,7 +19,8 @@ from ._seg_gemm import WeightGradSum, grouped_mm_available, seg_mm, seg_sum, seg
 from ._segments import Segments
 
 __all__ = ["Segments", "WeightGradSum", "FFNExperts", "ffn_forward", "ffn_backward", "ACTIVATIONS",
-           "GatedActivation", "is_gated", "resolve_activation", "BatchedExperts", "ExpertList", "grouped_mm_available", "seg_mm",
+           "GatedActivation", "is_gated", "resolve_activation", "BatchedExperts", "ExpertList",
+           "grouped_mm_available", "seg_mm",
            "seg_wgrad", "seg_sum"]
 
 
