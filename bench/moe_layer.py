@@ -14,11 +14,14 @@ over ``--iters`` samples. ``host_ms`` is the time the host took to issue a step 
 close to the step time means the step is bound by the host, not the GPU. ``--cuda-graph``
 also times each configuration captured once into a CUDA graph and replayed (mode
 ``graph``, beside ``eager``): the step's GPU work without the host's cost of issuing it.
+``--activation swiglu --dropless --reference`` (one rank) also times a plain-torch layer
+written like torchtitan's (:mod:`bench.torch_moe`) on the same tokens and shapes and prints
+the layer's step time over the reference's.
 ``--layer-cuda-graph`` builds the layer with ``cuda_graph=True`` (rows ``"cuda_graph": true``,
 mode ``eager``): the layer replays its own per-shape graphs inside each eager step.
 
 TFLOP/s counts the expert matmuls actually run per rank (``12 * rows * model_dim * hidden``
-for forward + backward, rows = the slots this rank's experts process, padding included);
+for forward + backward, 18 for gated experts, rows = the slots this rank's experts process, padding included);
 ``useful`` counts only the routed tokens (``T * k`` rows per rank). Peak memory: ``torch.cuda.max_memory_allocated`` on GPUs, the
 process's peak resident set on CPUs.
 """
@@ -82,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", default=None, help="all_to_all_v algorithm: flat, 2dh, auto (default: core's)")
     p.add_argument("--parallel-mode", default="expert", choices=("expert", "data", "auto"))
     p.add_argument("--gate", default="linear", choices=("linear", "cosine"))
-    p.add_argument("--activation", default="relu", help="expert activation (relu, the layer's default)")
+    p.add_argument("--activation", default="relu",
+                   help="expert activation: relu (the layer's default), gelu, silu, swiglu, geglu, ...")
+    p.add_argument("--reference", action="store_true",
+                   help="one rank: also time bench.torch_moe.TorchMoE (plain torch, torchtitan's way: argsort "
+                        "permutation, torch._grouped_mm) with the same shapes and activation (rows impl "
+                        "'torch_reference'), and print the layer's step time over the reference's")
     p.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None, help="GPU bfloat16, CPU float32")
     p.add_argument("--autocast", action="store_true", help="fp32 parameters under torch.autocast(dtype)")
     p.add_argument("-n", "--iters", type=int, default=None, help="timed samples (GPU 20, CPU 5)")
@@ -163,7 +171,9 @@ class Bench:
         """One step captured into a CUDA graph; the parameters' grads become its outputs."""
         return capture(lambda: self.step(**kw), self.comm.device)[0]
 
-    def time(self, step=None, **kw) -> dict:
+    def time(self, step=None, replayed: bool = False, **kw) -> dict:
+        """Step times of ``step`` (default: the layer's step with ``kw``); ``replayed``: ``step``
+        replays a captured graph (its collectives watched)."""
         a = self.args
         run = step if step is not None else (lambda: self.step(**kw))
         for _ in range(a.warmup):
@@ -177,7 +187,7 @@ class Bench:
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 run()
-            if step is not None:  # replayed collectives: only this watchdog entry bounds their wait
+            if replayed:  # replayed collectives: only this watchdog entry bounds their wait
                 self.comm.watch_stream("a replay of the captured MoE step")
             issue.append((time.perf_counter() - t0) / a.steps)
             self.sync()
@@ -186,6 +196,35 @@ class Bench:
         h = self.slowest(issue)
         return {"median_ms": float(np.median(s)) * 1e3, "p10_ms": float(np.percentile(s, 10)) * 1e3,
                 "p90_ms": float(np.percentile(s, 90)) * 1e3, "host_ms": float(np.median(h)) * 1e3}
+
+
+def _time_reference(args: argparse.Namespace, b: Bench) -> list:
+    """``--reference``: the plain-torch layer (:mod:`bench.torch_moe`) timed as the layer is,
+    per k, with the same tokens and shapes."""
+    from .torch_moe import REFERENCE_ACTIVATIONS, TorchMoE
+
+    if b.comm.size != 1:
+        raise SystemExit("--reference runs on one rank (the reference has no exchange)")
+    if args.activation not in REFERENCE_ACTIVATIONS:
+        raise SystemExit(f"--reference: --activation {args.activation!r} has no reference; known: "
+                         f"{sorted(REFERENCE_ACTIVATIONS)}")
+    torch.manual_seed(args.seed)
+    ref = TorchMoE(args.model_dim, args.hidden, args.experts, 1, args.activation, dtype=b.dtype,
+                   device=b.comm.device)
+    params = list(ref.parameters()) + [b.x]
+
+    def step() -> None:
+        for q in params:
+            q.grad = None
+        ref(b.x).backward(b.gy)
+
+    out = []
+    for k in args.top_k:
+        ref.k = k
+        t = b.time(step)
+        out.append({"impl": "torch_reference", "activation": args.activation, "k": k, "mode": "eager",
+                    "dropless": True, **t, "tokens_per_s": args.tokens / (t["median_ms"] / 1e3)})
+    return out
 
 
 def _peak_bytes(comm) -> int:
@@ -219,7 +258,7 @@ def main(argv: Optional[list] = None) -> list:
             sys.stderr.write(f"k={k} overlap_degree={deg} own_first={own} {mode} ...\n")
         if mode == "graph":
             graph = b.capture(**kw)
-            t = b.time(graph.replay)
+            t = b.time(graph.replay, replayed=True)
         else:
             t = b.time(**kw)
         r = L.last_routing
@@ -230,11 +269,12 @@ def main(argv: Optional[list] = None) -> list:
         else:
             rows = args.tokens * k * L.shards  # what an average rank processes
         hidden_local = args.hidden // L.shards
-        flops = 12.0 * rows * args.model_dim * hidden_local
-        useful = 12.0 * args.tokens * k * args.model_dim * args.hidden
+        per_row = 18.0 if getattr(L.experts, "gated", False) else 12.0  # gated: three GEMMs' worth, not two
+        flops = per_row * rows * args.model_dim * hidden_local
+        useful = per_row * args.tokens * k * args.model_dim * args.hidden
         sec = t["median_ms"] / 1e3
         peak = int(b.slowest([float(_peak_bytes(comm))])[0])
-        results.append({"k": k, "overlap_degree": deg, "own_first": own if own == "auto" else int(own),
+        results.append({"impl": "moecomm", "activation": args.activation, "k": k, "overlap_degree": deg, "own_first": own if own == "auto" else int(own),
                         "mode": mode, "dropless": args.dropless, "cuda_graph": args.layer_cuda_graph,
                         "fused_step": not args.op_by_op, "capacity": r.capacity, **t,
                         "tokens_per_s": args.tokens * comm.size / sec,
@@ -242,6 +282,8 @@ def main(argv: Optional[list] = None) -> list:
                         "peak_mem_gib": peak / 2 ** 30, "parallel_mode": L.last_parallel_mode})
         if mode == "graph":
             del graph
+    if args.reference:
+        results += _time_reference(args, b)
     if rank0:
         name = torch.cuda.get_device_name(comm.device) if cuda else "cpu"
         head = (f"# moecomm.moe layer: {comm.size} ranks, backend {comm.backend}, {name}, {args.dtype}"
@@ -257,10 +299,19 @@ def main(argv: Optional[list] = None) -> list:
                  f"{'k':>2} {'deg':>4} {'own':>4} {'mode':>5} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
                  f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9} {'host_ms':>8}"]
         for r in results:
+            if r["impl"] != "moecomm":
+                continue
             lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {str(r['own_first']):>4} {r['mode']:>5} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
                          f"{r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} {r['tokens_per_s']:>11.4g} "
                          f"{r['tflops_per_rank']:>8.2f} {r['useful_tflops_per_rank']:>7.2f} {r['peak_mem_gib']:>9.3f} "
                          f"{r['host_ms']:>8.3f}")
+        for r in results:
+            if r["impl"] == "torch_reference":
+                mine = [q["median_ms"] for q in results if q["impl"] == "moecomm" and q["k"] == r["k"]
+                        and q["mode"] == "eager"]
+                lines.append(f"# torch reference ({args.activation}, dropless) k={r['k']}: {r['median_ms']:.3f} ms "
+                             f"(host {r['host_ms']:.3f} ms); moecomm / reference = "
+                             f"{min(mine) / r['median_ms']:.3f}" if mine else "")
         print("\n".join(lines), flush=True)
         if args.json:
             with open(args.json, "w") as fh:

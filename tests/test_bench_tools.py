@@ -74,3 +74,41 @@ def test_kernels_bench_wire_rows(tmp_path, capsys):
     tokens_bytes = 64 * 256 * 2 + 64 * packed_row_bytes(256)  # bf16 rows in, packed rows out
     assert rows[("wire: pack_rows", impl)]["bytes"] == tokens_bytes == rows[("wire: unpack_rows", impl)]["bytes"]
     assert all(r["median_ms"] > 0 for r in rows.values())
+
+
+def test_moe_layer_bench_swiglu_beside_the_torch_reference(tmp_path, capsys):
+    """bench.moe_layer --activation swiglu --dropless --reference on the CPU, small shapes: the
+    layer's rows and the plain-torch reference's, and their ratio."""
+    import json
+
+    from bench import moe_layer
+
+    path = tmp_path / "m.json"
+    moe_layer.main(["--device", "cpu", "--tokens", "48", "--model-dim", "16", "--hidden", "16", "--experts", "4",
+                    "--top-k", "2", "--dropless", "--activation", "swiglu", "--reference", "-n", "1", "--steps", "1",
+                    "-w", "1", "--json", str(path)])
+    assert "moecomm / reference" in capsys.readouterr().out
+    rows = json.loads(path.read_text())["results"]
+    assert sorted(r["impl"] for r in rows) == ["moecomm", "torch_reference"]
+    assert all(r["activation"] == "swiglu" and r["median_ms"] > 0 for r in rows)
+
+
+def test_torch_reference_layer_equals_moe_layer():
+    """bench.torch_moe.TorchMoE (argsort permutation, grouped GEMM or a loop) loaded with a
+    one-rank SwiGLU MoELayer's weights computes the layer's dropless output and input gradient."""
+    import torch
+
+    import moecomm
+    from bench.torch_moe import TorchMoE
+    from moecomm.moe import MoELayer
+
+    comm = moecomm.init(backend="mpi", set_default=False)
+    layer = MoELayer(16, 24, 4, k=2, dropless=True, activation="swiglu", seed=2, comm=comm)
+    ref = TorchMoE(16, 24, 4, k=2, activation="swiglu").load_from(layer)
+    x = torch.randn(40, 16)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    y, want = layer(xs[0]), ref(xs[1])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)

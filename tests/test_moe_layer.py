@@ -1,8 +1,8 @@
 """moecomm.moe.MoELayer on 1-4 MPI ranks against a dense single-process reference
 (tests/ranks/moe_reference.py): outputs, gradients, dropped routes, capacities and aux losses
 for both gates, k = 1..4, every capacity mode, dropless, sharded experts, data-parallel and
-auto modes, overlap, 2dh, custom experts, and the bad configurations that need several ranks;
-each world size in the shared launch of its size (tests/conftest.py)."""
+auto modes, overlap, 2dh, custom and gated (SwiGLU, GeGLU) experts, and the bad configurations
+that need several ranks; each world size in the shared launch of its size (tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -238,11 +238,11 @@ def test_step_ops_native_equal_reference(device, dtype, W, El, C, k, bias):
 
 def test_fused_step_covers_the_defaults_only():
     """Which layer calls take the fused step: the defaults and the options it implements
-    (capacity mode with ReLU experts, dropless with any activation); every other
-    configuration the op-by-op path."""
+    (capacity mode and dropless, with any activation: named, gated, a lambda); every other
+    configuration the op-by-op path, with the option that sends it there named."""
     import moecomm
     from moecomm.moe import MoELayer
-    from moecomm.moe._fused_step import applies
+    from moecomm.moe._fused_step import applies, uncovered
 
     comm = moecomm.init()
     x = torch.randn(6, 8)
@@ -260,8 +260,13 @@ def test_fused_step_covers_the_defaults_only():
     assert not covered(dropless=True, degree=2) and not covered({"gate": "cosine"}, dropless=True)
     for kw in ({"gate": "cosine"}, {"gate_noise": 1.0}, {"fp32_gate": False}, {"z_loss_weight": 0.1},
                {"balance_loss": "load_importance", "gate_noise": 1.0}, {"batch_prioritized_routing": True},
-               {"is_postscore": False}, {"activation": "gelu"}, {"dtype": torch.float64}):
+               {"is_postscore": False}, {"dtype": torch.float64}):
         assert not covered(kw), kw
+    for act in ("gelu", "silu", "swiglu", "geglu", lambda h: torch.relu(h)):
+        assert covered({"activation": act}) and covered({"activation": act}, dropless=True), act
+    layer = MoELayer(8, 8, 4, comm=comm, seed=0, z_loss_weight=0.1)
+    assert "z_loss_weight=0.1" in uncovered(layer, layer.gates[0], x, 1.0, False, 1, False, None, 1)
+    assert "overlap_degree=2" in uncovered(layer, layer.gates[0], x, 1.0, False, 2, False, None, 1)
     layer = MoELayer(8, 8, 4, comm=comm, seed=0)
     layer._run_experts = lambda rows, seg: rows  # noqa: SLF001 - a wrapped expert call is honoured
     assert not applies(layer, layer.gates[0], x, 1.0, False, 1, False, None, 1)

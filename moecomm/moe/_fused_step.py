@@ -9,12 +9,16 @@ C++ (``moecomm_ext.unchecked.step_ops``: five calls a step), and the backward of
 step is one node of autograd instead of some thirty. An eager step is then bound by the
 GPU, not by the host issuing it (``bench/results/README.md``).
 
-It covers the layer's defaults: capacity mode (``capacity_factor > 0``) with the linear gate
-in float32, no gate noise while training, the GShard loss or none, no z-loss in the loss,
-postscore gates, the built-in ReLU experts unsharded, no pipelining (``overlap_degree=1``,
-own rows not first); with ``wire_dtype`` across ranks the dispatch gather writes packed FP8
-rows (as the op-by-op path's fused FP8 dispatch). :func:`applies` says whether a call is covered; the
-others take the op-by-op path.
+It covers the layer's defaults: capacity mode (``capacity_factor > 0``) or dropless with the
+linear gate in float32, no gate noise while training, the GShard loss or none, no z-loss in
+the loss, postscore gates, the built-in experts unsharded with any activation (ReLU's FFN
+issued from C++; the others, gated ones and any callable included, by the grouped FFN of
+:mod:`~moecomm.moe.experts`, whose backward recomputes the activation from the saved
+pre-activation: one aten kernel for the named ones, ``torch.autograd`` through a callable),
+no pipelining (``overlap_degree=1``, own rows not first); with ``wire_dtype`` across ranks the
+dispatch gather writes packed FP8 rows (as the op-by-op path's fused FP8 dispatch).
+:func:`uncovered` says why a call is not covered (None when it is); those take the op-by-op
+path.
 
 Against the op-by-op path: the forward is the same bits, except the gates for ``k >= 5`` on
 the CPU and ``k >= 3`` on GPUs (this path sums a token's top-k scores left to right, torch's
@@ -27,7 +31,7 @@ same bits.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,30 +50,69 @@ from .experts import FFNExperts, ffn_backward, ffn_forward
 from .gates import LinearTopKGate
 from .routing import Routing
 
-__all__ = ["applies", "StepCall", "fused_step"]
+__all__ = ["StepPath", "FUSED", "applies", "uncovered", "StepCall", "fused_step"]
+
+
+class StepPath(NamedTuple):
+    """Which path a call of the layer took (``MoELayer.last_step_path``): ``path`` is
+    ``"fused"`` (this module's step), ``"op_by_op"`` or ``"cuda_graph"`` (a replay of the
+    captured step, ``cuda_graph=True``); ``reason`` says why not fused (None when fused or
+    replayed), naming the option."""
+
+    path: str
+    reason: Optional[str] = None
+
+
+FUSED = StepPath("fused")
+
+
+def uncovered(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
+              wire: Optional[torch.dtype], world: int) -> Optional[str]:
+    """None when this expert-parallel call of ``layer`` is one the fused step covers (see the
+    module's docstring), else why not: the option (its name and value) that sends it op by op."""
+    experts = layer.experts
+    if not (cf > 0 or dropless):
+        return f"capacity_factor={cf} (the fused step takes a fixed capacity, > 0, or dropless=True)"
+    if degree != 1:
+        return f"overlap_degree={degree!r} (pipelined exchanges run op by op)"
+    if own and world > 1:
+        return "own_first=True (pipelined exchanges run op by op)"
+    if type(gate) is not LinearTopKGate:
+        return f"gate={type(gate).__name__} (the fused step takes the linear gate)"
+    if not gate.fp32_gate:
+        return "fp32_gate=False (the fused step runs the gate in float32)"
+    if gate.gate_noise > 0 and layer.training:
+        return f"gate_noise={gate.gate_noise} while training"
+    if layer.balance_loss_type not in ("gshard", None):
+        return f"balance_loss={layer.balance_loss_type!r} (the fused step takes 'gshard' or None)"
+    if layer.z_loss_weight != 0:
+        return f"z_loss_weight={layer.z_loss_weight} (the fused step has no z-loss term)"
+    if layer.batch_prioritized_routing:
+        return "batch_prioritized_routing=True"
+    if not layer.is_postscore:
+        return "is_postscore=False (the fused step applies the gates to the expert outputs)"
+    if "_run_experts" in layer.__dict__:
+        return "the layer's _run_experts is replaced"
+    if type(experts) is not FFNExperts:
+        return f"experts={type(experts).__name__} (the fused step runs the built-in FFN experts)"
+    if experts.shards != 1:
+        return f"num_experts={layer.num_experts} over {world} ranks (sharded experts)"
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return f"input dtype {x.dtype}"
+    if wire is not None and world > 1 and x.dtype not in quant.INPUT_DTYPES:
+        return f"wire_dtype={wire} with input dtype {x.dtype}"
+    for name in ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"):
+        p = getattr(experts, name)
+        if p is not None and p.dtype != x.dtype:
+            return f"dtype: experts.{name} is {p.dtype}, the input {x.dtype}"
+    return None
 
 
 def applies(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
             wire: Optional[torch.dtype], world: int) -> bool:
-    """Whether this expert-parallel call of ``layer`` is one the fused step covers (see the
-    module's docstring)."""
-    experts = layer.experts
-    if not ((cf > 0 or dropless) and degree == 1 and not (own and world > 1)):
-        return False
-    if type(gate) is not LinearTopKGate or not gate.fp32_gate or (gate.gate_noise > 0 and layer.training):
-        return False
-    if layer.balance_loss_type not in ("gshard", None) or layer.z_loss_weight != 0:
-        return False
-    if layer.batch_prioritized_routing or not layer.is_postscore or "_run_experts" in layer.__dict__:
-        return False
-    if type(experts) is not FFNExperts or experts.shards != 1 or (experts.act is not F.relu and not dropless):
-        return False
-    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        return False
-    if wire is not None and world > 1 and x.dtype not in quant.INPUT_DTYPES:
-        return False
-    return all(p is None or p.dtype == x.dtype for p in (experts.fc1_weight, experts.fc1_bias,
-                                                        experts.fc2_weight, experts.fc2_bias))
+    """Whether this expert-parallel call of ``layer`` is one the fused step covers
+    (:func:`uncovered` says why not)."""
+    return uncovered(layer, gate, x, cf, dropless, degree, own, wire, world) is None
 
 
 class StepCall:
@@ -78,7 +121,7 @@ class StepCall:
 
     __slots__ = ("comm", "world", "num_experts", "num_local", "k", "capacity", "algorithm", "normalize",
                  "gshard", "use_native", "consts", "wire", "grad_wire", "wide", "routing", "logits", "send_splits",
-                 "recv_splits")
+                 "recv_splits", "act")
 
     def __init__(self, comm: Any, num_experts: int, num_local: int, k: int, capacity: Optional[int],
                  algorithm: Optional[str], normalize: bool, gshard: bool, use_native: bool,
@@ -92,6 +135,7 @@ class StepCall:
         self.wire = wire if self.world > 1 else None
         self.grad_wire = grad_wire
         self.wide = False
+        self.act: Any = F.relu  # the experts' activation (fused_step sets it)
         self.routing: Optional[Routing] = None
         self.logits: Optional[Tensor] = None
         if capacity is not None:  # the padded layout: num_local * capacity rows to and from every rank
@@ -165,8 +209,21 @@ def _route_backward(ops, call: StepCall, g_send, token_slots, g_gates, topv, top
                                    E / (T * T) if T else 1.0, x, wg, call.wide, need[1], need[2])
 
 
+def _backward_tail(call: StepCall, ops, saved: tuple, g_gates: Tensor, g_got, gw1, gb1, gw2, gb2, need: tuple,
+                   gaux) -> tuple:
+    """The dispatch's and the router's backward after the experts': the gradients of
+    ``(call, x, wg, w1, b1, w2, b2)`` (``need`` in that order)."""
+    x, wg, _, _, scores, topv, topi, token_slots = saved[:8]
+    first = saved[10]
+    g_send = call.dispatch_backward(g_got) if need[1] else None
+    gx, gwg = _route_backward(ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x, wg, need)
+    return None, gx, gwg, gw1, gb1, gw2, gb2
+
+
 class _CapacityStep(torch.autograd.Function):
-    """The capacity step: the experts over the padded layout, their ops in C++ (``step_ffn``)."""
+    """The capacity step: the experts over the padded layout, their ops in C++ (``step_ffn``)
+    for ReLU, else the grouped FFN of :mod:`~moecomm.moe.experts` (any activation, gated ones
+    too; the same functions as the op-by-op path, so the same bits)."""
 
     @staticmethod
     def forward(ctx, call: StepCall, x, wg, w1, b1, w2, b2):  # type: ignore[override]
@@ -175,8 +232,13 @@ class _CapacityStep(torch.autograd.Function):
         ops, (send, logits, scores, topv, topi, gates, locations, counts, first, token_slots, slot_token, slot_gate,
               aux) = _route(call, x, wg)
         got = call.dispatch(send, x, slot_token)
-        rows_expert = call.consts.row_expert(call.world, El, C, x.device) if b1 is not None or b2 is not None else None
-        h, ye = ops.step_ffn(got, w1, b1, w2, b2, rows_expert, El, C)
+        if call.act is F.relu:
+            rows_expert = call.consts.row_expert(call.world, El, C, x.device) if b1 is not None or b2 is not None \
+                else None
+            h, ye = ops.step_ffn(got, w1, b1, w2, b2, rows_expert, El, C)
+        else:  # any other activation (gated ones too): the grouped FFN over the padded layout
+            ctx.seg = Segments.uniform_blocks(call.world, El, C, consts=call.consts)
+            ye, h = ffn_forward(got, w1, b1, w2, b2, ctx.seg, call.act, 1.0)
         back = call.exchange(ye, False)
         y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
         call.routing, call.logits = Routing(topi, gates, locations, counts, C), logits
@@ -191,16 +253,18 @@ class _CapacityStep(torch.autograd.Function):
         x, wg, w1, w2, scores, topv, topi, token_slots, _, _, first, got, h, _ = saved
         call, ops = ctx.call, ctx.ops
         need = ctx.needs_input_grad  # (call, x, wg, w1, b1, w2, b2)
+        if call.act is not F.relu:
+            g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, h, w1, w2, ctx.seg, call.act,
+                                                     (need[1], need[3], need[4], need[5], need[6]), ctx.has_b1,
+                                                     ctx.has_b2)
+            return _backward_tail(call, ops, saved, g_gates, g_got, gw1, gb1, gw2, gb2, need, gaux)
         ones = None  # the bias gradients by a bfloat16 GEMM with ones (as _seg_gemm.seg_sum)
         if (ctx.has_b1 or ctx.has_b2) and g_ye.dtype == torch.bfloat16 and wide_gemm_available(g_ye.device):
             ones = call.consts.ones(g_ye.shape[0], g_ye.dtype, g_ye.device)
         g_got, gw1, gb1, gw2, gb2 = ops.step_ffn_backward(g_ye, h, got, w1, w2, ctx.has_b1, ctx.has_b2,
                                                           [need[1], need[3], need[4], need[5], need[6]],
                                                           call.num_local, call.capacity, ones)
-        g_send = call.dispatch_backward(g_got) if need[1] else None
-        gx, gwg = _route_backward(ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
-                                  wg, need)
-        return None, gx, gwg, gw1, gb1, gw2, gb2
+        return _backward_tail(call, ops, saved, g_gates, g_got, gw1, gb1, gw2, gb2, need, gaux)
 
 
 class _DroplessStep(torch.autograd.Function):
@@ -227,11 +291,11 @@ class _DroplessStep(torch.autograd.Function):
         call.recv_splits = [sum(b) for b in blocks]
         seg = Segments(blocks, El, counts_dev=recv_counts.view(W, El))
         got = call.dispatch(send, x, slot_token)
-        ye, kept = ffn_forward(got, w1, b1, w2, b2, seg, experts.act, 1.0)
+        ye, kept = ffn_forward(got, w1, b1, w2, b2, seg, call.act, 1.0)
         back = call.exchange(ye, False)
         y, slot_gate = _combine(call, back, token_slots, gates, slot_gate, x)
         call.routing, call.logits = Routing(topi, gates, locations, counts, None), logits
-        ctx.seg, ctx.act = seg, experts.act
+        ctx.seg = seg
         _keep(ctx, call, ops, aux, b1, b2, x, wg, w1, w2, scores, topv, topi, token_slots, slot_token, slot_gate, first,
               got, kept, back)
         return y, aux
@@ -243,18 +307,16 @@ class _DroplessStep(torch.autograd.Function):
         x, wg, w1, w2, scores, topv, topi, token_slots, _, _, first, got, kept, _ = saved
         call, ops = ctx.call, ctx.ops
         need = ctx.needs_input_grad  # (call, experts, x, wg, w1, b1, w2, b2)
-        g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, ctx.act,
+        g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, call.act,
                                                  (need[2], need[4], need[5], need[6], need[7]), ctx.has_b1, ctx.has_b2)
-        g_send = call.dispatch_backward(g_got) if need[2] else None
-        gx, gwg = _route_backward(ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x,
-                                  wg, need[1:])
-        return None, None, gx, gwg, gw1, gb1, gw2, gb2
+        return (None,) + _backward_tail(call, ops, saved, g_gates, g_got, gw1, gb1, gw2, gb2, need[1:], gaux)
 
 
 def fused_step(call: StepCall, x: Tensor, wg: Tensor, experts: FFNExperts) -> tuple[Tensor, Tensor]:
     """``(y, aux)`` of one step of ``[T, model_dim]`` tokens ``x`` (``aux`` the GShard loss, or
     a zero without a graph when the call has none); ``call.routing`` and ``call.logits`` are set."""
     params = (experts.fc1_weight, experts.fc1_bias, experts.fc2_weight, experts.fc2_bias)
+    call.act = experts.act
     if call.capacity is None:
         return _DroplessStep.apply(call, experts, x, wg, *params)
     return _CapacityStep.apply(call, x, wg, *params)

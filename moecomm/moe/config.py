@@ -70,8 +70,8 @@ class MoEConfig:
     z_loss_weight: float = 0.0
     dropless: bool = False
     activation: Union[str, Callable[[Tensor], Tensor], None] = "relu"
-    fc1_bias: bool = True
-    fc2_bias: bool = True
+    fc1_bias: Optional[bool] = None
+    fc2_bias: Optional[bool] = None
     output_dim: Optional[int] = None
     experts: Union[None, nn.Module, Callable[[int], nn.Module]] = None
     parallel_mode: str = "expert"
@@ -151,8 +151,9 @@ class MoEConfig:
             if self.hidden_size is None:
                 raise TypeError("hidden_size is required for the built-in feed-forward experts")
             int_arg("hidden_size", self.hidden_size, 1)
-            bool_arg("fc1_bias", self.fc1_bias)
-            bool_arg("fc2_bias", self.fc2_bias)
+            for name in ("fc1_bias", "fc2_bias"):  # None: on for plain activations, off for gated ones
+                if getattr(self, name) is not None:
+                    bool_arg(name, getattr(self, name))
             if self.expert_seed is not None:
                 int_arg("expert_seed", self.expert_seed, 0)
             return

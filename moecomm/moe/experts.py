@@ -18,24 +18,77 @@ from torch import Tensor, nn
 from ._seg_gemm import WeightGradSum, grouped_mm_available, seg_mm, seg_sum, seg_wgrad
 from ._segments import Segments
 
-__all__ = ["Segments", "WeightGradSum", "FFNExperts", "ffn_forward", "ffn_backward", "ACTIVATIONS", "resolve_activation", "BatchedExperts",
-           "ExpertList", "grouped_mm_available", "seg_mm", "seg_wgrad", "seg_sum"]
+__all__ = ["Segments", "WeightGradSum", "FFNExperts", "ffn_forward", "ffn_backward", "ACTIVATIONS",
+           "GatedActivation", "is_gated", "resolve_activation", "BatchedExperts", "ExpertList",
+           "grouped_mm_available", "seg_mm",
+           "seg_wgrad", "seg_sum"]
+
+
+class GatedActivation:
+    """A gated linear unit's activation: ``fn(h[:, :H]) * h[:, H:]`` of a pre-activation
+    ``h`` of ``[N, 2H]`` (the gate's projection ``x W1`` first, then the linear one ``x W3``:
+    Megatron-core's ``gated_linear_unit`` order). ``fn`` any callable (SiLU: SwiGLU).
+
+    Experts built with one (``activation="swiglu"``, ``"geglu"``, ``"reglu"``, or an instance)
+    hold ``fc1_weight [El, model_dim, 2, H]``: ``fc1_weight[e].view(model_dim, 2 * H)`` is
+    ``[W1 | W3]``, so both projections are one GEMM.
+    """
+
+    __slots__ = ("name", "fn")
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], name: Optional[str] = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"GatedActivation: fn must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "gated")
+
+    def __call__(self, h: Tensor) -> Tensor:
+        H = h.shape[-1] // 2
+        return self.fn(h[..., :H]) * h[..., H:]
+
+    def __repr__(self) -> str:
+        return f"GatedActivation({self.name})"
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": _gelu_tanh,
     "silu": F.silu,
     "swish": F.silu,
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
-    "identity": lambda x: x,
+    "identity": _identity,
+    # gated linear units (fc1 twice as wide, biases off by default)
+    "swiglu": GatedActivation(F.silu, "swiglu"),
+    "geglu": GatedActivation(F.gelu, "geglu"),
+    "geglu_tanh": GatedActivation(_gelu_tanh, "geglu_tanh"),
+    "reglu": GatedActivation(F.relu, "reglu"),
+}
+
+# d act(h) / dh applied to a gradient, from the pre-activation (one kernel instead of autograd)
+_BACKWARD: dict[Callable, Callable[[Tensor, Tensor], Tensor]] = {
+    F.relu: lambda g, h: torch.ops.aten.threshold_backward(g, h, 0),
+    F.silu: torch.ops.aten.silu_backward,
+    F.gelu: lambda g, h: torch.ops.aten.gelu_backward(g, h, approximate="none"),
+    _gelu_tanh: lambda g, h: torch.ops.aten.gelu_backward(g, h, approximate="tanh"),
+    torch.sigmoid: lambda g, h: torch.ops.aten.sigmoid_backward(g, torch.sigmoid(h)),
+    torch.tanh: lambda g, h: torch.ops.aten.tanh_backward(g, torch.tanh(h)),
+    _identity: lambda g, h: g,
 }
 
 
 def resolve_activation(act: Union[str, Callable[[Tensor], Tensor], None]) -> Callable[[Tensor], Tensor]:
-    """The activation function ``act`` names (a key of :data:`ACTIVATIONS`), ``act`` itself
-    when callable, ReLU for None.
+    """The activation function ``act`` names (a key of :data:`ACTIVATIONS`; the gated ones
+    are :class:`GatedActivation`), ``act`` itself when callable, ReLU for None.
 
     Raises:
         ValueError: an unknown name. TypeError: neither a name nor a callable.
@@ -52,11 +105,61 @@ def resolve_activation(act: Union[str, Callable[[Tensor], Tensor], None]) -> Cal
     raise TypeError(f"activation must be a name ({sorted(ACTIVATIONS)}) or a callable, got {act!r}")
 
 
+def is_gated(act: Union[str, Callable, None]) -> bool:
+    """Whether ``act`` (a name or a callable) is a gated linear unit (:class:`GatedActivation`)."""
+    if isinstance(act, str):
+        return isinstance(ACTIVATIONS.get(act), GatedActivation)
+    return isinstance(act, GatedActivation)
+
+
+def _lookup(act: Callable) -> Optional[Callable[[Tensor, Tensor], Tensor]]:
+    try:
+        return _BACKWARD.get(act)
+    except TypeError:  # an unhashable callable object
+        return None
+
+
+def _recompute(act: Callable, h: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """``(act(h), the map from its gradient to h's)``: one aten backward kernel for the named
+    activations (gated or not), torch.autograd through ``act`` for any other callable."""
+    back = _lookup(act)
+    if back is not None:
+        return act(h), lambda ga: back(ga, h)
+    inner = _lookup(act.fn) if isinstance(act, GatedActivation) else None
+    if inner is not None:
+        H = h.shape[1] // 2
+        g, u = h[:, :H], h[:, H:]
+        s = act.fn(g)
+
+        def gated_back(ga: Tensor) -> Tensor:
+            gh = torch.empty_like(h)
+            torch.mul(ga, s, out=gh[:, H:])
+            gh[:, :H] = inner(ga * u, g)
+            return gh
+        return s * u, gated_back
+    with torch.enable_grad():
+        hh = h.detach().requires_grad_(True)
+        a = act(hh)
+    return a.detach(), lambda ga: torch.autograd.grad(a, hh, ga)[0]
+
+
+def _flat(w1: Tensor, b1: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+    """A gated layout's ``[El, D, 2, H]`` weight and ``[El, 2, H]`` bias as ``[El, D, 2H]`` and
+    ``[El, 2H]`` (views); a plain layout as it is."""
+    if w1.dim() == 4:
+        w1 = w1.flatten(2)
+        b1 = None if b1 is None else b1.flatten(1)
+    return w1, b1
+
+
 def ffn_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], seg: Segments,
                 act: Callable, b2_scale: float) -> tuple[Tensor, Tensor]:
-    """``(y, kept)``: ``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e] * b2_scale`` per segment, and
-    what :func:`ffn_backward` needs besides the inputs (ReLU's output, which its gradient
+    """``(y, kept)``: ``y = act(x @ w1[e] + b1[e]) @ w2[e] + b2[e] * b2_scale`` per segment
+    (``x``: ``[rows, model_dim]``; ``w1``: ``[El, model_dim, H]``, or ``[El, model_dim, 2, H]``
+    with a :class:`GatedActivation`, whose ``act`` then maps ``[rows, 2H]`` to ``[rows, H]``),
+    and what :func:`ffn_backward` needs besides the inputs (ReLU's output, which its gradient
     needs alone, else the pre-activation, from which the activation is recomputed)."""
+    w1, b1 = _flat(w1, b1)
     h = seg_mm(x, w1, seg, b1)
     a = h.relu_() if act is F.relu else act(h)
     y = seg_mm(a, w2, seg, b2, b2_scale)
@@ -67,36 +170,35 @@ def ffn_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Opt
 
 def ffn_backward(gy: Tensor, x: Tensor, kept: Tensor, w1: Tensor, w2: Tensor, seg: Segments, act: Callable,
                  need: Sequence[bool], has_b1: bool, has_b2: bool) -> tuple:
-    """:func:`ffn_forward`'s backward: ``(g_x, g_w1, g_b1, g_w2, g_b2)``, None where ``need``
-    (for x, w1, b1, w2, b2) is False. ``b2``'s gradient is *not* multiplied by ``b2_scale``
-    (see :class:`_GroupedFFN`)."""
+    """:func:`ffn_forward`'s backward: ``(g_x, g_w1, g_b1, g_w2, g_b2)`` in the parameters'
+    shapes, None where ``need`` (for x, w1, b1, w2, b2) is False. ``b2``'s gradient is *not*
+    multiplied by ``b2_scale`` (see :class:`_GroupedFFN`)."""
     gy = gy.contiguous()
+    w1_shape = w1.shape
+    w1 = _flat(w1, None)[0]
     relu = act is F.relu
     if relu:
         a = kept  # the saved ReLU output
     else:
-        with torch.enable_grad():
-            hh = kept.detach().requires_grad_(True)
-            a = act(hh)
+        a, act_back = _recompute(act, kept)
     share = seg.wgrad_sum
 
     def wgrad(key: str, rows: Tensor, grad: Tensor) -> Tensor:
         return seg_wgrad(rows, grad, seg) if share is None else share.add(key, rows, grad, seg)
 
-    gw2 = wgrad("w2", a.detach(), gy) if need[3] else None
+    gw2 = wgrad("w2", a, gy) if need[3] else None
     gb2 = seg_sum(gy, seg) if has_b2 and need[4] else None
     ga = seg_mm(gy, w2, seg, transpose_w=True)
-    if relu:
-        gh = torch.ops.aten.threshold_backward(ga, a, 0)
-    else:
-        (gh,) = torch.autograd.grad(a, hh, ga)
-        del hh
+    gh = torch.ops.aten.threshold_backward(ga, a, 0) if relu else act_back(ga)
     del a, ga
     gw1 = wgrad("w1", x, gh) if need[1] else None
     gb1 = seg_sum(gh, seg) if has_b1 and need[2] else None
     gx = seg_mm(gh, w1, seg, transpose_w=True) if need[0] else None
     if share is not None and not share.finish():
         gw1 = gw2 = None  # the stage whose backward runs last returns the sums
+    if len(w1_shape) == 4:  # back to the gated layout
+        gw1 = None if gw1 is None else gw1.view(w1_shape)
+        gb1 = None if gb1 is None else gb1.view(w1_shape[0], *w1_shape[2:])
     return gx, gw1, gb1, gw2, gb2
 
 
@@ -132,11 +234,16 @@ def _uniform_init(shape: Sequence[int], fan_in: int, generator: torch.Generator)
 
 class FFNExperts(nn.Module):
     """``num_local`` feed-forward experts ``fc2(act(fc1(x)))``, or shard ``shard_index`` of
-    ``shards`` of one expert along its hidden dimension.
+    ``shards`` of one expert along its hidden dimension; with a gated activation
+    (:class:`GatedActivation`: ``"swiglu"``, ``"geglu"``, ...) ``fc2(fn(x W1) * (x W3))``.
 
     Parameters (``El`` local experts, ``Hl = hidden_size / shards``):
     ``fc1_weight [El, model_dim, Hl]``, ``fc1_bias [El, Hl]``, ``fc2_weight [El, Hl, output_dim]``,
-    ``fc2_bias [El, output_dim]`` (a copy on every shard, added once overall).
+    ``fc2_bias [El, output_dim]`` (a copy on every shard, added once overall). Gated:
+    ``fc1_weight [El, model_dim, 2, Hl]`` (``[:, :, 0]`` is ``W1``, the activation's input,
+    ``[:, :, 1]`` is ``W3``; viewed as ``[El, model_dim, 2 * Hl]`` it is one GEMM's weight) and
+    ``fc1_bias [El, 2, Hl]``; biases default to off for gated experts (``fc1_bias=None``,
+    ``fc2_bias=None``: on for the plain activations, off for the gated ones).
 
     Weights are initialised per *global* expert from ``seed + expert_index`` (uniform in
     ``+-1/sqrt(fan_in)``), so they do not depend on the number of ranks.
@@ -147,9 +254,9 @@ class FFNExperts(nn.Module):
     """
 
     def __init__(self, model_dim: int, hidden_size: int, num_local: int, *, output_dim: Optional[int] = None,
-                 activation: Union[str, Callable, None] = "relu", fc1_bias: bool = True, fc2_bias: bool = True,
-                 shards: int = 1, shard_index: int = 0, first_expert: int = 0, seed: int = 0,
-                 dtype: Optional[torch.dtype] = None, device=None) -> None:
+                 activation: Union[str, Callable, None] = "relu", fc1_bias: Optional[bool] = None,
+                 fc2_bias: Optional[bool] = None, shards: int = 1, shard_index: int = 0, first_expert: int = 0,
+                 seed: int = 0, dtype: Optional[torch.dtype] = None, device=None) -> None:
         super().__init__()
         if hidden_size % shards:
             raise ValueError(f"hidden_size={hidden_size} must be divisible by the {shards} shards of each expert")
@@ -158,17 +265,21 @@ class FFNExperts(nn.Module):
         self.shards, self.shard_index, self.first_expert = shards, shard_index, first_expert
         self.activation = activation
         self.act = resolve_activation(activation)
+        self.gated = gated = isinstance(self.act, GatedActivation)
+        fc1_bias = not gated if fc1_bias is None else fc1_bias
+        fc2_bias = not gated if fc2_bias is None else fc2_bias
         Hl = hidden_size // shards
         h0, h1 = shard_index * Hl, (shard_index + 1) * Hl
+        up = (2,) if gated else ()  # the gated layout: [model_dim, 2, hidden]
         w1, b1, w2, b2 = [], [], [], []
         for i in range(num_local):
             g = torch.Generator().manual_seed((seed * 1_000_003 + first_expert + i) % (2 ** 63))
-            full_w1 = _uniform_init((model_dim, hidden_size), model_dim, g)
-            full_b1 = _uniform_init((hidden_size,), model_dim, g)
+            full_w1 = _uniform_init((model_dim, *up, hidden_size), model_dim, g)
+            full_b1 = _uniform_init((*up, hidden_size), model_dim, g)
             full_w2 = _uniform_init((hidden_size, self.output_dim), hidden_size, g)
             full_b2 = _uniform_init((self.output_dim,), hidden_size, g)
-            w1.append(full_w1[:, h0:h1])
-            b1.append(full_b1[h0:h1])
+            w1.append(full_w1[..., h0:h1])
+            b1.append(full_b1[..., h0:h1])
             w2.append(full_w2[h0:h1])
             b2.append(full_b2)
         kw = dict(dtype=dtype, device=device)
@@ -179,9 +290,9 @@ class FFNExperts(nn.Module):
 
     # checkpoint layout: (expert axis, shard axis or None, replicated over shards)
     def checkpoint_spec(self) -> dict:
-        spec = {"fc1_weight": (0, 2, False), "fc2_weight": (0, 1, False)}
+        spec = {"fc1_weight": (0, 3 if self.gated else 2, False), "fc2_weight": (0, 1, False)}
         if self.fc1_bias is not None:
-            spec["fc1_bias"] = (0, 1, False)
+            spec["fc1_bias"] = (0, 2 if self.gated else 1, False)
         if self.fc2_bias is not None:
             spec["fc2_bias"] = (0, None, True)
         return spec
@@ -203,7 +314,8 @@ class FFNExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"model_dim={self.model_dim}, hidden_size={self.hidden_size}, num_local={self.num_local}, "
-                f"output_dim={self.output_dim}, shards={self.shards}, shard_index={self.shard_index}, "
+                f"output_dim={self.output_dim}, gated={self.gated}, shards={self.shards}, "
+                f"shard_index={self.shard_index}, "
                 f"fc1_bias={self.fc1_bias is not None}, fc2_bias={self.fc2_bias is not None}")
 
 

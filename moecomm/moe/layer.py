@@ -3,6 +3,7 @@ expert-parallel, data-parallel or ``"auto"`` path, each in a module of its own).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -26,6 +27,8 @@ from .routing import Routing, fixed_capacity
 
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
+_log = logging.getLogger("moecomm")
+_REASONS_LOGGED: set = set()  # why calls ran op by op, each logged once per process
 _AUTO_TRIALS = 3  # timed calls of each path before parallel_mode="auto" chooses (the first is a warm-up)
 
 
@@ -59,7 +62,10 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     Experts: ``num_experts`` in total over the communicator's ``size`` ranks: ``num_experts /
     size`` per rank when that divides, or, with fewer experts than ranks, each expert sharded
     over ``size / num_experts`` ranks along its hidden dimension. The built-in experts are
-    feed-forward networks (``hidden_size``, ``activation``, ``fc1_bias``, ``fc2_bias``); pass
+    feed-forward networks (``hidden_size``, ``activation``, ``fc1_bias``, ``fc2_bias``; a gated
+    ``activation`` such as ``"swiglu"`` or ``"geglu"`` makes them ``fc2(act(x W1) * (x W3))``
+    with ``W1`` and ``W3`` in one weight ``fc1_weight [El, model_dim, 2, hidden]``, and the
+    biases default to off for those, on for the others); pass
     ``experts=`` for your own (an ``nn.Module`` mapping ``[num_local, N, model_dim]`` to
     ``[num_local, N, output_dim]``, or a callable ``f(global_expert_index) -> nn.Module`` whose
     modules map ``[n, model_dim]`` to ``[n, output_dim]``).
@@ -124,10 +130,15 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
 
     ``fused_step=True`` (default): the calls it covers run as one autograd Function whose
     operations are issued from C++, with the router in two native kernels
-    (:mod:`moecomm.moe._fused_step`): capacity mode with the built-in ReLU experts, and
-    dropless with the built-in experts, each with the linear float32 gate, the GShard loss
-    or none, postscore gates, unsharded experts, no pipelining (``wire_dtype`` across ranks too)
-    (with gate noise only outside training). The same results as the op-by-op step
+    (:mod:`moecomm.moe._fused_step`): capacity mode (``capacity_factor > 0``) and dropless
+    with the built-in experts (any activation: named, gated or a callable), each with the
+    linear float32 gate, the GShard loss or none, postscore gates, unsharded experts, no
+    pipelining (``wire_dtype`` across ranks too) (with gate noise only outside training).
+    ``fused_step`` is the option; ``layer.last_step_path`` (a ``StepPath(path, reason)``:
+    ``"fused"``, ``"op_by_op"`` or ``"cuda_graph"``, and why not fused, naming the option)
+    says which path the last call took, and the first call that runs op by op although
+    ``fused_step=True`` logs why (a warning on the ``moecomm`` logger, once per process and
+    reason). The same results as the op-by-op step
     (``fused_step=False``): the output, aux loss, routing and the experts' gradients the same
     bits for ``k <= 4`` on the CPU and ``k <= 2`` on GPUs (torch sums more gates in another
     order), the input's and the gate's gradients to float32 rounding (the
@@ -164,8 +175,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         z_loss_weight: float = 0.0,
         dropless: bool = False,
         activation: Union[str, Callable[[Tensor], Tensor], None] = "relu",
-        fc1_bias: bool = True,
-        fc2_bias: bool = True,
+        fc1_bias: Optional[bool] = None,
+        fc2_bias: Optional[bool] = None,
         output_dim: Optional[int] = None,
         experts: Union[None, nn.Module, Callable[[int], nn.Module]] = None,
         parallel_mode: str = "expert",
@@ -243,6 +254,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self.auto_trials = _AUTO_TRIALS
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
         self._graphed = StepGraphs()  # cuda_graph=True: the captured steps, per input shape and options
+        self.last_step_path: Optional[_fused_step.StepPath] = None  # the last call's path and why
 
     def _build_experts(self, cfg: MoEConfig, seed: int, device: torch.device) -> nn.Module:
         """This rank's experts: the built-in FFNs (sharded when ``shards > 1``) or the user's."""
@@ -348,6 +360,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         y = None
         if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
             y = self._graphed.run(self._step_access(), x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode, wire)
+            if y is not None:
+                self.__dict__["last_step_path"] = _fused_step.StepPath("cuda_graph")
         if y is None:
             y = self._run(x, gate, kk, cf, deg, own, algo, drop_less, ineq, mode, wire)
         aux = self.aux_loss
@@ -415,8 +429,16 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         dev_type = x2.device.type
         autocast = torch.is_autocast_enabled(dev_type) if hasattr(torch, "is_autocast_enabled") else False
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
-        if mode == "expert" and self.fused_step and not autocast and _fused_step.applies(
-                self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size):
+        if not self.fused_step:
+            why = "fused_step=False"
+        elif mode != "expert":
+            why = f"parallel_mode={mode!r} (the fused step is expert-parallel)"
+        elif autocast:
+            why = "autocast (the fused step runs in the input's dtype)"
+        else:
+            why = _fused_step.uncovered(self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size)
+        self._note_step_path(why)
+        if why is None:
             return self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire).reshape(*lead, self.output_dim)
 
         r = self._route(x2, gate, kk)  # fp32 at least; sets the call's losses
@@ -438,6 +460,20 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         d = self.__dict__
         d["_last_route"], d["_last_routing"] = r, None
         return y.reshape(*lead, self.output_dim)
+
+    def _note_step_path(self, why: Optional[str]) -> None:
+        """Record the call's path (:attr:`last_step_path`); the first call that a configuration
+        sends op by op although ``fused_step=True`` says why on the ``moecomm`` logger (once
+        per process and reason)."""
+        d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
+        if why is None:
+            d["last_step_path"] = _fused_step.FUSED
+            return
+        d["last_step_path"] = _fused_step.StepPath("op_by_op", why)
+        if self.fused_step and why not in _REASONS_LOGGED:
+            _REASONS_LOGGED.add(why)
+            _log.warning("MoELayer: a call runs op by op, not the fused step (slower): %s. Said once per process "
+                         "and reason; layer.last_step_path tells each call's path.", why)
 
     def _fused(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str],
                dropless: bool, wire: Optional[torch.dtype]) -> Tensor:

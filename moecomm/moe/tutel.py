@@ -238,8 +238,8 @@ def _expert_options(experts: dict, count: int, model_dim: int) -> dict:
         if "hidden_size_per_expert" not in experts:
             raise ValueError("experts: 'hidden_size_per_expert' is required for type 'ffn'")
         return dict(hidden_size=experts["hidden_size_per_expert"], activation=experts.get("activation_fn", "relu"),
-                    output_dim=experts.get("output_dim"), fc1_bias=experts.get("has_fc1_bias", True),
-                    fc2_bias=experts.get("has_fc2_bias", True))
+                    output_dim=experts.get("output_dim"), fc1_bias=experts.get("has_fc1_bias"),
+                    fc2_bias=experts.get("has_fc2_bias"))
     if count < 0:
         raise ValueError("experts: a 'custom' expert module cannot be sharded (count_per_node must be > 0)")
     if "module" not in experts:

@@ -45,6 +45,13 @@ class Case:
     schedule: Optional[list] = None  # per call, the token count of every rank (overrides tokens)
 
 
+# the reference's own activations (written here, not taken from moecomm): name -> function
+# (for the gated names, the gate's function: the reference adds the linear unit itself)
+REF_ACTS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "swiglu": lambda h: h * torch.sigmoid(h),
+            "geglu": lambda h: 0.5 * h * (1.0 + torch.erf(h / 2 ** 0.5))}
+GATED = ("swiglu", "geglu")
+
+
 def _comm():
     if not hasattr(_comm, "c"):
         _comm.c = moecomm.init(backend="mpi" if DEV.type == "cpu" else "auto")
@@ -100,10 +107,15 @@ def load_params(layer: MoELayer, p: RefParams, case: Case) -> None:
         es = slice(e0, e0 + El)
         if case.experts == "ffn":
             ex = layer.experts
-            ex.fc1_weight.copy_(p.w1[es, :, hs])
             ex.fc2_weight.copy_(p.w2[es, hs])
-            if ex.fc1_bias is not None:
-                ex.fc1_bias.copy_(p.b1[es, hs])
+            if ex.gated:  # fc1_weight [El, D, 2, Hl]: W1 then W3
+                ex.fc1_weight.copy_(torch.stack([p.w1[es, :, hs], p.w3[es, :, hs]], dim=2))
+                if ex.fc1_bias is not None:
+                    ex.fc1_bias.copy_(torch.stack([p.b1[es, hs], p.b3[es, hs]], dim=1))
+            else:
+                ex.fc1_weight.copy_(p.w1[es, :, hs])
+                if ex.fc1_bias is not None:
+                    ex.fc1_bias.copy_(p.b1[es, hs])
             if ex.fc2_bias is not None:
                 ex.fc2_bias.copy_(p.b2[es])
         elif case.experts == "batched":
@@ -119,9 +131,15 @@ def load_params(layer: MoELayer, p: RefParams, case: Case) -> None:
 def expert_grads(layer: MoELayer, case: Case) -> dict:
     if case.experts == "ffn":
         ex = layer.experts
-        out = {"w1": ex.fc1_weight.grad, "w2": ex.fc2_weight.grad}
-        if ex.fc1_bias is not None:
-            out["b1"] = ex.fc1_bias.grad
+        out = {"w2": ex.fc2_weight.grad}
+        if ex.gated:
+            out["w1"], out["w3"] = ex.fc1_weight.grad.unbind(2)
+            if ex.fc1_bias is not None:
+                out["b1"], out["b3"] = ex.fc1_bias.grad.unbind(1)
+        else:
+            out["w1"] = ex.fc1_weight.grad
+            if ex.fc1_bias is not None:
+                out["b1"] = ex.fc1_bias.grad
         if ex.fc2_bias is not None:
             out["b2"] = ex.fc2_bias.grad
         return out
@@ -180,9 +198,12 @@ def run_case(case: Case, seed: int = 0) -> list:
     counts = token_counts(case, W)
     xs = make_inputs(seed, counts)
     act = case.layer_kw.get("activation", "relu")
+    gated = act in GATED
+    bias_default = not gated  # the layer's default: biases off for gated experts
     p = random_params(seed + 17, case.gate, D, H, case.E,
-                      bias1=case.layer_kw.get("fc1_bias", True), bias2=case.layer_kw.get("fc2_bias", True),
-                      act={"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[act] if isinstance(act, str) else act)
+                      bias1=case.layer_kw.get("fc1_bias", bias_default),
+                      bias2=case.layer_kw.get("fc2_bias", bias_default),
+                      act=REF_ACTS[act] if isinstance(act, str) else act, gated=gated)
     kw = dict(k=case.k, capacity_factor=case.cf, gate=case.gate, dropless=case.dropless, fp32_gate=False,
               dtype=DT, seed=3, proj_dim=8, gate_noise=case.noise, comm=comm)
     kw.update(case.layer_kw)
@@ -253,6 +274,10 @@ def run_case(case: Case, seed: int = 0) -> list:
         want = {"w1": grad_of(p.w1)[es, :, hs], "w2": grad_of(p.w2)[es, hs]}
         if p.b1 is not None:
             want["b1"] = grad_of(p.b1)[es, hs] if case.experts == "ffn" else grad_of(p.b1)[es]
+        if p.w3 is not None:
+            want["w3"] = grad_of(p.w3)[es, :, hs]
+        if p.b3 is not None:
+            want["b3"] = grad_of(p.b3)[es, hs]
         if p.b2 is not None:
             want["b2"] = grad_of(p.b2)[es]
         for name, g in expert_grads(layer, case).items():
@@ -286,8 +311,8 @@ def check(cases: list):
 
 
 def cases_for(W: int, group: str) -> list:
-    E = {1: 4, 2: 4, 3: 6, 4: 8}[W]
-    ragged = [9, 13, 0, 7][:W] if W > 2 else [9, 13][:W]
+    E = {1: 4, 2: 4, 3: 6, 4: 8}.get(W, 2 * W)
+    ragged = ([9, 13, 0, 7] * 2)[:W] if W > 2 else [9, 13][:W]
     out = []
     if group in ("routing", "all"):
         for gate in ("linear", "cosine"):
@@ -327,6 +352,14 @@ def cases_for(W: int, group: str) -> list:
             Case("custom batched experts", E, k=2, cf=1.0, experts="batched"),
             Case("custom batched dropless", E, k=2, dropless=True, experts="batched", tokens=ragged),
             Case("custom factory experts", E, k=3, dropless=True, experts="factory", tokens=ragged),
+            # gated experts (biases off by default), capacity and dropless, pipelined, data-parallel
+            Case("swiglu capacity", E, k=2, cf=1.0, layer_kw=dict(activation="swiglu")),
+            Case("swiglu dropless k=3", E, k=3, dropless=True, tokens=ragged, layer_kw=dict(activation="swiglu")),
+            Case("geglu biases k=1 cf=0.5", E, k=1, cf=0.5,
+                 layer_kw=dict(activation="geglu", fc1_bias=True, fc2_bias=True)),
+            Case("swiglu dropless overlap 2", E, k=2, dropless=True, tokens=ragged,
+                 layer_kw=dict(activation="swiglu", overlap_degree=2)),
+            Case("swiglu data parallel", E, k=2, cf=0.5, layer_kw=dict(activation="swiglu", parallel_mode="data")),
         ]
         if W > 1:
             # fewer experts than ranks: each expert sharded over W / E ranks along its hidden dim
@@ -337,6 +370,10 @@ def cases_for(W: int, group: str) -> list:
                 out.append(Case(f"sharded E={Es} data parallel", Es, k=1, cf=0.0, tokens=ragged,
                                 layer_kw=dict(parallel_mode="data")))
                 out.append(Case(f"sharded E={Es} overlap 2", Es, k=Es, cf=1.0, layer_kw=dict(overlap_degree=2)))
+                out.append(Case(f"sharded E={Es} swiglu biases", Es, k=1, cf=1.0,
+                                layer_kw=dict(activation="swiglu", fc1_bias=True, fc2_bias=True)))
+                out.append(Case(f"sharded E={Es} geglu data parallel", Es, k=1, dropless=True, tokens=ragged,
+                                layer_kw=dict(activation="geglu", parallel_mode="data")))
     return out
 
 
@@ -344,7 +381,7 @@ def unequal_cases(W: int) -> list:
     """Default options (capacity_factor=1.0, no inequivalent_tokens) with token counts that
     differ between ranks, one rank with none: the ranks agree on the capacity of the largest
     count; a rank without tokens still takes part in every exchange, forward and backward."""
-    E = {1: 4, 2: 4, 3: 6, 4: 8}[W]
+    E = {1: 4, 2: 4, 3: 6, 4: 8}.get(W, 2 * W)
     zero = [0, 11, 9, 13][:W] if W != 3 else [9, 0, 13]
     uneq = [5, 13, 4, 11][:W] if W != 3 else [4, 11, 7]
     out = [
@@ -383,7 +420,7 @@ def check_algorithms():
     if W == 1:
         return
     hcomm = moecomm.init(backend="mpi", local_size=2 if W % 2 == 0 else 1, set_default=False)
-    E = {2: 4, 3: 6, 4: 8}[W]
+    E = {2: 4, 3: 6, 4: 8}.get(W, 2 * W)
     cases = []
     for algo in ("2dh", "auto"):
         cases += [
@@ -438,12 +475,17 @@ def _step(layer, x, gy, **kw):
     return [y, layer.aux_loss, x.grad] + [q.grad for q in layer.parameters()], r
 
 
+def _sq_tanh(h):
+    return h * torch.tanh(h)
+
+
 def check_fused_step():
-    """The fused capacity step (the default) against the op-by-op path (fused_step=False):
-    output, aux loss, routing and the experts' gradients the same bits on the CPU for k <= 4
-    (k = 5's gates sum in another order), the input's and the gate's gradients to float32
-    rounding (bfloat16's where that is the dtype), on GPUs everything to float32 rounding; the
-    configurations it does not cover run the op-by-op path either way."""
+    """The fused capacity step (the default) against the op-by-op path (fused_step=False),
+    for every activation (named, gated, callables, a lambda): output, aux loss, routing and
+    the experts' gradients the same bits on the CPU for k <= 4 (k = 5's gates sum in another
+    order), the input's and the gate's gradients to float32 rounding (bfloat16's where that is
+    the dtype), on GPUs everything to float32 rounding; the configurations it does not cover
+    run the op-by-op path either way, and ``last_step_path`` says which path each took."""
     comm = _comm()
     W, rank = comm.size, comm.rank
     errs = []
@@ -451,15 +493,25 @@ def check_fused_step():
     configs = [dict(k=1), dict(k=2), dict(k=3, fc1_bias=False), dict(k=4, capacity_factor=0.5),
                dict(k=5, capacity_factor=2.0, fc2_bias=False), dict(k=2, balance_loss=None),
                dict(k=2, normalize_gate=False, capacity_factor=0.25),
-               # not covered (op-by-op path either way): noise, cosine gate, gelu, z-loss, dropless, cf 0
-               dict(k=2, gate_noise=1.0), dict(k=2, gate="cosine"), dict(k=2, activation="gelu"),
+               # not covered (op-by-op path either way): noise, cosine gate, z-loss, cf 0
+               dict(k=2, gate_noise=1.0), dict(k=2, gate="cosine"),
                dict(k=2, z_loss_weight=0.1), dict(k=2, capacity_factor=0.0),
                # dropless: fused too (any activation)
                dict(k=2, dropless=True), dict(k=3, dropless=True, activation="gelu", fc1_bias=False),
                dict(k=1, dropless=True, balance_loss=None),
                # one expert per rank (issue 34: the uniform row map of one local expert was a
                # zero-stride view the native gather refused), and with two ranks k = 2 of E = 2
-               dict(k=1, experts_per_rank=1), dict(k=min(2, W), experts_per_rank=1, capacity_factor=1.0)]
+               dict(k=1, experts_per_rank=1), dict(k=min(2, W), experts_per_rank=1, capacity_factor=1.0),
+               # every activation, capacity and dropless: named, gated (with and without biases), callables
+               dict(k=2, activation="gelu"), dict(k=2, activation="silu"), dict(k=3, activation="gelu_tanh"),
+               dict(k=2, activation="sigmoid"), dict(k=1, activation="tanh"), dict(k=2, activation="identity"),
+               dict(k=2, activation="swiglu"), dict(k=3, activation="geglu", fc1_bias=True, fc2_bias=True),
+               dict(k=2, activation="reglu"), dict(k=2, activation=lambda h: torch.relu(h) * 1.5),
+               dict(k=2, activation=_sq_tanh, capacity_factor=0.5),
+               dict(k=2, dropless=True, activation="swiglu"),
+               dict(k=3, dropless=True, activation="geglu_tanh", fc1_bias=True),
+               dict(k=2, dropless=True, activation=lambda h: h * torch.sigmoid(1.7 * h))]
+    uncovered = ("gate_noise", "gate", "z_loss_weight")
     for dt in dts:
         for i, cfg in enumerate(configs):
             cfg = dict(cfg)
@@ -471,13 +523,17 @@ def check_fused_step():
                 x = x.t().contiguous().t()
             x.requires_grad_(True)
             gy = torch.randn(T, D, generator=g).to(DEV, dt)
-            outs = []
+            outs, paths = [], []
             for fused in (True, False):
                 layer = MoELayer(D, H, E, comm=comm, seed=7 + i, dtype=dt, device=DEV, fused_step=fused, **cfg)
                 torch.manual_seed(1000 + i)  # the same gate noise on both paths
                 outs.append(_step(layer, x, gy))
+                paths.append(layer.last_step_path.path)
             (a, ra), (b, rb) = outs
             tag = f"{dt} {cfg}"
+            fused_path = not any(name in cfg for name in uncovered) and cfg.get("capacity_factor") != 0.0
+            if paths != [("fused" if fused_path else "op_by_op"), "op_by_op"]:
+                errs.append(f"{tag}: paths {paths}")
             for name in ("topk_idx", "locations", "counts", "kept"):
                 if not torch.equal(getattr(ra, name), getattr(rb, name)):
                     errs.append(f"{tag}: routing {name} differs")

@@ -22,15 +22,20 @@ class RefParams:
     w2: torch.Tensor  # [E, H, Do]
     b2: Optional[torch.Tensor]  # [E, Do]
     act: Callable = F.relu
+    w3: Optional[torch.Tensor] = None  # [E, D, H]: gated experts, act(v W1 + b1) * (v W3 + b3)
+    b3: Optional[torch.Tensor] = None  # [E, H]
 
     def leaves(self) -> list:
         out = list(self.gate.values()) + [self.w1, self.w2]
-        out += [t for t in (self.b1, self.b2) if t is not None]
+        out += [t for t in (self.b1, self.b2, self.w3, self.b3) if t is not None]
         return out
 
 
 def random_params(seed: int, gate_type: str, D: int, H: int, E: int, Do: Optional[int] = None, *,
-                  bias1: bool = True, bias2: bool = True, proj_dim: int = 8, act=F.relu) -> RefParams:
+                  bias1: bool = True, bias2: bool = True, proj_dim: int = 8, act=F.relu,
+                  gated: bool = False) -> RefParams:
+    """Random reference parameters; ``gated``: also ``w3`` (and ``b3`` with ``bias1``), and
+    ``act`` is the gate's function (SiLU for SwiGLU)."""
     g = torch.Generator().manual_seed(seed)
     Do = D if Do is None else Do
 
@@ -43,9 +48,13 @@ def random_params(seed: int, gate_type: str, D: int, H: int, E: int, Do: Optiona
         gate = {"proj_w": rnd(proj_dim, D, scale=1.0 / math.sqrt(D)), "proj_b": rnd(proj_dim, scale=0.1),
                 "sim": rnd(proj_dim, E), "temp": torch.tensor([math.log(4.0)], dtype=torch.float64,
                                                               requires_grad=True)}
-    return RefParams(gate_type, gate, rnd(E, D, H, scale=1.0 / math.sqrt(D)),
-                     rnd(E, H, scale=0.1) if bias1 else None,
-                     rnd(E, H, Do, scale=1.0 / math.sqrt(H)), rnd(E, Do, scale=0.1) if bias2 else None, act)
+    p = RefParams(gate_type, gate, rnd(E, D, H, scale=1.0 / math.sqrt(D)),
+                  rnd(E, H, scale=0.1) if bias1 else None,
+                  rnd(E, H, Do, scale=1.0 / math.sqrt(H)), rnd(E, Do, scale=0.1) if bias2 else None, act)
+    if gated:  # drawn after the others, which stay as they were
+        p.w3 = rnd(E, D, H, scale=1.0 / math.sqrt(D))
+        p.b3 = rnd(E, H, scale=0.1) if bias1 else None
+    return p
 
 
 def ref_logits(p: RefParams, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +70,10 @@ def expert(p: RefParams, e: int, v: torch.Tensor) -> torch.Tensor:
     h = v @ p.w1[e]
     if p.b1 is not None:
         h = h + p.b1[e]
-    out = p.act(h) @ p.w2[e]
+    a = p.act(h)
+    if p.w3 is not None:
+        a = a * (v @ p.w3[e] + (p.b3[e] if p.b3 is not None else 0.0))
+    out = a @ p.w2[e]
     if p.b2 is not None:
         out = out + p.b2[e]
     return out
