@@ -198,7 +198,11 @@ class LowLatencyBuffer:
         def z(*shape, dt=torch.int64):
             return torch.zeros(shape, dtype=dt, device=dev)
 
-        i64 = torch.int64
+        def c(v: int) -> Tensor:  # a Python number as an operand would be wrapped in a new tensor per call
+            return torch.full((), v, dtype=torch.int64, device=dev)
+
+        self._c_L, self._c_R, self._c_Mkk, self._c_rankL, self._c_LR = c(L), c(R), c(M * kk), c(rank * L), c(L * R)
+        self._c_one = c(1)
         # -- the source's tables ([M, ...]) --
         self._xs = z(M + 1, self.row_bytes, dt=torch.uint8)  # staged rows; row M: the unused row
         self._hdr(self._xs[M:]).fill_(-1)
@@ -229,6 +233,7 @@ class LowLatencyBuffer:
             self._scale = z(M, self._nb, dt=torch.float32)
             self._zero_amax = z(M, self._nb, dt=torch.bool)
             self._fp8_max = torch.full((1, 1), quant.FP8_MAX[fp8], dtype=torch.float32, device=dev)
+            self._f_zero = torch.zeros((), dtype=torch.float32, device=dev)
         # -- the exchange --
         self._send = z(R, self.row_bytes, dt=torch.uint8)
         self._recv = z(R, self.row_bytes, dt=torch.uint8)
@@ -265,6 +270,7 @@ class LowLatencyBuffer:
         self._back_send = z(R * kk, Hc, dt=dtype)
         self._back_recv = z(R * kk + 1, Hc, dt=dtype)  # the last row stays zero: unused slots read it
         self._gath = z(M * k, Hc, dt=dtype)
+        self._gath32 = z(M * k, Hc, dt=torch.float32) if dtype != torch.float32 else None
         self._w = z(M, k, dt=torch.float32)
         self._acc = z(M, Hc, dt=torch.float32)
         self._y = z(M, Hc, dt=dtype)
@@ -280,12 +286,12 @@ class LowLatencyBuffer:
         """Bytes of each preallocated buffer group: ``{"wire", "expert_rows", "combine",
         "staging", "tables"}`` and ``"total"``."""
         groups = {"wire": ("_send", "_recv"), "expert_rows": ("_out", "_out_scales"),
-                  "combine": ("_back_send", "_back_recv", "_gath", "_acc", "_y", "_w"),
+                  "combine": ("_back_send", "_back_recv", "_gath", "_gath32", "_acc", "_y", "_w"),
                   "staging": ("_xs", "_xf", "_xq", "_amax", "_scale")}
         seen: set = set()
         out = {}
         for name, attrs in groups.items():
-            out[name] = sum(getattr(self, a).nbytes for a in attrs if hasattr(self, a))
+            out[name] = sum(getattr(self, a).nbytes for a in attrs if getattr(self, a, None) is not None)
             seen.update(attrs)
         tables = 0
         for a, v in vars(self).items():
@@ -341,7 +347,7 @@ class LowLatencyBuffer:
 
         # the source's block layout: token t goes to rank d at position pos[t, d]
         dr = self._dr
-        torch.div(idx, L, rounding_mode="floor", out=dr)
+        torch.div(idx, self._c_L, rounding_mode="floor", out=dr)
         dr.masked_fill_(self._src_invalid, W)
         goes = self._goes
         goes.zero_()
@@ -352,7 +358,7 @@ class LowLatencyBuffer:
         self._stay[:, W].fill_(True)
         torch.add(self._pos, self._dbase, out=self._flat)
         # unused (token, rank) pairs each write their own spare entry: no two writes collide
-        torch.add(self._tokid, R, out=self._cum)
+        torch.add(self._tokid, self._c_R, out=self._cum)
         torch.where(self._stay, self._cum, self._flat, out=self._flat)
         self._send_tok.fill_(M)
         self._src_tok.scatter_(0, self._flat.view(-1), self._tokid.view(-1))
@@ -363,7 +369,7 @@ class LowLatencyBuffer:
         fs.compute(idx, dr, self._src_invalid)
         torch.gather(self._pos, 1, dr, out=self._p_src)
         b = self._bidx
-        torch.mul(dr, M * kk, out=b)
+        torch.mul(dr, self._c_Mkk, out=b)
         b.add_(self._p_src, alpha=kk)
         b.add_(fs.rank_of_first)
         b.masked_fill_(self._src_invalid, R * kk)
@@ -420,7 +426,7 @@ class LowLatencyBuffer:
         amax, scale = self._amax[:T], self._scale[:T]
         torch.amax(xq, dim=2, out=amax)
         torch.div(amax, self._fp8_max, out=scale)
-        torch.eq(amax, 0, out=self._zero_amax[:T])
+        torch.eq(amax, self._f_zero, out=self._zero_amax[:T])
         scale.masked_fill_(self._zero_amax[:T], 1.0)
         torch.div(xb, scale.unsqueeze(2), out=xq)
         rows = self._xs[:T]
@@ -434,10 +440,10 @@ class LowLatencyBuffer:
         ridx.copy_(self._hdr(self._recv))
         invalid = self._not_mine
         rd = self._rd
-        torch.div(ridx, L, rounding_mode="floor", out=rd)
+        torch.div(ridx, self._c_L, rounding_mode="floor", out=rd)
         torch.eq(rd, rank, out=self._mine)
         le = self._le
-        torch.sub(ridx, rank * L, out=le)
+        torch.sub(ridx, self._c_rankL, out=le)
         torch.logical_not(self._mine, out=invalid)
         le.masked_fill_(invalid, L)
         em = self._emask
@@ -455,16 +461,17 @@ class LowLatencyBuffer:
         torch.logical_and(self._mine, fs.is_first, out=self._take)
         torch.logical_not(self._take, out=invalid)
         ii = self._ii
-        torch.cumsum(self._take, 1, out=ii)
-        ii.sub_(1)
+        self._qflat.copy_(self._take)  # scratch: a cumsum of bools would allocate their int64 copy
+        torch.cumsum(self._qflat, 1, out=ii)
+        ii.sub_(self._c_one)
         ii.masked_fill_(invalid, kk)
         # flat [i, r] entry; slots not taken go to row kk (not read)
-        torch.mul(ii, R, out=self._qflat)
+        torch.mul(ii, self._c_R, out=self._qflat)
         self._qflat.add_(self._row_col)
         qi = self._qi
         qi.fill_(L * R)
         qi.view(-1).scatter_(0, self._qflat.view(-1), q.view(-1))
-        torch.remainder(qi[:kk].t(), L * R, out=self._qic)
+        torch.remainder(qi[:kk].t(), self._c_LR, out=self._qic)
         rows = self._recv
         if self.fp8_dtype is None:
             src = rows[:, :self._payload].view(self.dtype)[:, :self.hidden]
@@ -509,6 +516,9 @@ class LowLatencyBuffer:
         w = self._w[:T]
         w.copy_(topk_weights)
         w.masked_fill_(self._src_invalid[:T], 0.0)
+        if self._gath32 is not None:  # mixed-dtype arithmetic would allocate float32 copies
+            self._gath32[:T * k].copy_(gath)
+            gath = self._gath32[:T * k]
         acc = self._acc[:T]
         acc.zero_()
         g3 = gath.view(T, k, Hc)
@@ -581,5 +591,6 @@ class _FirstSlots:
         torch.eq(rank.unsqueeze(2), rank.unsqueeze(1), out=eq)
         eq.logical_and_(self.is_first.unsqueeze(1))
         eq.logical_and_(self._before)
-        torch.sum(eq, dim=2, out=self._count)
+        cand.copy_(eq)  # summing a bool tensor would allocate its int64 copy
+        torch.sum(cand, dim=2, out=self._count)
         torch.gather(self._count, 1, self._first, out=self.rank_of_first)
