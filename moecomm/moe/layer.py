@@ -11,7 +11,7 @@ from torch import Tensor, nn
 import moecomm_ext
 from moecomm.quant import check_wire_dtype
 
-from . import _comm, _fused_step
+from . import _comm, _decode, _fused_step
 from ._args import float_arg, int_arg
 from ._data_parallel import DataParallelPath
 from ._expert_parallel import ExpertParallelPath
@@ -135,6 +135,11 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     time. It calls the gate's weight directly: hooks on the gate module do not run (use
     ``fused_step=False`` to keep them).
 
+    ``decode_tokens=N`` (off by default): a ``torch.no_grad()`` call with at most ``N`` tokens
+    per rank moves them through a preallocated :class:`moecomm.LowLatencyBuffer` (no host
+    synchronisation, capturable in a CUDA graph), dropless; ``layer.last_decode`` says whether
+    the last call did. See :mod:`moecomm.moe._decode`.
+
     The options are held (and checked) by a :class:`~moecomm.moe.config.MoEConfig`, kept as
     ``layer.config``; ``MoELayer.from_config(cfg)`` builds a layer from one.
 
@@ -177,6 +182,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16,
         cuda_graph: bool = False,
         fused_step: bool = True,
+        decode_tokens: Optional[int] = None,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -243,6 +249,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self.auto_trials = _AUTO_TRIALS
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
         self._graphed = StepGraphs()  # cuda_graph=True: the captured steps, per input shape and options
+        self.last_decode = False
+        self._decode = _decode.make_buffer(self, cfg.decode_tokens, cfg.wire_dtype, cfg.dtype)
 
     def _build_experts(self, cfg: MoEConfig, seed: int, device: torch.device) -> nn.Module:
         """This rank's experts: the built-in FFNs (sharded when ``shards > 1``) or the user's."""
@@ -340,8 +348,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
                                                                                      inequivalent_tokens)
         mode = self._call_mode(parallel_mode)
 
-        y = None
-        if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
+        y = None if self._decode is None else _decode.decode_forward(self, x, gate, kk, mode, ineq, wire)
+        if y is None and self.cuda_graph and self._graphable(x, cf, drop_less, mode):
             y = self._graphed.run(self._step_access(), x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode, wire)
         if y is None:
             y = self._run(x, gate, kk, cf, deg, own, algo, drop_less, ineq, mode, wire)

@@ -309,7 +309,7 @@ def check_moe_layer_decode() -> None:
 
     problems = []
     for dtype, k, wire in ((torch.float32, 2, None), (torch.bfloat16, 3, None), (torch.float32, 2, torch.float8_e4m3fn)):
-        kw = dict(model_dim=32, hidden_size=16, num_experts=2 * W, k=k, dropless=True, comm=COMM, seed=3,
+        kw = dict(model_dim=32, hidden_size=16, num_experts=4 * W, k=k, dropless=True, comm=COMM, seed=3,
                   dtype=dtype, wire_dtype=wire)
         normal = MoELayer(**kw)
         fast = MoELayer(**kw, decode_tokens=4)
@@ -323,7 +323,10 @@ def check_moe_layer_decode() -> None:
             used = fast.last_decode
             if used != (T <= 4):
                 problems.append(f"{dtype} T={T}: decode path used={used}")
-            if not close(got, want, dtype):
+            scale = float(want.float().abs().max()) if want.numel() else 0.0
+            # the normal path rounds its products in the activation dtype: bf16 differs by its ulps
+            atol = 1e-5 * (1 + scale) if dtype == torch.float32 else 2 ** -7 * scale
+            if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=0, atol=atol):
                 problems.append(f"{dtype} wire={wire} T={T}: {float((got.float() - want.float()).abs().max())}")
     collective_assert(not problems, "; ".join(problems))
 
