@@ -288,18 +288,16 @@ class LowLatencyBuffer:
         groups = {"wire": ("_send", "_recv"), "expert_rows": ("_out", "_out_scales"),
                   "combine": ("_back_send", "_back_recv", "_gath", "_gath32", "_acc", "_y", "_w"),
                   "staging": ("_xs", "_xf", "_xq", "_amax", "_scale")}
-        seen: set = set()
+        storages: dict = {}  # data pointer -> bytes: views share their base's storage
+        for v in vars(self).values():
+            for t in v.tensors() if isinstance(v, _FirstSlots) else [v]:
+                if isinstance(t, Tensor):
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         out = {}
         for name, attrs in groups.items():
-            out[name] = sum(getattr(self, a).nbytes for a in attrs if getattr(self, a, None) is not None)
-            seen.update(attrs)
-        tables = 0
-        for a, v in vars(self).items():
-            if isinstance(v, Tensor) and a not in seen and v._base is None:
-                tables += v.nbytes
-            elif isinstance(v, _FirstSlots):
-                tables += v.nbytes()
-        out["tables"] = tables
+            ptrs = {getattr(self, a).untyped_storage().data_ptr() for a in attrs if getattr(self, a, None) is not None}
+            out[name] = sum(storages.pop(p) for p in ptrs)
+        out["tables"] = sum(storages.values())
         out["total"] = sum(out.values())
         return out
 
@@ -574,8 +572,8 @@ class _FirstSlots:
         # [j, j']: j' < j
         self._before = torch.ones(k, k, dtype=torch.bool, device=dev).tril(-1)
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in vars(self).values() if isinstance(t, Tensor))
+    def tensors(self) -> list:
+        return [t for t in vars(self).values() if isinstance(t, Tensor)]
 
     def compute(self, idx: Tensor, rank: Tensor, invalid: Tensor) -> None:
         """``idx``, ``rank``: ``[n, k]`` int64 (invalid slots: any id, their rows skip them)."""

@@ -23,50 +23,62 @@ from moecomm.low_latency import LowLatencyBuffer
 
 from ._segments import Segments
 
-__all__ = ["make_buffer", "decode_forward"]
+__all__ = ["DecodePath"]
 
 
-def make_buffer(layer: Any, decode_tokens: Optional[int], wire: Optional[torch.dtype],
-                dtype: Optional[torch.dtype]) -> Optional[LowLatencyBuffer]:
-    """The layer's buffer for ``decode_tokens`` tokens per rank, or None (the option off).
+class DecodePath:
+    """The decode path of :class:`~moecomm.moe.MoELayer` (a mixin: it uses the layer's ``comm``,
+    expert layout, routing step, ``_run_experts`` and constants)."""
 
-    Raises:
-        ValueError: the experts are sharded over ranks (fewer experts than ranks).
-    """
-    if decode_tokens is None:
-        return None
-    if layer.shards > 1:
-        raise ValueError(f"decode_tokens={decode_tokens} needs num_experts={layer.num_experts} to be a multiple "
-                         f"of the world size {layer.comm.size} (experts sharded over ranks are not supported)")
-    fp8 = wire if wire is not None and layer.comm.size > 1 else False  # one rank: nothing is quantized
-    return LowLatencyBuffer(layer.comm, decode_tokens, layer.model_dim, layer.num_experts, layer.k,
-                            dtype if dtype is not None else torch.get_default_dtype(), fp8_dispatch=fp8,
-                            combine_hidden=layer.output_dim)
+    comm: Any
+    shards: int
+    num_experts: int
+    model_dim: int
+    output_dim: int
+    k: int
+    is_postscore: bool
+    _decode: Optional[LowLatencyBuffer]
 
+    def _make_decode_buffer(self, decode_tokens: Optional[int], wire: Optional[torch.dtype],
+                            dtype: Optional[torch.dtype]) -> Optional[LowLatencyBuffer]:
+        """The layer's buffer for ``decode_tokens`` tokens per rank, or None (the option off).
 
-def decode_forward(layer: Any, x: Tensor, gate: Any, k: int, mode: str, ineq: bool,
-                   wire: Optional[torch.dtype]) -> Optional[Tensor]:
-    """``[..., output_dim]`` through the layer's buffer, or None when the call does not qualify
-    (autograd on, autocast, another ``k``, dtype or ``wire_dtype`` than the buffer's, not
-    expert-parallel, prescore gates, or more than ``decode_tokens`` tokens on some rank)."""
-    buf: LowLatencyBuffer = layer._decode
-    d = layer.__dict__  # plain attributes: skip nn.Module.__setattr__
-    d["last_decode"] = False
-    x2 = x.reshape(-1, layer.model_dim)
-    if torch.is_grad_enabled() or mode != "expert" or k != buf.k or x2.dtype != buf.dtype \
-            or not layer.is_postscore or torch.is_autocast_enabled(x2.device.type) \
-            or (wire if layer.comm.size > 1 else None) != buf.fp8_dtype:
-        return None
-    T = x2.shape[0]
-    if (layer._agreed_tokens(T, x2.device) if ineq else T) > buf.max_tokens_per_rank:
-        return None
-    r = layer._route(x2, gate, k)
-    out = buf.dispatch(x2.contiguous(), r.topk_idx)
-    L, R, H = buf.local_experts, buf.max_rows, buf.hidden
-    rows = out.x.reshape(L * R, H)
-    if out.scales is not None:
-        rows = quant.dequantize_rows(rows, out.scales.reshape(L * R, -1), buf.dtype)
-    y_rows = layer._run_experts(rows, Segments.uniform_blocks(1, L, R, consts=layer._consts))
-    y = buf.combine(y_rows.reshape(L, R, buf.combine_hidden).contiguous(), r.gates, out.handle)
-    d["_last_route"], d["_last_routing"], d["last_parallel_mode"], d["last_decode"] = r, None, "expert", True
-    return y.clone().reshape(*x.shape[:-1], buf.combine_hidden)
+        Raises:
+            ValueError: the experts are sharded over ranks (fewer experts than ranks).
+        """
+        if decode_tokens is None:
+            return None
+        if self.shards > 1:
+            raise ValueError(f"decode_tokens={decode_tokens} needs num_experts={self.num_experts} to be a multiple "
+                             f"of the world size {self.comm.size} (experts sharded over ranks are not supported)")
+        fp8 = wire if wire is not None and self.comm.size > 1 else False  # one rank: nothing is quantized
+        return LowLatencyBuffer(self.comm, decode_tokens, self.model_dim, self.num_experts, self.k,
+                                dtype if dtype is not None else torch.get_default_dtype(), fp8_dispatch=fp8,
+                                combine_hidden=self.output_dim)
+
+    def _decode_forward(self, x: Tensor, gate: Any, k: int, mode: str, ineq: bool,
+                        wire: Optional[torch.dtype]) -> Optional[Tensor]:
+        """``[..., output_dim]`` through the layer's buffer, or None when the call does not qualify
+        (autograd on, autocast, another ``k``, dtype or ``wire_dtype`` than the buffer's, not
+        expert-parallel, prescore gates, or more than ``decode_tokens`` tokens on some rank)."""
+        buf: LowLatencyBuffer = self._decode
+        d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
+        d["last_decode"] = False
+        x2 = x.reshape(-1, self.model_dim)
+        if torch.is_grad_enabled() or mode != "expert" or k != buf.k or x2.dtype != buf.dtype \
+                or not self.is_postscore or torch.is_autocast_enabled(x2.device.type) \
+                or (wire if self.comm.size > 1 else None) != buf.fp8_dtype:
+            return None
+        T = x2.shape[0]
+        if (self._agreed_tokens(T, x2.device) if ineq else T) > buf.max_tokens_per_rank:
+            return None
+        r = self._route(x2, gate, k)
+        out = buf.dispatch(x2.contiguous(), r.topk_idx)
+        L, R, H = buf.local_experts, buf.max_rows, buf.hidden
+        rows = out.x.reshape(L * R, H)
+        if out.scales is not None:
+            rows = quant.dequantize_rows(rows, out.scales.reshape(L * R, -1), buf.dtype)
+        y_rows = self._run_experts(rows, Segments.uniform_blocks(1, L, R, consts=self._consts))
+        y = buf.combine(y_rows.reshape(L, R, buf.combine_hidden).contiguous(), r.gates, out.handle)
+        d["_last_route"], d["_last_routing"], d["last_parallel_mode"], d["last_decode"] = r, None, "expert", True
+        return y.clone().reshape(*x.shape[:-1], buf.combine_hidden)

@@ -11,9 +11,10 @@ from torch import Tensor, nn
 import moecomm_ext
 from moecomm.quant import check_wire_dtype
 
-from . import _comm, _decode, _fused_step
+from . import _comm, _fused_step
 from ._args import float_arg, int_arg
 from ._data_parallel import DataParallelPath
+from ._decode import DecodePath
 from ._expert_parallel import ExpertParallelPath
 from ._graphed import CallResults, StepAccess, StepGraphs
 from ._routing_step import RoutingStep
@@ -49,7 +50,7 @@ def _build_gates(cfg: MoEConfig, seed: int, device: torch.device) -> list:
     return gates
 
 
-class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
+class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn.Module):
     """A Mixture-of-Experts layer over a :class:`moecomm.Communicator`.
 
     ``forward(x)`` takes ``[..., model_dim]`` and returns ``[..., output_dim]`` (``output_dim``
@@ -250,7 +251,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
         self._graphed = StepGraphs()  # cuda_graph=True: the captured steps, per input shape and options
         self.last_decode = False
-        self._decode = _decode.make_buffer(self, cfg.decode_tokens, cfg.wire_dtype, cfg.dtype)
+        self._decode = self._make_decode_buffer(cfg.decode_tokens, cfg.wire_dtype, cfg.dtype)
 
     def _build_experts(self, cfg: MoEConfig, seed: int, device: torch.device) -> nn.Module:
         """This rank's experts: the built-in FFNs (sharded when ``shards > 1``) or the user's."""
@@ -348,7 +349,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
                                                                                      inequivalent_tokens)
         mode = self._call_mode(parallel_mode)
 
-        y = None if self._decode is None else _decode.decode_forward(self, x, gate, kk, mode, ineq, wire)
+        y = None if self._decode is None else self._decode_forward(x, gate, kk, mode, ineq, wire)
         if y is None and self.cuda_graph and self._graphable(x, cf, drop_less, mode):
             y = self._graphed.run(self._step_access(), x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode, wire)
         if y is None:

@@ -20,7 +20,7 @@ from moecomm import quant
 from moecomm.low_latency import AllToAllTransport, LowLatencyBuffer
 from tests.mpi_util import collective_assert, rank_main
 
-SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=12,
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=8,
                     suppress_health_check=list(HealthCheck))
 ONLY = sys.argv[1] if len(sys.argv) > 1 else None
 
