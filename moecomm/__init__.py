@@ -14,6 +14,7 @@ from .communicator import SUPPORTED_DTYPES, Communicator, Work
 from .errors import CommunicatorClosedError, CountMismatchError, MoeCommError
 from .init import BACKENDS, default_communicator, init, set_default_communicator
 from .layout import Layout
+from .low_latency import LowLatencyBuffer
 from .pool import PoolStats
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Communicator",
     "Work",
     "Layout",
+    "LowLatencyBuffer",
     "PoolStats",
     "BACKENDS",
     "SUPPORTED_DTYPES",

@@ -83,6 +83,7 @@ class MoEConfig:
     grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16
     cuda_graph: bool = False
     fused_step: bool = True
+    decode_tokens: Optional[int] = None
     seed: Optional[int] = None
     expert_seed: Optional[int] = None
     scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None
@@ -116,6 +117,8 @@ class MoEConfig:
         check_grad_wire_dtype(self.grad_wire_dtype)
         if self.seed is not None:
             int_arg("seed", self.seed, 0)
+        if self.decode_tokens is not None:
+            int_arg("decode_tokens", self.decode_tokens, 1)
         self._check_gates()
         self._check_experts()
         if self.result_func is not None and not callable(self.result_func):

@@ -15,6 +15,7 @@ from moecomm.quant import check_wire_dtype
 from . import _comm, _fused_step
 from ._args import float_arg, int_arg
 from ._data_parallel import DataParallelPath
+from ._decode import DecodePath
 from ._expert_parallel import ExpertParallelPath
 from ._graphed import CallResults, StepAccess, StepGraphs
 from ._routing_step import RoutingStep
@@ -52,7 +53,7 @@ def _build_gates(cfg: MoEConfig, seed: int, device: torch.device) -> list:
     return gates
 
 
-class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
+class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn.Module):
     """A Mixture-of-Experts layer over a :class:`moecomm.Communicator`.
 
     ``forward(x)`` takes ``[..., model_dim]`` and returns ``[..., output_dim]`` (``output_dim``
@@ -146,6 +147,11 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
     time. It calls the gate's weight directly: hooks on the gate module do not run (use
     ``fused_step=False`` to keep them).
 
+    ``decode_tokens=N`` (off by default): a ``torch.no_grad()`` call with at most ``N`` tokens
+    per rank moves them through a preallocated :class:`moecomm.LowLatencyBuffer` (no host
+    synchronisation, capturable in a CUDA graph), dropless; ``layer.last_decode`` says whether
+    the last call did. See :mod:`moecomm.moe._decode`.
+
     The options are held (and checked) by a :class:`~moecomm.moe.config.MoEConfig`, kept as
     ``layer.config``; ``MoELayer.from_config(cfg)`` builds a layer from one.
 
@@ -188,6 +194,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         grad_wire_dtype: Optional[torch.dtype] = torch.bfloat16,
         cuda_graph: bool = False,
         fused_step: bool = True,
+        decode_tokens: Optional[int] = None,
         seed: Optional[int] = None,
         expert_seed: Optional[int] = None,
         scan_expert_func: Optional[Callable[[str, nn.Parameter], Any]] = None,
@@ -255,6 +262,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         self._agreed: dict = {}  # local token count -> largest of all ranks, for CUDA graph capture
         self._graphed = StepGraphs()  # cuda_graph=True: the captured steps, per input shape and options
         self.last_step_path: Optional[_fused_step.StepPath] = None  # the last call's path and why
+        self.last_decode = False
+        self._decode = self._make_decode_buffer(cfg.decode_tokens, cfg.wire_dtype, cfg.dtype)
 
     def _build_experts(self, cfg: MoEConfig, seed: int, device: torch.device) -> nn.Module:
         """This rank's experts: the built-in FFNs (sharded when ``shards > 1``) or the user's."""
@@ -357,8 +366,8 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         if drop_less:  # no agreement per call: the settings once, as long as they stay the same
             self._agree_settings_once(x.device)
 
-        y = None
-        if self.cuda_graph and self._graphable(x, cf, drop_less, mode):
+        y = None if self._decode is None else self._decode_forward(x, gate, kk, mode, ineq, wire)
+        if y is None and self.cuda_graph and self._graphable(x, cf, drop_less, mode):
             y = self._graphed.run(self._step_access(), x, gate_index, kk, cf, deg, own_captured, algo, ineq, mode, wire)
             if y is not None:
                 self.__dict__["last_step_path"] = _fused_step.StepPath("cuda_graph")

@@ -382,8 +382,8 @@ def unequal_cases(W: int) -> list:
     differ between ranks, one rank with none: the ranks agree on the capacity of the largest
     count; a rank without tokens still takes part in every exchange, forward and backward."""
     E = {1: 4, 2: 4, 3: 6, 4: 8}.get(W, 2 * W)
-    zero = [0, 11, 9, 13][:W] if W != 3 else [9, 0, 13]
-    uneq = [5, 13, 4, 11][:W] if W != 3 else [4, 11, 7]
+    zero = ([0, 11, 9, 13] * 2)[:W] if W != 3 else [9, 0, 13]
+    uneq = ([5, 13, 4, 11] * 2)[:W] if W != 3 else [4, 11, 7]
     out = [
         Case("default, one rank without tokens", E, tokens=zero),
         Case("default, unequal counts", E, tokens=uneq),
@@ -425,7 +425,7 @@ def check_algorithms():
     for algo in ("2dh", "auto"):
         cases += [
             Case(f"{algo} capacity", E, k=2, cf=0.5, layer_kw=dict(comm=hcomm, algorithm=algo)),
-            Case(f"{algo} dropless overlap 2", E, k=3, dropless=True, tokens=[9, 13, 0, 7][:W],
+            Case(f"{algo} dropless overlap 2", E, k=3, dropless=True, tokens=([9, 13, 0, 7] * 2)[:W],
                  layer_kw=dict(comm=hcomm, algorithm=algo, overlap_degree=2)),
             Case(f"{algo} per call, capacity overlap 3", E, k=2, cf=1.0, call_kw=dict(algorithm=algo, overlap_degree=3),
                  layer_kw=dict(comm=hcomm)),

@@ -1,0 +1,171 @@
+"""Decode dispatch and combine latency of :class:`moecomm.LowLatencyBuffer`, nccl-tests style.
+
+Run under MPI (CPU ranks: small shapes; GPUs: one rank per GPU, or ranks sharing one under MPS)::
+
+    mpiexec -n 8 python -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --fp8
+
+Per mode (``eager``; ``captured`` on GPUs: each phase replayed from a CUDA graph) and phase
+(``dispatch``, ``combine``): the slowest rank's time per call over ``--iters`` calls with new
+routing each call (uniform top-k), median and p99, beside the *floor*: the bytes the phase
+must move, read and written (each routed (token, expert) row read once and written once:
+``2 * T * k * row``, ``row`` the token's bytes on the wire, FP8 and scales with ``--fp8``,
+or one expert output), at the device-copy rate measured in the same run (``copy_`` of
+``--copy-bytes``, read plus written bytes per second). ``wire`` is what the fixed-size
+exchange really sends per rank (every peer's worst-case block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+import moecomm
+from moecomm import quant
+from moecomm.low_latency import LowLatencyBuffer
+
+from ._common import DTYPES, FLOAT_DTYPES, prog
+
+__all__ = ["main", "build_parser", "copy_rate", "floor_bytes"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog("bench.low_latency"), description=__doc__.split("\n\n")[0])
+    p.add_argument("-t", "--tokens", type=int, default=8, help="tokens per rank (max_tokens_per_rank)")
+    p.add_argument("-H", "--hidden", type=int, default=256)
+    p.add_argument("-E", "--experts", type=int, default=0, help="experts in total (default: 4 per rank)")
+    p.add_argument("-k", type=int, default=2)
+    p.add_argument("--dtype", choices=FLOAT_DTYPES, default="bfloat16")
+    p.add_argument("--fp8", action="store_true", help="FP8 dispatch (float8_e4m3fn, block scales)")
+    p.add_argument("-n", "--iters", type=int, default=50)
+    p.add_argument("-w", "--warmup", type=int, default=5)
+    p.add_argument("--copy-bytes", type=int, default=0, help="bytes of the copy-rate probe (default 256M GPU, 32M CPU)")
+    p.add_argument("--json", default=None, help="write the results to this file (rank 0)")
+    return p
+
+
+def copy_rate(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """Bytes read plus written per second by ``dst.copy_(src)`` of ``nbytes`` (best of ``reps``)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def floor_bytes(buf: LowLatencyBuffer, tokens: int) -> dict:
+    """Bytes each phase must move for ``tokens`` tokens of ``k`` routes: read and written once."""
+    es = torch.empty((), dtype=buf.dtype).element_size()
+    row = quant.packed_row_bytes(buf.hidden) if buf.fp8_dtype is not None else buf.hidden * es
+    return {"dispatch": 2 * tokens * buf.k * row, "combine": 2 * tokens * buf.k * buf.combine_hidden * es}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_calls(comm, fn: Callable[[], None], iters: int, device: torch.device) -> np.ndarray:
+    """Seconds per call, the slowest rank's, for ``iters`` calls of ``fn`` (each after a barrier)."""
+    out = []
+    for _ in range(iters):
+        _sync(device)
+        comm.barrier()
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    t = torch.tensor(out, dtype=torch.float64, device=device)
+    comm.allreduce(t, "max")
+    return t.cpu().numpy()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list:
+    args = build_parser().parse_args(argv)
+    comm = moecomm.init(set_default=False)
+    dev, W = comm.device, comm.size
+    E = args.experts or 4 * W
+    dtype = DTYPES[args.dtype]
+    M, H, k = args.tokens, args.hidden, args.k
+    buf = LowLatencyBuffer(comm, M, H, E, k, dtype, fp8_dispatch=args.fp8, check_routing=False)
+    L, R = buf.local_experts, buf.max_rows
+    x = torch.randn(M, H, device=dev).to(dtype)
+    idx = torch.zeros(M, k, dtype=torch.int64, device=dev)
+    w = torch.rand(M, k, device=dev)
+    ey = torch.randn(L, R, H, device=dev).to(dtype)
+    gen = torch.Generator(device=dev).manual_seed(1234 + comm.rank)
+
+    def new_routing() -> None:  # distinct experts per token, uniform
+        idx.copy_(torch.rand(M, E, device=dev, generator=gen).topk(k, dim=1).indices)
+
+    state = {}
+
+    def dispatch() -> None:
+        state["d"] = buf.dispatch(x, idx)
+
+    def combine() -> None:
+        buf.combine(ey, w, state["d"].handle)
+
+    modes = [("eager", dispatch, combine)]
+    if dev.type == "cuda":
+        new_routing()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                dispatch()
+                combine()
+        torch.cuda.current_stream().wait_stream(s)
+        gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gd):
+            dispatch()
+        with torch.cuda.graph(gc):
+            combine()
+        modes.append(("captured", gd.replay, gc.replay))
+
+    rate = copy_rate(dev, args.copy_bytes or ((256 << 20) if dev.type == "cuda" else (32 << 20)))
+    floors = floor_bytes(buf, M)
+    wire = buf.wire_bytes()
+    results = []
+    for mode, d_fn, c_fn in modes:
+        times = {"dispatch": [], "combine": []}
+        for it in range(args.warmup + args.iters):
+            new_routing()
+            td = _time_calls(comm, d_fn, 1, dev)
+            tc = _time_calls(comm, c_fn, 1, dev)
+            if it >= args.warmup:
+                times["dispatch"].append(td[0])
+                times["combine"].append(tc[0])
+        for phase in ("dispatch", "combine"):
+            t = np.array(times[phase]) * 1e6
+            floor_us = floors[phase] / rate * 1e6
+            results.append({"mode": mode, "phase": phase, "ranks": W, "tokens": M, "hidden": H, "experts": E,
+                            "k": k, "dtype": args.dtype, "fp8": args.fp8, "median_us": float(np.median(t)),
+                            "p99_us": float(np.percentile(t, 99)), "floor_bytes": floors[phase],
+                            "floor_us": floor_us, "wire_bytes": wire[phase], "copy_GBps": rate / 1e9})
+    if comm.rank == 0:
+        print(f"# {W} ranks on {dev.type}: tokens {M}, hidden {H}, experts {E}, top-{k}, {args.dtype}"
+              f"{', FP8 dispatch' if args.fp8 else ''}; device copy {rate / 1e9:.1f} GB/s (read + written)")
+        print(f"# {'mode':>9} {'phase':>9} {'median_us':>10} {'p99_us':>10} {'floor_us':>9} {'floor_B':>11} "
+              f"{'wire_B':>11}")
+        for r in results:
+            print(f"  {r['mode']:>9} {r['phase']:>9} {r['median_us']:10.1f} {r['p99_us']:10.1f} {r['floor_us']:9.1f} "
+                  f"{r['floor_bytes']:11d} {r['wire_bytes']:11d}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "results": results}, f, indent=1)
+    comm.close()
+    return results
+
+
+if __name__ == "__main__":
+    main()
