@@ -506,10 +506,14 @@ class Engine:
                 pause = min(1e-3, pause * 2 if pause else 5e-5)
                 time.sleep(pause)
 
+    def owns(self, sub: "Engine") -> bool:
+        """Whether ``sub`` is one of the sub-engines closed and aborted with this one."""
+        return any(e is sub for e in self._owned)
+
     def _time_out(self, request: Request, op: str, limit: float) -> None:
         self.keep(request)
         top = self
-        while top.parent is not None and top in top.parent._owned:
+        while top.parent is not None and top.parent.owns(top):
             top = top.parent
         top.abort()  # a hierarchy group's timeout leaves its communicator unusable too
         self.abort()

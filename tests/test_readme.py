@@ -138,7 +138,7 @@ def test_readme_shell_commands_run(tmp_path):
             assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
             (tmp_path / "plot.png").rename(tmp_path / "bench_plot.png")
     bench_out = "\n".join(v for k, v in outputs.items() if "bench.alltoall" in k)
-    assert "FAIL" not in bench_out and bench_out.count(" OK ") == 4 * (1 + 2 * 3)  # methods x (sizes x patterns)
+    assert "FAIL" not in bench_out and bench_out.count(" OK ") == 5 * (1 + 2 * 3)  # methods (copy included) x (sizes x patterns)
     assert (tmp_path / "out.json").stat().st_size > 0
     assert (tmp_path / "bench_plot.png").stat().st_size > 10_000
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # topology show's
