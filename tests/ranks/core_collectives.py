@@ -374,7 +374,12 @@ def check_torch_dropin() -> None:
 
     if not tdist.is_initialized():
         init_gloo_over_mpi()
-    group = tdist.new_group(backend="nccl") if DEV.type == "cuda" else tdist.group.WORLD
+    # ranks sharing a GPU (the peer backend): NCCL cannot run there, so torch's reference runs
+    # on gloo with CPU copies, and the drop-in's group is the communicator itself
+    shared = BACKEND == "peer"
+    group = tdist.new_group(backend="nccl") if DEV.type == "cuda" and not shared else tdist.group.WORLD
+    ref_dev = torch.device("cpu") if shared else DEV
+    ours_group = COMM if shared else group
     seed = 21
     m = count_matrix(seed, W, 5, 0.3)
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -383,18 +388,19 @@ def check_torch_dropin() -> None:
         ref = torch.empty((n_out, 3), dtype=dtype, device=DEV)
         ours = torch.empty_like(ref)
         ours_pg = torch.empty_like(ref)
-        tdist.all_to_all_single(ref, x, m[:, R].tolist(), m[R].tolist(), group=group)
+        ref = ref.to(ref_dev)
+        tdist.all_to_all_single(ref, x.to(ref_dev), m[:, R].tolist(), m[R].tolist(), group=group)
         mdist.all_to_all_single(ours, x, m[:, R].tolist(), m[R].tolist())
-        work = mdist.all_to_all_single(ours_pg, x, m[:, R].tolist(), m[R].tolist(), group=group, async_op=True)
+        work = mdist.all_to_all_single(ours_pg, x, m[:, R].tolist(), m[R].tolist(), group=ours_group, async_op=True)
         work.wait()
         same = np.array_equal(as_bytes(ref), as_bytes(ours)) and np.array_equal(as_bytes(ref), as_bytes(ours_pg))
         collective_assert(same, f"drop-in all_to_all_single {dtype}")  # bytes: random bits hold NaNs
     ins = [torch.full((2, 3), float(R * 10 + p), device=DEV) for p in range(W)]  # gloo needs equal shapes
-    ref = [torch.empty((2, 3), device=DEV) for _ in range(W)]
+    ref = [torch.empty((2, 3), device=ref_dev) for _ in range(W)]
     ours = [torch.empty((2, 3), device=DEV) for _ in range(W)]
-    tdist.all_to_all(ref, ins, group=group)
+    tdist.all_to_all(ref, [t.to(ref_dev) for t in ins], group=group)
     mdist.all_to_all(ours, ins)
-    collective_assert(all(torch.equal(a, b) for a, b in zip(ref, ours)), "drop-in all_to_all")
+    collective_assert(all(torch.equal(a, b.to(ref_dev)) for a, b in zip(ref, ours)), "drop-in all_to_all")
 
 
 if __name__ == "__main__":
