@@ -126,7 +126,10 @@ def init(
         backend: ``"auto"`` (NCCL where CUDA and nccl4py are available, else MPI under an
             MPI launcher, torch.distributed/gloo under torchrun, ``"self"`` in a single
             process; without a launcher but with torch.distributed initialized, its default
-            group, as ``process_group=``), ``"mpi"``, ``"nccl"``, ``"torch"`` or ``"self"`` (one process without a
+            group, as ``process_group=``; under an MPI launcher with CUDA, ``"peer"`` where ranks
+            share a GPU), ``"mpi"``, ``"nccl"``, ``"peer"`` (ranks of one node through CUDA IPC
+            peer memory, several per GPU allowed, no NCCL: :mod:`moecomm.backends.peer`; MPI
+            launch only), ``"torch"`` or ``"self"`` (one process without a
             launcher, CPU: collectives are copies; needs no mpi4py). In a single process
             ``"torch"`` makes a one-rank gloo group on an in-process store if
             torch.distributed is not initialized. Default: ``$MOECOMM_BACKEND`` or "auto".
@@ -157,7 +160,8 @@ def init(
             communicator's kernels may occupy, 1 to 32 (NCCL's ``ncclConfig_t.maxCTAs``).
             Fewer leave more SMs to compute that runs beside the exchanges (overlap), at
             some cost in bandwidth. Default: NCCL's own choice.
-        p2p_bytes: NCCL backend on one node: device memory (bytes, per rank, allocated
+        p2p_bytes: the peer backend: its arena per rank (bytes; default: ``4 * size`` regions
+            of 32 MiB, see :func:`moecomm.backends.peer.default_arena_bytes`). NCCL backend on one node: device memory (bytes, per rank, allocated
             outside torch's caching allocator) for the peer-memory transport
             (:mod:`moecomm.backends.p2p`), which moves the rows of ``all_to_all_v`` with its
             counts still on the GPU in one round instead of two, and moves exchanges with
