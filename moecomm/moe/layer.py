@@ -23,6 +23,7 @@ from .config import (PARALLEL_MODES, MoEConfig, bool_arg, check_algorithm, check
 from .experts import BatchedExperts, ExpertList, FFNExperts
 from .gates import GATE_TYPES, TopKGate, make_gate
 from .routing import Routing, fixed_capacity
+from .shared import SharedExpertFFN, SharedExpertStep
 
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
@@ -49,7 +50,7 @@ def _build_gates(cfg: MoEConfig, seed: int, device: torch.device) -> list:
     return gates
 
 
-class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
+class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPath, nn.Module):
     """A Mixture-of-Experts layer over a :class:`moecomm.Communicator`.
 
     ``forward(x)`` takes ``[..., model_dim]`` and returns ``[..., output_dim]`` (``output_dim``
@@ -158,6 +159,18 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         proj_dim: int = 256,
         init_t: float = 0.5,
         normalize_gate: bool = True,
+        score_function: str = "softmax",
+        pre_softmax: bool = True,
+        topk_scaling_factor: Optional[float] = None,
+        expert_bias: bool = False,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        balance_loss_weight: float = 1.0,
+        seq_aux_loss_weight: float = 0.0,
+        seq_dim: int = 0,
+        shared_expert_size: Optional[int] = None,
+        shared_expert_activation: Union[str, Callable[[Tensor], Tensor]] = "swiglu",
+        shared_expert_gate: bool = False,
         batch_prioritized_routing: bool = False,
         is_postscore: bool = True,
         balance_loss: Optional[str] = "gshard",
@@ -225,6 +238,11 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         device = comm.device if cfg.device is None else torch.device(cfg.device)
         self.gates = nn.ModuleList(_build_gates(cfg, seed, device))
         self.experts = self._build_experts(cfg, seed, device)
+        self.shared_experts = None if cfg.shared_expert_size is None else SharedExpertFFN(
+            self.model_dim, cfg.shared_expert_size, output_dim=self.output_dim,
+            activation=cfg.shared_expert_activation, gate=cfg.shared_expert_gate,
+            generator=torch.Generator().manual_seed(seed + 3), dtype=cfg.dtype, device=device)
+        self._setup_router(cfg, device)
         for name, p in self.experts.named_parameters():
             p.skip_allreduce = True  # Tutel's marker: expert weights are not data-parallel
             if cfg.scan_expert_func is not None:
@@ -410,11 +428,13 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
         dev_type = x2.device.type
         autocast = torch.is_autocast_enabled(dev_type) if hasattr(torch, "is_autocast_enabled") else False
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
-        if mode == "expert" and self.fused_step and not autocast and _fused_step.applies(
+        shared = None if self.shared_experts is None else self._start_shared(x2)
+        if mode == "expert" and self.fused_step and not autocast and self._plain_router and _fused_step.applies(
                 self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size):
-            return self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire).reshape(*lead, self.output_dim)
+            y = self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire)
+            return self._add_shared(y, shared).reshape(*lead, self.output_dim)
 
-        r = self._route(x2, gate, kk)  # fp32 at least; sets the call's losses
+        r = self._route(x2, gate, kk, lead)  # fp32 at least; sets the call's losses
         r.capacity = None if drop_less else self._capacity(r, T, kk, cf, ineq)
 
         auto_key = None
@@ -432,7 +452,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, nn.Module):
             y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype, wire)
         d = self.__dict__
         d["_last_route"], d["_last_routing"] = r, None
-        return y.reshape(*lead, self.output_dim)
+        return self._add_shared(y, shared).reshape(*lead, self.output_dim)
 
     def _fused(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str],
                dropless: bool, wire: Optional[torch.dtype]) -> Tensor:
