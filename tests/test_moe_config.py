@@ -39,7 +39,7 @@ def ffn(**kw):
     (dict(overlap_degree=0), ValueError, ["overlap_degree", "0"]),
     (dict(overlap_degree=17), ValueError, ["overlap_degree", "17"]),
     (dict(algorithm="ring"), ValueError, ["algorithm", "'ring'"]),
-    (dict(balance_loss="switch"), ValueError, ["balance_loss", "'switch'"]),
+    (dict(balance_loss="switches"), ValueError, ["balance_loss", "'switches'"]),
     (dict(balance_loss="load_importance"), ValueError, ["gate_noise", "load_importance"]),
     (dict(activation="swoosh"), ValueError, ["activation", "'swoosh'"]),
     (dict(hidden_size=None), TypeError, ["hidden_size"]),
