@@ -1,0 +1,153 @@
+"""moecomm.moe's router options in one process (issue 27): ``select_experts`` against the
+token-by-token reference (tests/ranks/moe_reference.py ``route_token``) over random options,
+the sequence-level loss by input layout, the expert-bias update, the option checks. The
+cross-rank checks are in tests/ranks/moe_layer_checks.py (group ``routers``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moecomm
+from moecomm.moe import MoELayer
+from moecomm.moe.scoring import RouterOptions, loss_scores, select_experts, seq_switch_loss, switch_loss
+from tests.ranks.moe_reference import RefRouter, elementwise_scores, route_token, switch_ref
+
+pytestmark = pytest.mark.timeout(120)
+
+SETTINGS = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck),
+                    max_examples=40)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    return moecomm.init(backend="mpi")
+
+
+@st.composite
+def router_cases(draw):
+    groups = draw(st.sampled_from([None, 1, 2, 4]))
+    E = draw(st.sampled_from([4, 8])) if groups in (None, 1, 2, 4) else 8
+    fn = draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]))
+    pre = draw(st.booleans()) if fn == "softmax" else True
+    if groups is None:
+        gk = None
+        k = draw(st.integers(1, E))
+    else:
+        gk = draw(st.integers(1, groups))
+        k = draw(st.integers(gk, gk * (E // groups)))
+    return dict(E=E, k=k, fn=fn, pre=pre, groups=groups, gk=gk, normalize=draw(st.booleans()),
+                scaling=draw(st.sampled_from([None, 2.5])), bias=draw(st.booleans()),
+                T=draw(st.integers(0, 7)), seed=draw(st.integers(0, 2 ** 16)))
+
+
+@SETTINGS
+@given(router_cases())
+def test_select_experts_matches_reference(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    E, k = c["E"], c["k"]
+    logits = torch.randn(c["T"], E, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(E, generator=g, dtype=torch.float64) * 0.1 if c["bias"] else None
+    opts = RouterOptions(c["fn"], c["pre"], c["normalize"], c["scaling"], c["groups"], c["gk"])
+    gates, idx = select_experts(logits, k, opts, bias)
+    ref = RefRouter(c["fn"], c["pre"], c["scaling"], bias, c["groups"], c["gk"])
+    lr = logits.detach().clone().requires_grad_(True)
+    want_idx, want_g = [], []
+    for t in range(c["T"]):
+        ch, gt = route_token(lr[t], k, ref, c["normalize"])
+        want_idx.append(ch)
+        want_g.append(torch.stack(gt))
+    assert idx.tolist() == want_idx
+    if c["T"]:
+        wg = torch.stack(want_g)
+        torch.testing.assert_close(gates, wg, rtol=1e-12, atol=1e-12)
+        w = torch.randn(c["T"], k, generator=g, dtype=torch.float64)
+        (gates * w).sum().backward()
+        (wg * w).sum().backward()
+        torch.testing.assert_close(logits.grad, lr.grad, rtol=1e-10, atol=1e-12)
+        scores = loss_scores(logits.detach(), c["fn"])
+        rows = [elementwise_scores(logits[t].detach(), c["fn"]) for t in range(c["T"])]
+        want_s = torch.stack([r if c["fn"] == "softmax" else r / (r.sum() + 1e-20) for r in rows])
+        torch.testing.assert_close(scores, want_s, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(switch_loss(scores, k), switch_ref(want_s, k), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("seq_dim", [0, 1])
+def test_sequence_loss_by_layout(comm, seq_dim):
+    """seq_aux_loss: the switch loss of each sequence, averaged; [S, B] (seq_dim=0) or [B, S]."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 12, 4, k=2, comm=comm, seed=1, dtype=torch.float64, score_function="sigmoid",
+                     balance_loss=None, seq_aux_loss_weight=0.5, seq_dim=seq_dim, dropless=True, fp32_gate=False)
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    layer(x)
+    logits = x.reshape(-1, 8) @ layer.gates[0].wg.weight.t()
+    s = loss_scores(logits, "sigmoid").view(5, 3, 4)
+    seqs = [s[:, b] for b in range(3)] if seq_dim == 0 else [s[b] for b in range(5)]
+    want = sum(switch_ref(q, 2) for q in seqs) / len(seqs)
+    torch.testing.assert_close(layer.seq_aux_loss, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(layer.aux_loss, 0.5 * want, rtol=1e-12, atol=0)
+    by_seq = s if seq_dim == 0 else s.transpose(0, 1)
+    torch.testing.assert_close(seq_switch_loss(by_seq, 2), want, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="seq_aux_loss_weight"):
+        layer(torch.randn(2, 2, 2, 8, dtype=torch.float64))
+
+
+def test_expert_bias_counts_and_update(comm):
+    """Counts accumulate over training forwards only; the update is rate * sign(mean - n)."""
+    layer = MoELayer(8, 12, 4, k=2, comm=comm, seed=1, score_function="sigmoid", expert_bias=True, dropless=True)
+    x = torch.randn(9, 8)
+    layer.train()
+    layer(x)
+    layer(x)
+    n = torch.zeros(4)
+    for row in layer.last_routing.topk_idx.tolist():
+        for e in row:
+            n[e] += 2
+    with torch.no_grad():
+        layer(x)
+    layer.eval()
+    layer(x)
+    assert layer.tokens_per_expert.tolist() == n.tolist()
+    before = layer.expert_bias.clone()
+    got = layer.update_expert_bias(0.25)
+    torch.testing.assert_close(got, before + 0.25 * torch.sign(n.mean() - n))
+    assert not layer.tokens_per_expert.any()
+    assert "expert_bias" in layer.state_dict() and "tokens_per_expert" not in layer.state_dict()
+    with pytest.raises(RuntimeError, match="expert_bias=True"):
+        MoELayer(8, 12, 4, comm=comm, seed=1).update_expert_bias(0.1)
+    with pytest.raises(TypeError, match="rate"):
+        layer.update_expert_bias("fast")
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(score_function="tanh"), ValueError, ["score_function", "'tanh'"]),
+    (dict(pre_softmax=1), TypeError, ["pre_softmax"]),
+    (dict(expert_bias="yes"), TypeError, ["expert_bias"]),
+    (dict(topk_scaling_factor=float("inf")), ValueError, ["topk_scaling_factor"]),
+    (dict(num_groups=2), ValueError, ["num_groups", "group_topk"]),
+    (dict(num_groups=3, group_topk=1), ValueError, ["num_groups=3", "num_experts=4"]),
+    (dict(num_groups=2, group_topk=3), ValueError, ["group_topk", "3"]),
+    (dict(num_groups=4, group_topk=1, k=2), ValueError, ["k=2", "group_topk=1"]),
+    (dict(num_groups=2, group_topk=2, k=1), ValueError, ["k=1", "group_topk=2"]),
+    (dict(seq_dim=2), ValueError, ["seq_dim", "2"]),
+    (dict(balance_loss_weight="1"), TypeError, ["balance_loss_weight"]),
+    (dict(shared_expert_size=0), ValueError, ["shared_expert_size", "0"]),
+    (dict(shared_expert_size=4, shared_expert_activation=3), TypeError, ["shared_expert_activation"]),
+    (dict(score_function="sigmoid", balance_loss="load_importance", gate_noise=1.0), ValueError,
+     ["load_importance", "'sigmoid'"]),
+])
+def test_bad_router_options(comm, kwargs, exc, words):
+    args = dict(model_dim=8, hidden_size=16, num_experts=4, comm=comm)
+    args.update(kwargs)
+    with pytest.raises(exc) as info:
+        MoELayer(**args)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_per_call_k_checked_against_groups(comm):
+    layer = MoELayer(8, 12, 4, k=2, comm=comm, seed=1, num_groups=2, group_topk=2)
+    with pytest.raises(ValueError, match="k=1"):
+        layer(torch.randn(3, 8), k=1)
