@@ -46,7 +46,8 @@ def bool_arg(name: str, value: Any) -> bool:
 class MoEConfig:
     """Every option of :class:`~moecomm.moe.MoELayer` (see its docstring for their meaning),
     checked when made (those of the gates and experts aside, see the module's docstring):
-    ``capacity_factor`` and ``z_loss_weight`` are stored as floats, the rest as given.
+    ``capacity_factor``, ``z_loss_weight``, ``topk_scaling_factor``, ``balance_loss_weight`` and
+    ``seq_aux_loss_weight`` are stored as floats, the rest as given.
 
     Raises:
         TypeError: an option of the wrong type (named), or a required one missing

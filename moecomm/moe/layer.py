@@ -72,6 +72,17 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
     at most ``|f|`` times the fixed capacity. ``dropless=True`` sends exactly the routed rows
     through ``all_to_all_v``, with no capacity and no padding.
 
+    Router options (Megatron-core's ``TopKRouter``, :mod:`moecomm.moe.scoring`; the README's
+    "Routers, shared experts and Megatron-core"): ``score_function`` (``"softmax"``,
+    ``"sigmoid"``, ``"sqrtsoftplus"``), ``pre_softmax`` (softmax before the top-k, or over the
+    k chosen logits), ``normalize_gate``, ``topk_scaling_factor``, ``expert_bias=True`` (a
+    per-expert bias for the choice only, updated by :meth:`update_expert_bias` from the counted
+    load), ``num_groups``/``group_topk`` (group-limited routing), ``balance_loss="switch"`` with
+    ``balance_loss_weight``, ``seq_aux_loss_weight`` (per-sequence loss; ``seq_dim`` says which
+    leading dimension of ``x`` is the sequence). ``shared_expert_size``: a dense FFN
+    (``shared_expert_activation``, ``shared_expert_gate``) on every token added to the output,
+    overlapped with the dispatch on a GPU side stream.
+
     Token counts may differ between ranks (a rank may have none): with
     ``inequivalent_tokens=True`` (default, per call too) ``T`` above is the largest count of
     any rank, agreed with one ``allreduce`` of one integer per call, the reduction that
