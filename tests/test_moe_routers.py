@@ -1,29 +1,23 @@
 """moecomm.moe's router options in one process (issue 27): ``select_experts`` against the
 token-by-token reference (tests/ranks/moe_reference.py ``route_token``) over random options,
-the sequence-level loss by input layout, the expert-bias update, the option checks. The
-cross-rank checks are in tests/ranks/moe_layer_checks.py (group ``routers``)."""
+the sequence-level loss by input layout, the expert-bias update, the per-call k check. The
+option errors are in tests/test_moe_config.py, the cross-rank checks in
+tests/ranks/moe_layer_checks.py (group ``routers``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-import moecomm
 from moecomm.moe import MoELayer
 from moecomm.moe.scoring import RouterOptions, loss_scores, select_experts, seq_switch_loss, switch_loss
 from tests.ranks.moe_reference import RefRouter, elementwise_scores, route_token, switch_ref
+from tests.test_moe_config import SETTINGS, comm  # noqa: F401 - the one-rank communicator fixture
 
 pytestmark = pytest.mark.timeout(120)
 
-SETTINGS = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck),
-                    max_examples=40)
-
-
-@pytest.fixture(scope="module")
-def comm():
-    return moecomm.init(backend="mpi")
 
 
 @st.composite
