@@ -119,3 +119,17 @@ def test_per_call_k_checked_against_groups(comm):
     layer = MoELayer(8, 12, 4, k=2, comm=comm, seed=1, num_groups=2, group_topk=2)
     with pytest.raises(ValueError, match="k=1"):
         layer(torch.randn(3, 8), k=1)
+
+
+def test_checkpoint_keeps_expert_bias_and_shared_expert(comm, tmp_path):
+    from moecomm.moe import checkpoint
+
+    kw = dict(comm=comm, score_function="sigmoid", expert_bias=True, shared_expert_size=6, shared_expert_gate=True)
+    a = MoELayer(8, 12, 4, seed=1, **kw)
+    with torch.no_grad():
+        a.expert_bias.copy_(torch.tensor([0.5, -0.25, 0.0, 1.0]))
+    checkpoint.save(a, str(tmp_path / "ck_{rank}.pt"))
+    b = MoELayer(8, 12, 4, seed=2, **kw)
+    checkpoint.load(b, str(tmp_path / "ck_{rank}.pt"))
+    x = torch.randn(5, 8)
+    assert torch.equal(a.expert_bias, b.expert_bias) and torch.equal(a(x), b(x))
