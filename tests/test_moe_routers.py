@@ -133,3 +133,21 @@ def test_checkpoint_keeps_expert_bias_and_shared_expert(comm, tmp_path):
     checkpoint.load(b, str(tmp_path / "ck_{rank}.pt"))
     x = torch.randn(5, 8)
     assert torch.equal(a.expert_bias, b.expert_bias) and torch.equal(a(x), b(x))
+
+
+def test_shared_expert_on_the_fused_step(comm, monkeypatch):
+    """Tutel's router with a shared expert still takes the fused step, and adds the shared output."""
+    kw = dict(comm=comm, seed=4, shared_expert_size=6, shared_expert_gate=True)
+    fused, plain = MoELayer(8, 12, 4, **kw), MoELayer(8, 12, 4, fused_step=False, **kw)
+    calls = []
+    orig = MoELayer._fused
+    monkeypatch.setattr(MoELayer, "_fused", lambda self, *a: calls.append(1) or orig(self, *a))
+    x = torch.randn(9, 8)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [m(xi) for m, xi in zip((fused, plain), xs)]
+    assert calls == [1]
+    for m, y in zip((fused, plain), ys):
+        (y.square().sum() + m.aux_loss).backward()
+    torch.testing.assert_close(ys[0], ys[1])
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    torch.testing.assert_close(fused.shared_experts.fc1_weight.grad, plain.shared_experts.fc1_weight.grad)
