@@ -400,7 +400,7 @@ def cases_for(W: int, group: str) -> list:
                                 layer_kw=dict(parallel_mode="data")))
                 out.append(Case(f"sharded E={Es} overlap 2", Es, k=Es, cf=1.0, layer_kw=dict(overlap_degree=2)))
     if group in ("routers", "all"):
-        out += router_cases(E, ragged)
+        out += router_cases(E, ragged) + random_router_cases(E, W)
     return out
 
 
@@ -433,6 +433,38 @@ def router_cases(E: int, ragged: list) -> list:
         Case("shared swiglu data parallel", E, k=2, cf=0.5,
              layer_kw=dict(score_function="sigmoid", shared_expert_size=6, parallel_mode="data")),
     ]
+
+
+def random_router_cases(E: int, W: int, n: int = 6) -> list:
+    """``n`` router configurations drawn from a generator seeded by the world size (the same
+    draw on every rank): score function, softmax side, k, groups, bias, scaling, losses, shared
+    expert, capacity or dropless, and token counts per rank (zeros included)."""
+    import random
+
+    rnd = random.Random(2700 + W)
+    out = []
+    for i in range(n):
+        kw: dict = dict(score_function=rnd.choice(["softmax", "sigmoid", "sqrtsoftplus"]),
+                        expert_bias=rnd.random() < 0.5, normalize_gate=rnd.random() < 0.7,
+                        balance_loss=rnd.choice(["gshard", "switch", None]), seq_aux_loss_weight=rnd.choice([0.0, 0.3]))
+        if kw["score_function"] == "softmax":
+            kw["pre_softmax"] = rnd.random() < 0.5
+        if rnd.random() < 0.4:
+            kw["topk_scaling_factor"] = 1.5
+        groups = rnd.choice([None, 2] + ([E // 2] if E // 2 not in (1, 2) else []))
+        if groups is not None:
+            gk = rnd.randint(1, groups)
+            k = rnd.randint(gk, gk * (E // groups))
+            kw.update(num_groups=groups, group_topk=gk)
+        else:
+            k = rnd.randint(1, E)
+        if rnd.random() < 0.4:
+            kw.update(shared_expert_size=5, shared_expert_activation=rnd.choice(["swiglu", "relu"]))
+        dropless = rnd.random() < 0.5
+        tokens = [rnd.choice([0, 3, 8, 13]) for _ in range(W)]
+        out.append(Case(f"random router #{i} k={k} {kw}", E, k=k, cf=rnd.choice([0.5, 1.0, 0.0]), dropless=dropless,
+                        tokens=tokens, layer_kw=kw))
+    return out
 
 
 def unequal_cases(W: int) -> list:
