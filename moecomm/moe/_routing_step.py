@@ -88,7 +88,11 @@ class RoutingStep:
         n = self.tokens_per_expert
         if allreduce:
             _comm.allreduce_sum_(self.comm, n)
-        self.expert_bias.data = updated_expert_bias(self.expert_bias.float(), n, rate)
+        new = updated_expert_bias(self.expert_bias.float(), n, rate)
+        if self.expert_bias.dtype == torch.float32:
+            self.expert_bias.copy_(new)  # in place: a captured CUDA graph reads this storage
+        else:  # cast by layer.to(dtype): back to float32, where rate-sized steps are not lost
+            self.expert_bias.data = new
         n.zero_()
         return self.expert_bias
 
@@ -129,7 +133,10 @@ class RoutingStep:
             scores = loss_scores(noisy, opts.score_function)  # for the losses and the batch priority
             r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, consts=cc, selected=selected)
             if bias is not None and self.training and torch.is_grad_enabled():
-                self.tokens_per_expert.add_(r.counts)
+                n = self.tokens_per_expert
+                if n.dtype != torch.float32:  # cast by layer.to(dtype): counts past 256 are not exact in bf16
+                    n.data = n.data.float()
+                n.add_(r.counts)
 
         if self.balance_loss_type == "gshard":
             bal = gshard_loss(scores, r.topk_idx[:, 0], cc.ones(scores.shape[0], scores.dtype, scores.device))
