@@ -76,7 +76,9 @@ def load_megatron_state_dict(layer: Any, state_dict: Mapping[str, Tensor], prefi
     """Copy the weights of a Megatron-core ``MoELayer`` (its ``state_dict()``, keys under
     ``prefix``) into ``layer``: ``router.weight`` -> ``gates[0].wg.weight``,
     ``router.expert_bias`` -> ``expert_bias``, ``experts.local_experts.{e}.linear_fc1/2.weight``
-    (and ``.bias``) -> this rank's ``experts.fc1/fc2_weight[e - first_expert]`` transposed,
+    (and ``.bias``) -> this rank's ``experts.fc1/fc2_weight[e - first_expert]`` transposed (gated
+    experts' ``fc1_weight[e]`` ``[D, 2, F]``: ``linear_fc1.weight`` ``[2F, D]`` transposed, its
+    first ``F`` rows the activation's ``W1``),
     ``shared_experts.linear_fc1/2.weight``, ``shared_experts.gate_weight`` -> ``shared_experts``.
     Expert indices are global (Megatron's with one expert-parallel rank).
 
@@ -91,6 +93,8 @@ def load_megatron_state_dict(layer: Any, state_dict: Mapping[str, Tensor], prefi
         return state_dict[key]
 
     def put(dst: Tensor, src: Tensor, name: str) -> None:
+        if dst.numel() == src.numel() and dst.dim() == src.dim() + 1 and dst.shape[-2] == 2:
+            src = src.reshape(dst.shape)  # gated experts' [.., 2, F]: Megatron's [W1; W3] halves, in order
         if tuple(dst.shape) != tuple(src.shape):
             raise ValueError(f"load_megatron_state_dict: {prefix + name} has shape {tuple(src.shape)}, the layer "
                              f"expects {tuple(dst.shape)}")
