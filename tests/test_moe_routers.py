@@ -151,3 +151,18 @@ def test_shared_expert_on_the_fused_step(comm, monkeypatch):
     torch.testing.assert_close(ys[0], ys[1])
     torch.testing.assert_close(xs[0].grad, xs[1].grad)
     torch.testing.assert_close(fused.shared_experts.fc1_weight.grad, plain.shared_experts.fc1_weight.grad)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(score_function="sigmoid"), "score_function='sigmoid'"),
+    (dict(pre_softmax=False), "pre_softmax=False"),
+    (dict(expert_bias=True), "expert_bias=True"),
+    (dict(seq_aux_loss_weight=0.5), "seq_aux_loss_weight=0.5"),
+])
+def test_router_options_leave_the_fused_step(comm, kw, words, monkeypatch):
+    """A router other than Tutel's runs op by op, and the reason names the option."""
+    layer = MoELayer(8, 12, 4, comm=comm, seed=4, **kw)
+    assert words in layer._router_reason
+    monkeypatch.setattr(MoELayer, "_fused", lambda *a: pytest.fail("the fused step ran"))
+    layer(torch.randn(5, 8))
+    assert MoELayer(8, 12, 4, comm=comm, seed=4)._router_reason is None

@@ -23,6 +23,18 @@ __all__ = ["RoutingStep"]
 _AGREED_KEPT = 64  # local token counts whose agreed count is remembered for CUDA graph capture
 
 
+def _router_reason(cfg: MoEConfig) -> Optional[str]:
+    """None when ``cfg``'s router is Tutel's (softmax, top-k, renormalised or not: the one the
+    fused step implements), else the option that is not, with its value."""
+    for name, default in (("score_function", "softmax"), ("pre_softmax", True), ("topk_scaling_factor", None),
+                          ("expert_bias", False), ("num_groups", None), ("balance_loss_weight", 1.0),
+                          ("seq_aux_loss_weight", 0.0)):
+        value = getattr(cfg, name)
+        if value != default:
+            return f"{name}={value!r} (the fused step routes by softmax top-k, with the unweighted GShard loss)"
+    return None
+
+
 class RoutingStep:
     """Routing, losses and capacity of :class:`~moecomm.moe.MoELayer` (a mixin: it uses the
     layer's ``comm``, ``num_experts``, routing options and ``training``, and sets
@@ -48,7 +60,7 @@ class RoutingStep:
     seq_aux_loss_weight: float
     seq_aux_loss: Optional[Tensor]
     seq_dim: int
-    _plain_router: bool
+    _router_reason: Optional[str]
 
     def _setup_router(self, cfg: MoEConfig, device: torch.device) -> None:
         """The routing options of ``cfg``, and the expert bias with its load counter."""
@@ -64,9 +76,7 @@ class RoutingStep:
                                  persistent=False)
         else:
             self.expert_bias = self.tokens_per_expert = None
-        # the fused step covers Tutel's router only
-        self._plain_router = (self.router_options.plain and not cfg.expert_bias and cfg.balance_loss_weight == 1.0
-                              and cfg.seq_aux_loss_weight == 0.0)
+        self._router_reason = _router_reason(cfg)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float, *, allreduce: bool = True) -> Tensor:
