@@ -135,8 +135,9 @@ def main() -> None:
             for ofc, mfc in (("fc1_weight", "linear_fc1.weight"), ("fc2_weight", "linear_fc2.weight")):
                 g = getattr(ours.experts, ofc).grad
                 gm = sd[b + mfc].grad
-                cmp(f"expert {e} {mfc} grad", torch.zeros_like(g[e]) if g is None else g[e],
-                    torch.zeros_like(sd[b + mfc]).t() if gm is None else gm.t())
+                want = torch.zeros_like(sd[b + mfc]).t() if gm is None else gm.t()
+                # gated experts keep fc1 as [D, 2, F]: Megatron's [2F, D] transposed, halves in order
+                cmp(f"expert {e} {mfc} grad", torch.zeros_like(want) if g is None else g[e].reshape(want.shape), want)
         if ours.shared_experts is not None:
             sx = ours.shared_experts
             cmp("shared fc1 grad", sx.fc1_weight.grad, sd["shared_experts.linear_fc1.weight"].grad)
