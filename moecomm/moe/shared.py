@@ -15,8 +15,9 @@ from .experts import resolve_activation
 
 __all__ = ["SharedExpertFFN", "SharedExpertStep", "GATED_ACTIVATIONS"]
 
-GATED_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"swiglu": F.silu, "geglu": F.gelu}
-"""Gated activations: ``act(x W1) * (x W3)`` with ``act`` SiLU (``swiglu``) or GELU (``geglu``)."""
+GATED_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu}
+"""Gated activations: ``act(x W1) * (x W3)`` with ``act`` SiLU (``swiglu``), GELU (``geglu``)
+or ReLU (``reglu``)."""
 
 
 class SharedExpertFFN(nn.Module):

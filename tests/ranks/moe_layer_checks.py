@@ -430,6 +430,10 @@ def router_cases(E: int, ragged: list) -> list:
         Case("shared geglu, sigmoid overlap 2 own_first", E, k=2, cf=1.0,
              layer_kw=dict(score_function="sigmoid", expert_bias=True, shared_expert_size=6,
                            shared_expert_activation="geglu", overlap_degree=2, own_first=True)),
+        Case("prescore sigmoid scaling", E, k=2, cf=1.0,
+             layer_kw=dict(score_function="sigmoid", topk_scaling_factor=1.5, is_postscore=False)),
+        Case("sigmoid bias gate noise", E, k=2, cf=1.0, noise=1.0,
+             layer_kw=dict(score_function="sigmoid", expert_bias=True, balance_loss="switch")),
         Case("shared swiglu data parallel", E, k=2, cf=0.5,
              layer_kw=dict(score_function="sigmoid", shared_expert_size=6, parallel_mode="data")),
     ]
