@@ -440,8 +440,8 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
         autocast = torch.is_autocast_enabled(dev_type) if hasattr(torch, "is_autocast_enabled") else False
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
         shared = None if self.shared_experts is None else self._start_shared(x2)
-        if mode == "expert" and self.fused_step and not autocast and self._router_reason is None and _fused_step.applies(
-                self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size):
+        if mode == "expert" and self.fused_step and not autocast and self._router_reason is None and \
+                _fused_step.applies(self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size):
             y = self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire)
             return self._add_shared(y, shared).reshape(*lead, self.output_dim)
 

@@ -43,7 +43,8 @@ class SharedExpertFFN(nn.Module):
         self.output_dim = model_dim if output_dim is None else int_arg("output_dim", output_dim, 1)
         self.gated = isinstance(activation, str) and activation in GATED_ACTIVATIONS
         self.act = GATED_ACTIVATIONS[activation] if self.gated else resolve_activation(activation)
-        self.activation_name = activation if isinstance(activation, str) else getattr(activation, "__name__", "callable")
+        self.activation_name = (activation if isinstance(activation, str)
+                                else getattr(activation, "__name__", "callable"))
         F_ = self.hidden_size
         b1, b2 = 1.0 / math.sqrt(model_dim), 1.0 / math.sqrt(F_)
         w1 = torch.empty((2 * F_ if self.gated else F_), model_dim).uniform_(-b1, b1, generator=generator)
