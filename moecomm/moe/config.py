@@ -28,8 +28,7 @@ from .losses import BALANCE_LOSSES
 from .scoring import SCORE_FUNCTIONS
 
 __all__ = ["MoEConfig", "PARALLEL_MODES", "bool_arg", "check_groups", "expert_layout", "check_degree",
-           "check_own_first",
-           "check_algorithm"]
+           "check_own_first", "check_algorithm"]
 
 PARALLEL_MODES = ("expert", "data", "auto")
 
