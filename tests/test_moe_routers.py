@@ -166,3 +166,14 @@ def test_router_options_leave_the_fused_step(comm, kw, words, monkeypatch):
     monkeypatch.setattr(MoELayer, "_fused", lambda *a: pytest.fail("the fused step ran"))
     layer(torch.randn(5, 8))
     assert MoELayer(8, 12, 4, comm=comm, seed=4)._router_reason is None
+
+
+def test_expert_bias_stays_float32(comm):
+    """layer.to(bfloat16) casts the weights, not the expert bias or its counts."""
+    layer = MoELayer(8, 12, 4, comm=comm, seed=1, score_function="sigmoid", expert_bias=True)
+    with torch.no_grad():
+        layer.expert_bias.fill_(1.0001)
+    layer = layer.to(torch.bfloat16)
+    assert layer.gates[0].wg.weight.dtype == torch.bfloat16
+    assert layer.expert_bias.dtype == layer.tokens_per_expert.dtype == torch.float32
+    assert float(layer.expert_bias[0]) == torch.tensor(1.0001).item()
