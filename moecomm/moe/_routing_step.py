@@ -12,8 +12,8 @@ from torch import Tensor
 from . import _comm
 from ._args import float_arg
 from ._step_cache import StepConstants
-from .gates import TopKGate
 from .config import MoEConfig, check_groups
+from .gates import TopKGate
 from .losses import gshard_loss, load_importance_loss, router_z_loss
 from .routing import Routing, fixed_capacity, route
 from .scoring import RouterOptions, loss_scores, select_experts, seq_switch_loss, switch_loss, updated_expert_bias
@@ -78,17 +78,6 @@ class RoutingStep:
             self.expert_bias = self.tokens_per_expert = None
         self._router_reason = _router_reason(cfg)
 
-    def _apply(self, fn, *args, **kwargs):
-        """``nn.Module._apply`` (``to``, ``half``, ``cuda``, ...), keeping the expert bias and its
-        load counts in float32 (rate-sized steps and counts past 256 are lost in bfloat16)."""
-        kept = {name: getattr(self, name, None) for name in ("expert_bias", "tokens_per_expert")}
-        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
-        for name, old in kept.items():
-            new = getattr(self, name, None)
-            if old is not None and new is not None and new.dtype != torch.float32:
-                new.data = old.detach().to(new.device, torch.float32)
-        return out
-
     @torch.no_grad()
     def update_expert_bias(self, rate: float, *, allreduce: bool = True) -> Tensor:
         """Aux-loss-free balancing (DeepSeek-V3; Megatron-core's ``get_updated_expert_bias``):
@@ -109,7 +98,11 @@ class RoutingStep:
         n = self.tokens_per_expert
         if allreduce:
             _comm.allreduce_sum_(self.comm, n)
-        self.expert_bias.copy_(updated_expert_bias(self.expert_bias, n, rate))  # in place: CUDA graphs read it
+        new = updated_expert_bias(self.expert_bias.float(), n, rate)
+        if self.expert_bias.dtype == torch.float32:
+            self.expert_bias.copy_(new)  # in place: a captured CUDA graph reads this storage
+        else:  # cast by layer.to(dtype): back to float32, where rate-sized steps are not lost
+            self.expert_bias.data = new
         n.zero_()
         return self.expert_bias
 
@@ -146,11 +139,17 @@ class RoutingStep:
             if opts.num_groups is not None and k != self.k:
                 check_groups(k, self.num_experts, opts.num_groups, opts.group_topk)
             bias = self.expert_bias
-            selected = select_experts(noisy, k, opts, bias)
-            scores = loss_scores(noisy, opts.score_function)  # for the losses and the batch priority
+            selected = select_experts(noisy, k, opts, None if bias is None else bias.float())
+            # the probabilities for the losses and the batch priority; route() reads only the shape otherwise
+            need = (self.balance_loss_type is not None or self.seq_aux_loss_weight != 0
+                    or self.batch_prioritized_routing)
+            scores = loss_scores(noisy, opts.score_function) if need else noisy
             r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, consts=cc, selected=selected)
             if bias is not None and self.training and torch.is_grad_enabled():
-                self.tokens_per_expert.add_(r.counts)
+                n = self.tokens_per_expert
+                if n.dtype != torch.float32:  # cast by layer.to(dtype): counts past 256 are not exact in bf16
+                    n.data = n.data.float()
+                n.add_(r.counts)
 
         if self.balance_loss_type == "gshard":
             bal = gshard_loss(scores, r.topk_idx[:, 0], cc.ones(scores.shape[0], scores.dtype, scores.device))
