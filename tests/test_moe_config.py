@@ -39,7 +39,7 @@ def ffn(**kw):
     (dict(overlap_degree=0), ValueError, ["overlap_degree", "0"]),
     (dict(overlap_degree=17), ValueError, ["overlap_degree", "17"]),
     (dict(algorithm="ring"), ValueError, ["algorithm", "'ring'"]),
-    (dict(balance_loss="switch"), ValueError, ["balance_loss", "'switch'"]),
+    (dict(balance_loss="switches"), ValueError, ["balance_loss", "'switches'"]),
     (dict(balance_loss="load_importance"), ValueError, ["gate_noise", "load_importance"]),
     (dict(activation="swoosh"), ValueError, ["activation", "'swoosh'"]),
     (dict(hidden_size=None), TypeError, ["hidden_size"]),
@@ -48,6 +48,22 @@ def ffn(**kw):
     (dict(experts=42), TypeError, ["experts", "int"]),
     (dict(experts=torch.nn.Identity(), parallel_mode="data"), ValueError, ["parallel_mode", "'data'"]),
     (dict(gate_noise=-1.0), ValueError, ["gate_noise", "-1"]),
+    # router and shared-expert options (issue 27)
+    (dict(score_function="tanh"), ValueError, ["score_function", "'tanh'"]),
+    (dict(pre_softmax=1), TypeError, ["pre_softmax"]),
+    (dict(expert_bias="yes"), TypeError, ["expert_bias"]),
+    (dict(topk_scaling_factor=float("inf")), ValueError, ["topk_scaling_factor"]),
+    (dict(num_groups=2), ValueError, ["num_groups", "group_topk"]),
+    (dict(num_groups=3, group_topk=1), ValueError, ["num_groups=3", "num_experts=4"]),
+    (dict(num_groups=2, group_topk=3), ValueError, ["group_topk", "3"]),
+    (dict(num_groups=4, group_topk=1, k=2), ValueError, ["k=2", "group_topk=1"]),
+    (dict(num_groups=2, group_topk=2, k=1), ValueError, ["k=1", "group_topk=2"]),
+    (dict(seq_dim=2), ValueError, ["seq_dim", "2"]),
+    (dict(balance_loss_weight="1"), TypeError, ["balance_loss_weight"]),
+    (dict(shared_expert_size=0), ValueError, ["shared_expert_size", "0"]),
+    (dict(shared_expert_size=4, shared_expert_activation=3), TypeError, ["shared_expert_activation"]),
+    (dict(score_function="sigmoid", balance_loss="load_importance", gate_noise=1.0), ValueError,
+     ["load_importance", "'sigmoid'"]),
 ])
 def test_bad_layer_arguments(comm, kwargs, exc, words):
     args = dict(model_dim=8, hidden_size=16, num_experts=4, comm=comm)

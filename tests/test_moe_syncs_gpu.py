@@ -32,6 +32,27 @@ def _syncs(fn) -> list:
     return found
 
 
+def _step_syncs(layer, x, gy, after_backward=None) -> tuple:
+    """(the forward's, the backward's) host synchronisations of a training step of ``layer``
+    (``after_backward`` runs as part of the backward), after two warm-up steps: one-time probes
+    (grouped GEMM, kernel builds) may synchronise."""
+    state: dict = {}
+
+    def forward():
+        state["y"] = layer(x)
+        state["aux"] = layer.aux_loss
+
+    def backward():
+        torch.autograd.backward([state["y"], state["aux"]], [gy, torch.ones_like(state["aux"])])
+        if after_backward is not None:
+            after_backward()
+
+    for _ in range(2):
+        forward()
+        backward()
+    return _syncs(forward), _syncs(backward)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("dropless", [False, True])
@@ -44,20 +65,7 @@ def test_step_synchronises_only_for_the_counts(comm, dropless, k, dtype, fused):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(T, D, generator=g).to("cuda", dtype).requires_grad_()
     gy = torch.randn(T, D, generator=g).to("cuda", dtype)
-    state: dict = {}
-
-    def forward():
-        state["y"] = layer(x)
-        state["aux"] = layer.aux_loss
-
-    def backward():
-        torch.autograd.backward([state["y"], state["aux"]], [gy, torch.ones_like(state["aux"])])
-
-    for _ in range(2):  # the warm-up: one-time probes (grouped GEMM, kernel builds) may synchronise
-        forward()
-        backward()
-    fwd = _syncs(forward)
-    bwd = _syncs(backward)
+    fwd, bwd = _step_syncs(layer, x, gy)
     want = 1 if dropless else 0
     assert len(fwd) == want and not bwd, f"forward {len(fwd)} (want {want}): {fwd}; backward {len(bwd)}: {bwd}"
     if dropless:
@@ -87,3 +95,22 @@ def test_dropless_bias_gradient_sums(blocks):
     # magnitude per block
     err = (got.double().cpu() - want).abs()
     assert (err <= mag * 2 ** -7 * (blocks + 1) + 1e-6).all(), err.max().item()
+
+
+@pytest.mark.parametrize("dropless", [False, True])
+def test_modern_router_step_synchronises_only_for_the_counts(comm, dropless):
+    """Sigmoid scores with expert bias, group-limited routing, the switch, sequence and z
+    losses, a gated shared expert on its side stream, and update_expert_bias (issue 27): no
+    host synchronisation beyond the dropless counts."""
+    from moecomm.moe import MoELayer
+
+    layer = MoELayer(D, D, E, k=4, dropless=dropless, seed=3, comm=comm, dtype=torch.bfloat16, device="cuda",
+                     score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2, balance_loss="switch",
+                     balance_loss_weight=0.01, seq_aux_loss_weight=0.01, z_loss_weight=1e-3, topk_scaling_factor=2.5,
+                     shared_expert_size=D, shared_expert_gate=True)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, T // 8, D, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    gy = torch.randn(8, T // 8, D, generator=g).to("cuda", torch.bfloat16)
+    fwd, bwd = _step_syncs(layer, x, gy, lambda: layer.update_expert_bias(1e-3))
+    want = 1 if dropless else 0
+    assert len(fwd) == want and not bwd, f"forward {len(fwd)} (want {want}): {fwd}; backward {len(bwd)}: {bwd}"

@@ -19,7 +19,10 @@ from .experts import ACTIVATIONS, BatchedExperts, ExpertList, FFNExperts, Segmen
 from .gates import GATE_TYPES, CosineTopKGate, LinearTopKGate, TopKGate
 from .layer import PARALLEL_MODES, MoELayer
 from .losses import gshard_loss, load_importance_loss, router_z_loss
+from .megatron import load_megatron_state_dict, megatron_options
 from .routing import Routing, fixed_capacity, route
+from .scoring import SCORE_FUNCTIONS
+from .shared import SharedExpertFFN
 from .tutel import moe_layer
 
 __all__ = [
@@ -42,4 +45,8 @@ __all__ = [
     "gshard_loss",
     "load_importance_loss",
     "router_z_loss",
+    "SCORE_FUNCTIONS",
+    "SharedExpertFFN",
+    "megatron_options",
+    "load_megatron_state_dict",
 ]

@@ -10,14 +10,30 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._agreement import agree
+from . import _comm
+from ._args import float_arg
 from ._step_cache import StepConstants
+from .config import MoEConfig, check_groups
 from .gates import TopKGate
 from .losses import gshard_loss, load_importance_loss, router_z_loss
 from .routing import Routing, fixed_capacity, route
+from .scoring import RouterOptions, loss_scores, select_experts, seq_switch_loss, switch_loss, updated_expert_bias
 
 __all__ = ["RoutingStep"]
 
 _AGREED_KEPT = 64  # local token counts whose agreed count is remembered for CUDA graph capture
+
+
+def _router_reason(cfg: MoEConfig) -> Optional[str]:
+    """None when ``cfg``'s router is Tutel's (softmax, top-k, renormalised or not: the one the
+    fused step implements), else the option that is not, with its value."""
+    for name, default in (("score_function", "softmax"), ("pre_softmax", True), ("topk_scaling_factor", None),
+                          ("expert_bias", False), ("num_groups", None), ("balance_loss_weight", 1.0),
+                          ("seq_aux_loss_weight", 0.0)):
+        value = getattr(cfg, name)
+        if value != default:
+            return f"{name}={value!r} (the fused step routes by softmax top-k, with the unweighted GShard loss)"
+    return None
 
 
 class RoutingStep:
@@ -39,6 +55,58 @@ class RoutingStep:
     _agreed: dict
     _call_settings: tuple
     _consts: StepConstants
+    router_options: RouterOptions
+    expert_bias: Optional[Tensor]
+    tokens_per_expert: Optional[Tensor]
+    balance_loss_weight: float
+    seq_aux_loss_weight: float
+    seq_aux_loss: Optional[Tensor]
+    seq_dim: int
+    _router_reason: Optional[str]
+
+    def _setup_router(self, cfg: MoEConfig, device: torch.device) -> None:
+        """The routing options of ``cfg``, and the expert bias with its load counter."""
+        self.router_options = RouterOptions(cfg.score_function, cfg.pre_softmax, cfg.normalize_gate,
+                                            cfg.topk_scaling_factor, cfg.num_groups, cfg.group_topk)
+        self.balance_loss_weight, self.seq_aux_loss_weight = cfg.balance_loss_weight, cfg.seq_aux_loss_weight
+        self.seq_dim = cfg.seq_dim
+        self.seq_aux_loss = None
+        E = cfg.num_experts
+        if cfg.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device))
+            self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32, device=device),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
+        self._router_reason = _router_reason(cfg)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float, *, allreduce: bool = True) -> Tensor:
+        """Aux-loss-free balancing (DeepSeek-V3; Megatron-core's ``get_updated_expert_bias``):
+        ``expert_bias += rate * sign(mean(n) - n)`` where ``n`` (``[E]``) counts the routes each
+        expert got (before capacity drops) in the training forwards since the last update,
+        summed over the layer's ranks (one ``allreduce`` of ``E`` floats, on the device: no host
+        sync; ``allreduce=False``: this rank's counts only); then ``n`` restarts from zero.
+        Call it once per optimizer step (after the backward). Returns ``expert_bias`` ``[E]``
+        float32 (a buffer: saved in ``state_dict``).
+
+        Raises:
+            RuntimeError: the layer was built without ``expert_bias=True``.
+            TypeError, ValueError: ``rate`` is not a finite number.
+        """
+        rate = float_arg("rate", rate)
+        if self.expert_bias is None:
+            raise RuntimeError("update_expert_bias: the layer has no expert bias (build it with expert_bias=True)")
+        n = self.tokens_per_expert
+        if allreduce:
+            _comm.allreduce_sum_(self.comm, n)
+        new = updated_expert_bias(self.expert_bias.float(), n, rate)
+        if self.expert_bias.dtype == torch.float32:
+            self.expert_bias.copy_(new)  # in place: a captured CUDA graph reads this storage
+        else:  # cast by layer.to(dtype): back to float32, where rate-sized steps are not lost
+            self.expert_bias.data = new
+        n.zero_()
+        return self.expert_bias
 
     @property
     def l_aux(self) -> Optional[Tensor]:
@@ -53,8 +121,9 @@ class RoutingStep:
             self._z_logits = None
         return self._z_loss
 
-    def _route(self, x2: Tensor, gate: TopKGate, k: int) -> Routing:
-        """Route the ``[T, model_dim]`` tokens (scores in float32 at least) and set the call's losses."""
+    def _route(self, x2: Tensor, gate: TopKGate, k: int, lead: tuple = ()) -> Routing:
+        """Route the ``[T, model_dim]`` tokens (scores in float32 at least) and set the call's
+        losses; ``lead``: the input's shape before ``model_dim`` (for the sequence-level loss)."""
         logits = gate(x2)
         sdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         logits = logits.to(sdtype)
@@ -62,28 +131,68 @@ class RoutingStep:
             noisy = logits + gate.gate_noise * torch.randn_like(logits) / self.num_experts
         else:
             noisy = logits
-        scores = F.softmax(noisy, dim=1)
         cc = self._consts
-        r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, normalize=self.normalize_gate,
-                  consts=cc)
+        opts = self.router_options
+        if opts.plain and self.expert_bias is None:
+            scores = F.softmax(noisy, dim=1)
+            r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, normalize=self.normalize_gate,
+                      consts=cc)
+        else:
+            if opts.num_groups is not None and k != self.k:
+                check_groups(k, self.num_experts, opts.num_groups, opts.group_topk)
+            bias = self.expert_bias
+            selected = select_experts(noisy, k, opts, None if bias is None else bias.float())
+            # the probabilities for the losses and the batch priority; route() reads only the shape otherwise
+            need = (self.balance_loss_type is not None or self.seq_aux_loss_weight != 0
+                    or self.batch_prioritized_routing)
+            scores = loss_scores(noisy, opts.score_function) if need else noisy
+            r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, consts=cc, selected=selected)
+            if bias is not None and self.training and torch.is_grad_enabled():
+                n = self.tokens_per_expert
+                if n.dtype != torch.float32:  # cast by layer.to(dtype): counts past 256 are not exact in bf16
+                    n.data = n.data.float()
+                n.add_(r.counts)
 
         if self.balance_loss_type == "gshard":
             bal = gshard_loss(scores, r.topk_idx[:, 0], cc.ones(scores.shape[0], scores.dtype, scores.device))
+        elif self.balance_loss_type == "switch":
+            bal = switch_loss(scores, k)
         elif self.balance_loss_type == "load_importance":
             bal = load_importance_loss(F.softmax(logits, dim=1), noisy, r.topk_idx, gate.gate_noise)
         else:
             bal = None
+        w = self.balance_loss_weight
+        aux = None if bal is None else (bal if w == 1.0 else bal * w)
+        seq = None
+        if self.seq_aux_loss_weight != 0:
+            seq = seq_switch_loss(self._by_sequence(scores, lead), k)
+            aux = seq * self.seq_aux_loss_weight if aux is None else aux + seq * self.seq_aux_loss_weight
         if self.z_loss_weight != 0:
             z = router_z_loss(logits)
-            aux = z * self.z_loss_weight if bal is None else bal + z * self.z_loss_weight
+            aux = z * self.z_loss_weight if aux is None else aux + z * self.z_loss_weight
             z_logits = None
         else:  # not part of the loss: computed (without a graph) only if someone reads layer.z_loss
-            aux = bal if bal is not None else logits.new_zeros(())
+            aux = aux if aux is not None else logits.new_zeros(())
             z, z_logits = None, logits.detach()
         # plain attributes (none is a parameter, buffer or module): skip nn.Module.__setattr__'s lookups
         d = self.__dict__
+        d["seq_aux_loss"] = seq
         d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = z_logits, z, bal, aux
         return r
+
+    def _by_sequence(self, scores: Tensor, lead: tuple) -> Tensor:
+        """``[T, E]`` scores as ``[S, B, E]``: ``B`` sequences of ``S`` tokens, from the input's
+        leading shape ``[S, B]`` (``seq_dim=0``, Megatron-core's layout) or ``[B, S]``
+        (``seq_dim=1``); a 1-D or 0-D leading shape is one sequence."""
+        E = scores.shape[1]
+        if len(lead) <= 1:
+            return scores.view(-1, 1, E)
+        if len(lead) != 2:
+            raise ValueError(f"seq_aux_loss_weight != 0 needs x as [seq, batch, model_dim] (seq_dim=0) or "
+                             f"[batch, seq, model_dim] (seq_dim=1), got x with leading shape {tuple(lead)}")
+        if self.seq_dim == 0:
+            return scores.view(lead[0], lead[1], E)
+        return scores.view(lead[0], lead[1], E).transpose(0, 1)
 
     def _capacity(self, r: Routing, T: int, k: int, cf: float, ineq: bool) -> int:
         """Slots per expert and source rank: fixed (``cf > 0``) or the busiest expert's load over

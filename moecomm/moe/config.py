@@ -25,9 +25,10 @@ from . import _comm
 from ._args import float_arg, int_arg
 from .gates import GATE_TYPES, TopKGate
 from .losses import BALANCE_LOSSES
+from .scoring import SCORE_FUNCTIONS
 
-__all__ = ["MoEConfig", "PARALLEL_MODES", "bool_arg", "expert_layout", "check_degree", "check_own_first",
-           "check_algorithm"]
+__all__ = ["MoEConfig", "PARALLEL_MODES", "bool_arg", "check_groups", "expert_layout", "check_degree",
+           "check_own_first", "check_algorithm"]
 
 PARALLEL_MODES = ("expert", "data", "auto")
 
@@ -45,7 +46,8 @@ def bool_arg(name: str, value: Any) -> bool:
 class MoEConfig:
     """Every option of :class:`~moecomm.moe.MoELayer` (see its docstring for their meaning),
     checked when made (those of the gates and experts aside, see the module's docstring):
-    ``capacity_factor`` and ``z_loss_weight`` are stored as floats, the rest as given.
+    ``capacity_factor``, ``z_loss_weight``, ``topk_scaling_factor``, ``balance_loss_weight`` and
+    ``seq_aux_loss_weight`` are stored as floats, the rest as given.
 
     Raises:
         TypeError: an option of the wrong type (named), or a required one missing
@@ -64,6 +66,18 @@ class MoEConfig:
     proj_dim: int = 256
     init_t: float = 0.5
     normalize_gate: bool = True
+    score_function: str = "softmax"
+    pre_softmax: bool = True
+    topk_scaling_factor: Optional[float] = None
+    expert_bias: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    balance_loss_weight: float = 1.0
+    seq_aux_loss_weight: float = 0.0
+    seq_dim: int = 0
+    shared_expert_size: Optional[int] = None
+    shared_expert_activation: Union[str, Callable[[Tensor], Tensor]] = "swiglu"
+    shared_expert_gate: bool = False
     batch_prioritized_routing: bool = False
     is_postscore: bool = True
     balance_loss: Optional[str] = "gshard"
@@ -107,6 +121,8 @@ class MoEConfig:
         if self.balance_loss not in BALANCE_LOSSES:
             raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {self.balance_loss!r}")
         object.__setattr__(self, "z_loss_weight", float_arg("z_loss_weight", self.z_loss_weight))
+        self._check_router(E)
+        self._check_shared()
         if self.parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"parallel_mode must be one of {PARALLEL_MODES}, got {self.parallel_mode!r}")
         _check_degree_value(self.overlap_degree)
@@ -149,6 +165,36 @@ class MoEConfig:
                 raise TypeError(f"gate must be a gate type name ({sorted(GATE_TYPES)}), a TopKGate or a list of "
                                 f"those, got {type(g).__name__}")
 
+    def _check_router(self, E: int) -> None:
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {self.score_function!r}")
+        for name in ("pre_softmax", "expert_bias", "shared_expert_gate"):
+            bool_arg(name, getattr(self, name))
+        if self.topk_scaling_factor is not None:
+            object.__setattr__(self, "topk_scaling_factor", float_arg("topk_scaling_factor", self.topk_scaling_factor))
+        for name in ("balance_loss_weight", "seq_aux_loss_weight"):
+            object.__setattr__(self, name, float_arg(name, getattr(self, name)))
+        int_arg("seq_dim", self.seq_dim, 0, 1)
+        if self.balance_loss == "load_importance" and self.score_function != "softmax":
+            raise ValueError(f"balance_loss='load_importance' needs score_function='softmax', got "
+                             f"{self.score_function!r}")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise ValueError(f"group-limited routing needs both num_groups and group_topk, got "
+                             f"num_groups={self.num_groups}, group_topk={self.group_topk}")
+        if self.num_groups is not None:
+            int_arg("num_groups", self.num_groups, 1, E, f" (num_experts={E})")
+            if E % self.num_groups:
+                raise ValueError(f"num_groups={self.num_groups} must divide num_experts={E}")
+            int_arg("group_topk", self.group_topk, 1, self.num_groups, f" (num_groups={self.num_groups})")
+            check_groups(self.k, E, self.num_groups, self.group_topk)
+
+    def _check_shared(self) -> None:
+        if self.shared_expert_size is not None:
+            int_arg("shared_expert_size", self.shared_expert_size, 1)
+            act = self.shared_expert_activation
+            if not callable(act) and not isinstance(act, str):
+                raise TypeError(f"shared_expert_activation must be a name or a callable, got {act!r}")
+
     def _check_experts(self) -> None:
         if self.experts is None:
             if self.hidden_size is None:
@@ -166,6 +212,20 @@ class MoEConfig:
         if not isinstance(self.experts, nn.Module) and not callable(self.experts):
             raise TypeError(f"experts must be None, an nn.Module or a callable returning one, got "
                             f"{type(self.experts).__name__}")
+
+
+def check_groups(k: int, num_experts: int, num_groups: int, group_topk: int) -> None:
+    """Group-limited routing can pick ``k`` experts: ``group_topk <= k`` (each group is scored
+    by its ``k // group_topk`` best experts) and ``k <= group_topk * num_experts / num_groups``.
+
+    Raises:
+        ValueError: naming ``k`` (also a per-call ``k``) and the group options.
+    """
+    per = num_experts // num_groups
+    if group_topk > k or k > group_topk * per:
+        raise ValueError(f"k={k} does not fit group-limited routing with num_groups={num_groups}, "
+                         f"group_topk={group_topk} ({per} experts per group): need group_topk <= k <= "
+                         f"group_topk * {per}")
 
 
 def expert_layout(num_experts: int, world: int, rank: int) -> tuple[int, int, int, int]:

@@ -25,6 +25,7 @@ from .config import (PARALLEL_MODES, MoEConfig, bool_arg, check_algorithm, check
 from .experts import BatchedExperts, ExpertList, FFNExperts
 from .gates import GATE_TYPES, TopKGate, make_gate
 from .routing import Routing, fixed_capacity
+from .shared import SharedExpertFFN, SharedExpertStep
 
 __all__ = ["MoELayer", "PARALLEL_MODES"]
 
@@ -53,7 +54,7 @@ def _build_gates(cfg: MoEConfig, seed: int, device: torch.device) -> list:
     return gates
 
 
-class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn.Module):
+class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPath, DecodePath, nn.Module):
     """A Mixture-of-Experts layer over a :class:`moecomm.Communicator`.
 
     ``forward(x)`` takes ``[..., model_dim]`` and returns ``[..., output_dim]`` (``output_dim``
@@ -77,6 +78,17 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn
     per source rank; 0: just enough for the busiest expert (the max over ranks); < 0: that, but
     at most ``|f|`` times the fixed capacity. ``dropless=True`` sends exactly the routed rows
     through ``all_to_all_v``, with no capacity and no padding.
+
+    Router options (Megatron-core's ``TopKRouter``, :mod:`moecomm.moe.scoring`; the README's
+    "Routers, shared experts and Megatron-core"): ``score_function`` (``"softmax"``,
+    ``"sigmoid"``, ``"sqrtsoftplus"``), ``pre_softmax`` (softmax before the top-k, or over the
+    k chosen logits), ``normalize_gate``, ``topk_scaling_factor``, ``expert_bias=True`` (a
+    per-expert bias for the choice only, updated by :meth:`update_expert_bias` from the counted
+    load), ``num_groups``/``group_topk`` (group-limited routing), ``balance_loss="switch"`` with
+    ``balance_loss_weight``, ``seq_aux_loss_weight`` (per-sequence loss; ``seq_dim`` says which
+    leading dimension of ``x`` is the sequence). ``shared_expert_size``: a dense FFN
+    (``shared_expert_activation``, ``shared_expert_gate``) on every token added to the output,
+    overlapped with the dispatch on a GPU side stream.
 
     Token counts may differ between ranks (a rank may have none): with
     ``inequivalent_tokens=True`` (default, per call too) ``T`` above is the largest count of
@@ -175,6 +187,18 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn
         proj_dim: int = 256,
         init_t: float = 0.5,
         normalize_gate: bool = True,
+        score_function: str = "softmax",
+        pre_softmax: bool = True,
+        topk_scaling_factor: Optional[float] = None,
+        expert_bias: bool = False,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        balance_loss_weight: float = 1.0,
+        seq_aux_loss_weight: float = 0.0,
+        seq_dim: int = 0,
+        shared_expert_size: Optional[int] = None,
+        shared_expert_activation: Union[str, Callable[[Tensor], Tensor]] = "swiglu",
+        shared_expert_gate: bool = False,
         batch_prioritized_routing: bool = False,
         is_postscore: bool = True,
         balance_loss: Optional[str] = "gshard",
@@ -243,6 +267,11 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn
         device = comm.device if cfg.device is None else torch.device(cfg.device)
         self.gates = nn.ModuleList(_build_gates(cfg, seed, device))
         self.experts = self._build_experts(cfg, seed, device)
+        self.shared_experts = None if cfg.shared_expert_size is None else SharedExpertFFN(
+            self.model_dim, cfg.shared_expert_size, output_dim=self.output_dim,
+            activation=cfg.shared_expert_activation, gate=cfg.shared_expert_gate,
+            generator=torch.Generator().manual_seed(seed + 3), dtype=cfg.dtype, device=device)
+        self._setup_router(cfg, device)
         for name, p in self.experts.named_parameters():
             p.skip_allreduce = True  # Tutel's marker: expert weights are not data-parallel
             if cfg.scan_expert_func is not None:
@@ -438,19 +467,23 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn
         dev_type = x2.device.type
         autocast = torch.is_autocast_enabled(dev_type) if hasattr(torch, "is_autocast_enabled") else False
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
+        shared = None if self.shared_experts is None else self._start_shared(x2)
         if not self.fused_step:
             why = "fused_step=False"
         elif mode != "expert":
             why = f"parallel_mode={mode!r} (the fused step is expert-parallel)"
         elif autocast:
             why = "autocast (the fused step runs in the input's dtype)"
+        elif self._router_reason is not None:
+            why = self._router_reason
         else:
             why = _fused_step.uncovered(self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size)
         self._note_step_path(why)
         if why is None:
-            return self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire).reshape(*lead, self.output_dim)
+            y = self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire)
+            return self._add_shared(y, shared).reshape(*lead, self.output_dim)
 
-        r = self._route(x2, gate, kk)  # fp32 at least; sets the call's losses
+        r = self._route(x2, gate, kk, lead)  # fp32 at least; sets the call's losses
         r.capacity = None if drop_less else self._capacity(r, T, kk, cf, ineq)
 
         auto_key = None
@@ -468,7 +501,7 @@ class MoELayer(RoutingStep, ExpertParallelPath, DataParallelPath, DecodePath, nn
             y = self._timed(mode, auto_key, x_c, r, deg, own, algo, cdtype, wire)
         d = self.__dict__
         d["_last_route"], d["_last_routing"] = r, None
-        return y.reshape(*lead, self.output_dim)
+        return self._add_shared(y, shared).reshape(*lead, self.output_dim)
 
     def _note_step_path(self, why: Optional[str]) -> None:
         """Record the call's path (:attr:`last_step_path`); the first call that a configuration

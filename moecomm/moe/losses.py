@@ -9,7 +9,7 @@ from torch import Tensor
 
 __all__ = ["gshard_loss", "load_importance_loss", "router_z_loss", "BALANCE_LOSSES"]
 
-BALANCE_LOSSES = ("gshard", "load_importance", None)
+BALANCE_LOSSES = ("gshard", "switch", "load_importance", None)
 
 
 def gshard_loss(scores: Tensor, top1: Tensor, ones: Optional[Tensor] = None) -> Tensor:

@@ -47,8 +47,10 @@ def _consts(consts: Optional[StepConstants]) -> StepConstants:
 
 
 def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize: bool = True,
-          consts: Optional[StepConstants] = None) -> Routing:
-    """Choose ``k`` experts per token from ``scores`` (``[T, E]`` probabilities).
+          consts: Optional[StepConstants] = None, selected: Optional[tuple[Tensor, Tensor]] = None) -> Routing:
+    """Choose ``k`` experts per token from ``scores`` (``[T, E]`` probabilities), or take the
+    choice ``selected`` = ``(gates [T, k], topk_idx [T, k])`` made already (then ``scores``
+    serves the batch priority only and ``normalize`` is not applied).
 
     No one-hot matrices: positions come from one stable sort of the ``k*T`` expert ids, so
     the cost per route is the same for any ``k``. ``consts``: a cache of the constant
@@ -57,7 +59,10 @@ def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize:
     T, E = scores.shape
     dev = scores.device
     cc = _consts(consts)
-    if T:
+    if selected is not None:
+        gates, topk_idx = selected
+        normalize = False
+    elif T:
         gates, topk_idx = torch.topk(scores, k, dim=1)  # the values are scores.gather(1, topk_idx)
     else:
         topk_idx = torch.empty(0, k, dtype=torch.int64, device=dev)

@@ -18,7 +18,7 @@ import moecomm
 from moecomm.graphs import capture
 from moecomm.moe import MoELayer
 from tests.mpi_util import collective_assert, rank_main
-from tests.ranks.moe_reference import RefParams, random_params, reference
+from tests.ranks.moe_reference import RefParams, RefRouter, RefShared, random_params, reference
 
 WORLD = MPI.COMM_WORLD
 D, H = 8, 12
@@ -191,6 +191,66 @@ def _agrees_on_tokens(case: Case, kw: dict) -> bool:
     return flag is not False
 
 
+_ROUTER_KEYS = {"score_function": "score_function", "pre_softmax": "pre_softmax", "topk_scaling_factor": "scaling",
+                "num_groups": "num_groups", "group_topk": "group_topk", "balance_loss_weight": "balance_weight",
+                "seq_aux_loss_weight": "seq_weight"}
+
+
+def router_setup(layer: MoELayer, kw: dict, seed: int) -> tuple:
+    """(RefRouter or None, RefShared or None) for the router and shared-expert options of
+    ``kw``, with a random expert bias and shared expert loaded into ``layer``."""
+    router = shared = None
+    if any(key in kw for key in _ROUTER_KEYS) or kw.get("expert_bias"):
+        router = RefRouter(**{_ROUTER_KEYS[key]: kw[key] for key in _ROUTER_KEYS if key in kw})
+        if kw.get("expert_bias"):
+            g = torch.Generator().manual_seed(seed + 5)
+            bias = torch.randn(layer.num_experts, generator=g, dtype=torch.float64) * 0.05
+            with torch.no_grad():
+                layer.expert_bias.copy_(bias.float())
+            router.bias = layer.expert_bias.detach().cpu().double()
+    if kw.get("shared_expert_size"):
+        g = torch.Generator().manual_seed(seed + 6)
+        sx = layer.shared_experts
+
+        def rnd(*shape):
+            return (torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5).requires_grad_(True)
+        shared = RefShared(rnd(*sx.fc1_weight.shape), rnd(*sx.fc2_weight.shape),
+                           rnd(1, D) if sx.gate_weight is not None else None, sx.act, sx.gated)
+        with torch.no_grad():
+            sx.fc1_weight.copy_(shared.w1)
+            sx.fc2_weight.copy_(shared.w2)
+            if shared.gate is not None:
+                sx.gate_weight.copy_(shared.gate)
+    return router, shared
+
+
+def check_router_state(case: Case, layer: MoELayer, refs: list, shared: Optional[RefShared], tol: float,
+                       errs: list) -> None:
+    """Shared-expert gradients (summed over ranks) and, with an expert bias, the load counts and
+    ``update_expert_bias`` against a plain computation over every rank's choices."""
+    if shared is not None:
+        sx = layer.shared_experts
+        for name, got, want in (("fc1", sx.fc1_weight.grad, shared.w1), ("fc2", sx.fc2_weight.grad, shared.w2),
+                                ("gate", sx.gate_weight.grad if sx.gate_weight is not None else None, shared.gate)):
+            if want is None:
+                continue
+            g = torch.zeros(want.shape, dtype=DT) if got is None else got
+            summed = torch.from_numpy(WORLD.allreduce(g.detach().cpu().double().numpy(), op=MPI.SUM))
+            close(f"{case.name}: shared {name} grad (sum over ranks)", summed, grad_of(want), tol, errs)
+    if layer.expert_bias is not None:
+        E = layer.num_experts
+        mine = [sum(row.count(e) for row in refs[layer.comm.rank].topk) for e in range(E)]
+        close(f"{case.name}: tokens_per_expert", layer.tokens_per_expert, torch.tensor(mine, dtype=DT), 0, errs)
+        total = [sum(sum(row.count(e) for row in ref.topk) for ref in refs) for e in range(E)]
+        before = layer.expert_bias.detach().cpu().double().clone()
+        mean = sum(total) / E
+        want = torch.tensor([float(before[e]) + 0.001 * ((mean > total[e]) - (mean < total[e])) for e in range(E)])
+        got = layer.update_expert_bias(0.001)
+        close(f"{case.name}: update_expert_bias", got, want, 1e-7, errs)
+        if bool(layer.tokens_per_expert.any()):
+            errs.append(f"{case.name}: tokens_per_expert not reset by update_expert_bias")
+
+
 def run_case(case: Case, seed: int = 0) -> list:
     comm = _comm()
     W, rank = comm.size, comm.rank
@@ -213,7 +273,8 @@ def run_case(case: Case, seed: int = 0) -> list:
         kw["experts"] = factory
     layer = MoELayer(D, H, case.E, **kw)
     load_params(layer, p, case)
-    if case.noise > 0:
+    router, shared = router_setup(layer, kw, seed)
+    if case.noise > 0 or kw.get("expert_bias"):
         layer.train()
     else:
         layer.eval()
@@ -222,7 +283,7 @@ def run_case(case: Case, seed: int = 0) -> list:
                   normalize=kw.get("normalize_gate", True), batch_prioritized=kw.get("batch_prioritized_routing", False),
                   postscore=kw.get("is_postscore", True), balance_loss=kw.get("balance_loss", "gshard"),
                   z_weight=kw.get("z_loss_weight", 0.0), gate_noise=case.noise,
-                  inequivalent=_agrees_on_tokens(case, kw))
+                  inequivalent=_agrees_on_tokens(case, kw), router=router, shared=shared)
     ref_kw.update(case.ref_kw)
     for call in range(case.calls):
         if case.schedule is not None:
@@ -243,7 +304,7 @@ def run_case(case: Case, seed: int = 0) -> list:
         loss = (y * gy).sum() + 0.5 * layer.aux_loss
         loss.backward()
 
-        for t in p.leaves():
+        for t in p.leaves() + (shared.leaves() if shared is not None else []):
             t.grad = None
         xr = [xi.detach().clone().requires_grad_(True) for xi in xs]
         refs = reference(p, xr, **ref_kw)
@@ -287,6 +348,7 @@ def run_case(case: Case, seed: int = 0) -> list:
             g = torch.zeros(p.gate[name].shape, dtype=DT) if g is None else g
             summed = torch.from_numpy(WORLD.allreduce(g.detach().cpu().double().numpy(), op=MPI.SUM))
             close(f"{case.name}: gate grad {name} (sum over ranks)", summed, grad_of(p.gate[name]), tol, errs)
+        check_router_state(case, layer, refs, shared, tol, errs)
         if errs:
             break
     return errs
@@ -374,6 +436,75 @@ def cases_for(W: int, group: str) -> list:
                                 layer_kw=dict(activation="swiglu", fc1_bias=True, fc2_bias=True)))
                 out.append(Case(f"sharded E={Es} geglu data parallel", Es, k=1, dropless=True, tokens=ragged,
                                 layer_kw=dict(activation="geglu", parallel_mode="data")))
+    if group in ("routers", "all"):
+        out += router_cases(E, ragged) + random_router_cases(E, W)
+    return out
+
+
+def router_cases(E: int, ragged: list) -> list:
+    """Megatron-core's router options and shared experts (issue 27) against the reference's own
+    routing (tests/ranks/moe_reference.py route_token)."""
+    sig = dict(score_function="sigmoid", expert_bias=True, num_groups=2, group_topk=1, balance_loss="switch",
+               balance_loss_weight=0.3, z_loss_weight=0.1)
+    return [
+        Case("sigmoid bias groups switch z dropless", E, k=2, dropless=True, tokens=ragged, layer_kw=sig),
+        Case("sigmoid bias groups cf=1", E, k=2, cf=1.0, layer_kw=sig),
+        Case("sqrtsoftplus no normalize scaling seq loss", E, k=3, cf=0.5,
+             layer_kw=dict(score_function="sqrtsoftplus", normalize_gate=False, topk_scaling_factor=2.5,
+                           seq_aux_loss_weight=0.2)),
+        Case("softmax after top-k groups 2/2 switch", E, k=3, dropless=True, tokens=ragged,
+             layer_kw=dict(pre_softmax=False, num_groups=2, group_topk=2, balance_loss="switch")),
+        Case("softmax bias scaling k=1 cf=0", E, k=1, cf=0.0, tokens=ragged,
+             layer_kw=dict(expert_bias=True, topk_scaling_factor=0.5, normalize_gate=False)),
+        Case("per-call k with groups", E, k=2, cf=1.0, call_kw=dict(k=3),
+             layer_kw=dict(score_function="sigmoid", num_groups=2, group_topk=2)),
+        Case("sigmoid batch prioritized", E, k=2, cf=0.5,
+             layer_kw=dict(score_function="sigmoid", batch_prioritized_routing=True)),
+        Case("shared swiglu gated, sigmoid dropless", E, k=2, dropless=True, tokens=ragged,
+             layer_kw=dict(score_function="sigmoid", shared_expert_size=10, shared_expert_gate=True)),
+        Case("shared relu, default router (fused step)", E, k=2, cf=1.0,
+             layer_kw=dict(shared_expert_size=6, shared_expert_activation="relu")),
+        Case("shared geglu, sigmoid overlap 2 own_first", E, k=2, cf=1.0,
+             layer_kw=dict(score_function="sigmoid", expert_bias=True, shared_expert_size=6,
+                           shared_expert_activation="geglu", overlap_degree=2, own_first=True)),
+        Case("prescore sigmoid scaling", E, k=2, cf=1.0,
+             layer_kw=dict(score_function="sigmoid", topk_scaling_factor=1.5, is_postscore=False)),
+        Case("sigmoid bias gate noise", E, k=2, cf=1.0, noise=1.0,
+             layer_kw=dict(score_function="sigmoid", expert_bias=True, balance_loss="switch")),
+        Case("shared swiglu data parallel", E, k=2, cf=0.5,
+             layer_kw=dict(score_function="sigmoid", shared_expert_size=6, parallel_mode="data")),
+    ]
+
+
+def random_router_cases(E: int, W: int, n: int = 6) -> list:
+    """``n`` router configurations drawn from a generator seeded by the world size (the same
+    draw on every rank): score function, softmax side, k, groups, bias, scaling, losses, shared
+    expert, capacity or dropless, and token counts per rank (zeros included)."""
+    import random
+
+    rnd = random.Random(2700 + W)
+    out = []
+    for i in range(n):
+        kw: dict = dict(score_function=rnd.choice(["softmax", "sigmoid", "sqrtsoftplus"]),
+                        expert_bias=rnd.random() < 0.5, normalize_gate=rnd.random() < 0.7,
+                        balance_loss=rnd.choice(["gshard", "switch", None]), seq_aux_loss_weight=rnd.choice([0.0, 0.3]))
+        if kw["score_function"] == "softmax":
+            kw["pre_softmax"] = rnd.random() < 0.5
+        if rnd.random() < 0.4:
+            kw["topk_scaling_factor"] = 1.5
+        groups = rnd.choice([None, 2] + ([E // 2] if E // 2 not in (1, 2) else []))
+        if groups is not None:
+            gk = rnd.randint(1, groups)
+            k = rnd.randint(gk, gk * (E // groups))
+            kw.update(num_groups=groups, group_topk=gk)
+        else:
+            k = rnd.randint(1, E)
+        if rnd.random() < 0.4:
+            kw.update(shared_expert_size=5, shared_expert_activation=rnd.choice(["swiglu", "relu"]))
+        dropless = rnd.random() < 0.5
+        tokens = [rnd.choice([0, 3, 8, 13]) for _ in range(W)]
+        out.append(Case(f"random router #{i} k={k} {kw}", E, k=k, cf=rnd.choice([0.5, 1.0, 0.0]), dropless=dropless,
+                        tokens=tokens, layer_kw=kw))
     return out
 
 
@@ -399,6 +530,12 @@ def unequal_cases(W: int) -> list:
         Case("unequal inequivalent_tokens=True", E, tokens=zero, layer_kw=dict(inequivalent_tokens=True)),
         Case("every rank without tokens", E, tokens=[0]),
         Case("equal counts, inequivalent_tokens=False", E, tokens=[11], call_kw=dict(inequivalent_tokens=False)),
+        Case("unequal sigmoid bias groups shared", E, k=2, tokens=zero,
+             layer_kw=dict(score_function="sigmoid", expert_bias=True, num_groups=2, group_topk=1,
+                           balance_loss="switch", shared_expert_size=6, shared_expert_gate=True)),
+        Case("every rank without tokens, sigmoid bias shared", E, tokens=[0],
+             layer_kw=dict(score_function="sigmoid", expert_bias=True, shared_expert_size=6,
+                           seq_aux_loss_weight=0.1)),
     ]
     # one layer, counts changing from call to call (random, zeros included; the same draw on every rank)
     g = torch.Generator().manual_seed(1400 + W)
@@ -699,6 +836,8 @@ def main() -> None:
         checks.append(check(unequal_cases(W)))
     if group in ("routing", "all"):
         checks.append(check(cases_for(W, "routing")))
+    if group in ("routers", "all"):
+        checks.append(check(cases_for(W, "routers")))
     if group in ("features", "all"):
         checks.append(check(cases_for(W, "features")))
         checks.append(check_bad_configs)

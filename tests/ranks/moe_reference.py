@@ -80,6 +80,103 @@ def expert(p: RefParams, e: int, v: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class RefRouter:
+    """Router options (the layer's names) for :func:`reference`; ``bias``: ``[E]`` or None."""
+
+    score_function: str = "softmax"
+    pre_softmax: bool = True
+    scaling: Optional[float] = None
+    bias: Optional[torch.Tensor] = None
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    balance_weight: float = 1.0
+    seq_weight: float = 0.0
+
+
+@dataclass
+class RefShared:
+    """A shared expert: ``w1`` ``[F or 2F, D]`` (gated: ``[:F]`` through ``act``), ``w2``
+    ``[Do, F]``, ``gate`` ``[1, D]`` or None."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    gate: Optional[torch.Tensor]
+    act: Callable
+    gated: bool
+
+    def leaves(self) -> list:
+        return [self.w1, self.w2] + ([self.gate] if self.gate is not None else [])
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        h = self.w1 @ v
+        if self.gated:
+            f = h.shape[0] // 2
+            h = self.act(h[:f]) * h[f:]
+        else:
+            h = self.act(h)
+        out = self.w2 @ h
+        if self.gate is not None:
+            out = out * torch.sigmoid((self.gate @ v)[0])
+        return out
+
+
+def elementwise_scores(l: torch.Tensor, fn: str) -> torch.Tensor:
+    """One token's ``[E]`` scores: softmax over the experts, or sigmoid / sqrt(softplus) each."""
+    if fn == "softmax":
+        e = torch.exp(l - l.max())
+        return e / e.sum()
+    if fn == "sigmoid":
+        return 1.0 / (1.0 + torch.exp(-l))
+    return torch.sqrt(torch.log1p(torch.exp(l)))
+
+
+def route_token(l: torch.Tensor, k: int, o: RefRouter, normalize: bool) -> tuple:
+    """One token's ``(choices [k], gates [k])`` from its ``[E]`` logits: the experts ranked by
+    the (biased) selection score inside the best groups, then the gate weights."""
+    E = l.shape[0]
+    fn = o.score_function
+    s = elementwise_scores(l, fn)
+    post = fn == "softmax" and not o.pre_softmax
+    sel = [float(v) for v in (l if post else s).detach()]
+    if o.bias is not None:
+        sel = [v + float(b) for v, b in zip(sel, o.bias)]
+    allowed = list(range(E))
+    if o.num_groups is not None:
+        per = E // o.num_groups
+        gscore = []
+        for gi in range(o.num_groups):
+            vals = sorted((sel[e] for e in range(gi * per, (gi + 1) * per)), reverse=True)
+            gscore.append(sum(vals[:k // o.group_topk]))
+        best = sorted(range(o.num_groups), key=lambda gi: (-gscore[gi], gi))[:o.group_topk]
+        allowed = [e for e in range(E) if e // per in best]
+    choices = sorted(allowed, key=lambda e: (-sel[e], e))[:k]
+    if post:
+        ex = [torch.exp(l[e] - max(l[c] for c in choices)) for e in choices]
+        tot = sum(ex)
+        g = [v / tot for v in ex]
+    else:
+        g = [s[e] for e in choices]
+        if normalize and k > 1:
+            tot = sum(g)
+            g = [v / tot for v in g]
+    if o.scaling is not None:
+        g = [v * o.scaling for v in g]
+    return choices, g
+
+
+def switch_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """E / (k T^2) sum_e (sum_t scores[t, e]) * #{t: e in the top-k of scores[t]}."""
+    T, E = scores.shape
+    if T == 0:
+        return scores.sum() * 0
+    n = [0] * E
+    for t in range(T):
+        for e in sorted(range(E), key=lambda e: (-float(scores[t, e].detach()), e))[:k]:
+            n[e] += 1
+    return sum(scores[:, e].sum() * n[e] for e in range(E)) * E / (k * T * T)
+
+
+@dataclass
 class RefResult:
     y: torch.Tensor
     aux: torch.Tensor
@@ -94,26 +191,48 @@ class RefResult:
 def reference(p: RefParams, xs: list, *, k: int, capacity_factor: float, dropless: bool = False,
               normalize: bool = True, batch_prioritized: bool = False, postscore: bool = True,
               balance_loss: Optional[str] = "gshard", z_weight: float = 0.0, noise: Optional[list] = None,
-              gate_noise: float = 0.0, inequivalent: bool = False) -> list:
-    """One :class:`RefResult` per rank. ``noise[r]``: the ``[T_r, E]`` standard normals the layer drew."""
+              gate_noise: float = 0.0, inequivalent: bool = False, router: Optional[RefRouter] = None,
+              shared: Optional[RefShared] = None, seqs: Optional[list] = None) -> list:
+    """One :class:`RefResult` per rank. ``noise[r]``: the ``[T_r, E]`` standard normals the layer
+    drew. ``router``: non-default router options; ``shared``: a shared expert; ``seqs[r]``: the
+    sequences of rank ``r`` as lists of token indices (default: one sequence of all)."""
     E = p.w1.shape[0]
     logits_all, scores_all, choices_all = [], [], []
     for r, x in enumerate(xs):
         logits = ref_logits(p, x)
         noisy = logits if noise is None else logits + gate_noise * noise[r] / E
-        scores = torch.softmax(noisy, dim=1)
         T = x.shape[0]
         choices = []
-        for t in range(T):
-            sd = scores.detach()
-            ranked = sorted(range(E), key=lambda e: (-float(sd[t, e]), e))
-            choices.append(ranked[:k])
+        if router is None:
+            scores = torch.softmax(noisy, dim=1)
+            for t in range(T):
+                sd = scores.detach()
+                ranked = sorted(range(E), key=lambda e: (-float(sd[t, e]), e))
+                choices.append(ranked[:k])
+        else:
+            rows = [elementwise_scores(noisy[t], router.score_function) for t in range(T)]
+            if router.score_function != "softmax":
+                rows = [v / (v.sum() + 1e-20) for v in rows]
+            scores = torch.stack(rows) if rows else noisy * 0
+            gates_r = []
+            for t in range(T):
+                c, g = route_token(noisy[t], k, router, normalize)
+                choices.append(c)
+                gates_r.append(g)
+            choices = (choices, gates_r)
         logits_all.append((logits, noisy))
         scores_all.append(scores)
         choices_all.append(choices)
 
     # per-expert route counts per rank (for capacity_factor <= 0: the busiest expert anywhere)
     busiest = 0
+    gates_all = []
+    for i, ch in enumerate(choices_all):
+        if isinstance(ch, tuple):
+            choices_all[i], g = ch
+            gates_all.append(g)
+        else:
+            gates_all.append(None)
     for choices in choices_all:
         cnt = [0] * E
         for ch in choices:
@@ -150,11 +269,16 @@ def reference(p: RefParams, xs: list, *, k: int, capacity_factor: float, droples
                 used[e] += 1
         rows = []
         for t in range(T):
-            g = [scores[t, e] for e in choices[t]]
-            if normalize and k > 1:
-                s = sum(g)
-                g = [gi / s for gi in g]
+            if gates_all[r] is not None:
+                g = gates_all[r][t]
+            else:
+                g = [scores[t, e] for e in choices[t]]
+                if normalize and k > 1:
+                    s = sum(g)
+                    g = [gi / s for gi in g]
             acc = torch.zeros(p.w2.shape[2], dtype=x.dtype)
+            if shared is not None:
+                acc = acc + shared(x[t])
             for j, e in enumerate(choices[t]):
                 if not kept[t][j]:
                     continue
@@ -182,9 +306,16 @@ def reference(p: RefParams, xs: list, *, k: int, capacity_factor: float, droples
             load = normal.cdf(clean - kth).sum(0)
             l_load = load.var() / (load.mean() ** 2 + 1e-10)
             bal = (l_imp + l_load) / 2
+        elif balance_loss == "switch":
+            bal = switch_ref(scores, k)
         else:
             bal = None
         z = (torch.logsumexp(logits, dim=1) ** 2).mean() if T else logits.sum() * 0
-        aux = z * z_weight if bal is None else bal + z * z_weight
+        aux = z * z_weight if bal is None else bal * (router.balance_weight if router else 1.0) + z * z_weight
+        if router is not None and router.seq_weight:
+            groups = seqs[r] if seqs is not None else [list(range(T))]
+            parts = [switch_ref(scores[torch.tensor(ix, dtype=torch.int64)], k) for ix in groups if ix]
+            seq = sum(parts) / len(groups) if parts else scores.sum() * 0
+            aux = aux + router.seq_weight * seq
         out.append(RefResult(y, aux, bal, z, choices, kept, cap))
     return out
