@@ -26,7 +26,7 @@ def run_ranks(nprocs: int, module: str, *args: str, timeout: float = RANKS_TIMEO
 
     Returns the ranks' combined output.
     """
-    cmd, rc, stdout, stderr = _launch_ranks(nprocs, module, *args, timeout=timeout, env=env)
+    cmd, rc, stdout, stderr = launch_ranks(nprocs, module, *args, timeout=timeout, env=env)
     if rc is None:
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n{stdout[-6000:]}")
     if rc != 0:
@@ -132,7 +132,7 @@ class SharedLaunches:
         with open(path, "w") as f:
             json.dump(specs, f, indent=1)
         timeout = min(SHARED_LAUNCH_TIMEOUT_S, sum(j.timeout for j in jobs) + 60)
-        cmd, rc, stdout, stderr = _launch_ranks(nprocs, "tests.ranks.suite", path, timeout=timeout)
+        cmd, rc, stdout, stderr = launch_ranks(nprocs, "tests.ranks.suite", path, timeout=timeout)
         # rank 0 prints "@@ranks-job begin|passed|failed ID"; a section runs from one begin to the next
         lines: dict[str, list[str]] = {}
         status: dict[str, str] = {}
@@ -153,7 +153,7 @@ class SharedLaunches:
                             "sections": {j: "".join(v) for j, v in lines.items()}, "status": status})
 
 
-def _launch_ranks(nprocs: int, module: str, *args: str, timeout: float, env: dict | None = None):
+def launch_ranks(nprocs: int, module: str, *args: str, timeout: float, env: dict | None = None):
     """``mpiexec -n nprocs python -m module args`` as run_ranks does; (cmd, rc or None, stdout, stderr)."""
     full_env = dict(os.environ)
     full_env.setdefault("MOECOMM_TIMEOUT", RANKS_COMM_TIMEOUT_S)

@@ -1,8 +1,9 @@
 """Framework integrations on real MPI ranks (run by tests/test_integrations.py).
 
 One launch per world size runs every check: the global ``torch.distributed`` swap, then
-Megatron-core's ``mappings.all_to_all`` and ``MoEAlltoAllTokenDispatcher`` pipeline, then
-DeepSpeed's ``MoE`` layer (plain and ``use_tutel=True``), each with and without moecomm.
+DeepSpeed's ``MoE`` layer (plain and ``use_tutel=True``), then Megatron-core's
+``mappings.all_to_all`` and ``MoEAlltoAllTokenDispatcher`` pipeline, each with and without
+moecomm.
 A framework that is not installed is reported as ``SKIP <name>: <reason>`` and not run.
 Data is made on a gloo group over the MPI ranks (tests.mpi_util.init_gloo_over_mpi).
 """
@@ -396,6 +397,6 @@ def deepspeed_checks() -> list:
 
 if __name__ == "__main__":
     checks = [check_global_swap, check_group_mapping, lambda: say("PASS global-swap")]
-    checks += megatron_checks()
     checks += deepspeed_checks()
+    checks += megatron_checks()  # last: the most version-sensitive, a failure there ends the launch
     rank_main(checks)
