@@ -139,6 +139,8 @@ def test_cli_probe_without_a_launcher_says_how_to_launch(capsys, monkeypatch):
         err = capsys.readouterr().err
         assert "run under mpiexec -n N (N a multiple of 4)" in err and "without a launcher" in err, err
         assert f"mpiexec -n 8 python -m topology {command} --local-size 4" in err
+    assert cli.main(["probe", "--sizes", "256", "--iters", "1", "--warmup", "0", "--backend", "self"]) == 0
+    assert "one rank has no links to measure, only the layout copy: run under mpiexec -n N" in capsys.readouterr().out
 
 
 def test_wire_model():

@@ -104,6 +104,9 @@ def cmd_probe(args) -> int:
     say = print if comm.rank == 0 else (lambda s: None)
     say(f"probe: {comm.size} ranks as {comm.num_nodes} node(s) x {comm.local_size}, backend {comm.backend}, "
         f"device {comm.device}")
+    if comm.size == 1:
+        say("probe: one rank has no links to measure, only the layout copy: run under mpiexec -n N "
+            "(or torchrun --nproc-per-node N) for the intra- and inter-node links")
     links = probe_links(comm, args.sizes, iters=args.iters, warmup=args.warmup, log=say)
     if comm.rank == 0:
         _print_links(links)
