@@ -26,6 +26,9 @@ still on the device) therefore **cannot be used without editing Megatron**: the 
 and the event wait happen in the dispatcher before the communication call, and the host
 values are needed after it; skipping them needs changes to ``preprocess``,
 ``_maybe_dtoh_and_synchronize`` and ``dispatch_postprocess``.
+
+**Versions.** megatron-core 0.19 and later (:data:`SUPPORTED`; tested: 0.19.2). ``enable()``
+refuses an older one with the README's install recipe (:func:`check_version`).
 """
 
 from __future__ import annotations
