@@ -31,9 +31,9 @@ Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCC
 
 ``--wire-dtype float8_e4m3fn`` (or ``float8_e5m2``) adds ``moecomm-fp8`` and
 ``moecomm-fp8-known`` (and the ``-p2p`` ones): the same exchanges with
-``wire_dtype=``, quantization and dequantization included in the time. The ``wire``
-column gives the bytes a rank sends (rows as they travel: FP8 plus block scales for those
-methods), ``vs plain`` the time against the same method without ``wire_dtype``.
+``wire_dtype=``, quantization and dequantization included in the time, and two columns
+(only then): ``wire``, the bytes a rank sends (rows as they travel: FP8 plus block scales for
+those methods), and ``vs plain``, the time against the same method without ``wire_dtype``.
 On the CPU each rank runs torch with one intra-op thread unless ``--threads`` says
 otherwise: the quantization kernels run on those threads, and more threads than the cores
 the rank has to itself make them far slower (ranks of one host share its cores).
@@ -336,9 +336,12 @@ def _fmt_size(n: int) -> str:
 
 
 def format_table(results: list[dict], header: str) -> str:
+    """The printed table: a row per result; the ``wire`` and ``vs plain`` columns only when some
+    method sent FP8 rows (``--wire-dtype``)."""
+    wired = any("fp8" in r["method"] for r in results)
     lines = [header, f"{'size':>10} {'rows':>8} {'pattern':>8} {'method':>17} {'time(us)':>10} {'p99(us)':>10} "
-             f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'check':>6} {'vs torch':>9} {'vs raw':>7} {'wire':>10} "
-             f"{'vs plain':>9}"]
+             f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'check':>6} {'vs torch':>9} {'vs raw':>7}"
+             + (f" {'wire':>10} {'vs plain':>9}" if wired else "")]
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in results:
         by_key.setdefault((r["pattern"], r["size"]), {})[r["method"]] = r
@@ -350,8 +353,8 @@ def format_table(results: list[dict], header: str) -> str:
         lines.append(f"{_fmt_size(r['size']):>10} {r['rows']:>8} {r['pattern']:>8} {r['method']:>17} {r['time_us']:>10.1f} "
                      f"{r['p99_us']:>10.1f} {r['algbw']:>12.3f} {r['busbw']:>12.3f} {'OK' if r['check'] else 'FAIL':>6} "
                      f"{ratio('torch') if r['method'].startswith('moecomm') else '-':>9} "
-                     f"{ratio('raw') if r['method'].startswith('moecomm') else '-':>7} "
-                     f"{wire:>10} {ratio(plain) if plain != r['method'] else '-':>9}")
+                     f"{ratio('raw') if r['method'].startswith('moecomm') else '-':>7}"
+                     + (f" {wire:>10} {ratio(plain) if plain != r['method'] else '-':>9}" if wired else ""))
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
     python -m bench.plot results.json -o plot.png
 
 One row of two panels per split pattern (uniform, random, skewed): the median time per
-exchange (log-log, with the p99 as a shaded band) and the bus bandwidth. Needs matplotlib
+exchange (log-log, with the p99 as a shaded band) and the bus bandwidth; one legend of the
+methods above them, and the run's header (without its ``# ``) as the title. Needs matplotlib
 (``pip install 'moecomm[plot]'``).
 """
 
@@ -11,12 +12,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ._common import prog
 from ._topology import RankZeroParser, require_matplotlib, size_label
 
-__all__ = ["main", "plot_results", "load_results"]
+__all__ = ["main", "plot_results", "build_figure", "plot_title", "load_results"]
 
 
 def load_results(path: str) -> tuple[str, list[dict]]:
@@ -38,9 +39,23 @@ def load_results(path: str) -> tuple[str, list[dict]]:
     return str(data.get("header", "")), results
 
 
+def plot_title(header: str) -> str:
+    """The figure title of a ``bench.alltoall`` header: its lines without their ``# `` marks."""
+    return "\n".join(line.lstrip("#").strip() for line in header.splitlines()).strip()
+
+
 def plot_results(results: Sequence[dict], path: str, title: str = "") -> None:
     """Write the figure of ``results`` (rows of ``bench.alltoall``) to ``path`` (PNG, SVG, PDF
-    by its extension)."""
+    by its extension); ``title`` may be the file's ``# `` header as it stands."""
+    plt = require_matplotlib()
+    fig = build_figure(results, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def build_figure(results: Sequence[dict], title: str = "") -> Any:
+    """The matplotlib figure of ``results``: per pattern, a time and a busbw panel; one legend
+    of the methods above them all (the same colour in every panel)."""
     plt = require_matplotlib()
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
@@ -70,12 +85,15 @@ def plot_results(results: Sequence[dict], path: str, title: str = "") -> None:
             ax.xaxis.set_minor_locator(NullLocator())
             ax.xaxis.set_major_formatter(FuncFormatter(size_label))
             ax.grid(True, which="both", alpha=0.3)
-        ax_b.legend(fontsize="small")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 4), fontsize="small",
+               bbox_to_anchor=(0.5, 1.0))
+    legend_rows = -(-len(labels) // 4)
+    top = 1.0 - (0.05 * legend_rows + (0.05 if title else 0.0)) / len(patterns)
     if title:
-        fig.suptitle(title, fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        fig.suptitle(plot_title(title), fontsize="small", y=top + 0.02 / len(patterns))
+    fig.tight_layout(rect=(0, 0, 1, top))
+    return fig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

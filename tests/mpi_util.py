@@ -6,7 +6,8 @@ import dataclasses
 import os
 import subprocess
 import sys
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 import pytest
 
@@ -26,7 +27,7 @@ def run_ranks(nprocs: int, module: str, *args: str, timeout: float = RANKS_TIMEO
 
     Returns the ranks' combined output.
     """
-    cmd, rc, stdout, stderr = _launch_ranks(nprocs, module, *args, timeout=timeout, env=env)
+    cmd, rc, stdout, stderr = launch_ranks(nprocs, module, *args, timeout=timeout, env=env)
     if rc is None:
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n{stdout[-6000:]}")
     if rc != 0:
@@ -83,15 +84,52 @@ class SharedLaunches:
         self.plan: dict[int, list[RankJob]] = {}
         self.tmp_dir = None  # a callable giving a new empty directory (set by the fixture)
         self.results: dict[int, dict] = {}
+        self._done: dict[int, threading.Event] = {}  # the planned launches the background runs
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running: subprocess.Popen | None = None  # the launch in progress
 
     def add(self, job: RankJob) -> None:
         jobs = self.plan.setdefault(job.nprocs, [])
         if job not in jobs:
             jobs.append(job)
 
+    def start_background(self) -> None:
+        """Run every planned launch, one at a time and the largest world size (the slowest)
+        first, on a thread, while pytest runs the tests before the first that needs one
+        (tests/conftest.py orders the single-process tests first). A test waits for its own
+        launch only; one launch at a time, since a launch of several ranks already fills
+        the cores."""
+        if self._thread is not None or not self.plan:
+            return
+        order = sorted(self.plan, reverse=True)
+        for nprocs in order:
+            self._done[nprocs] = threading.Event()
+
+        def run() -> None:
+            for nprocs in order:
+                try:
+                    if not self._stopping.is_set():
+                        self._launch(nprocs, list(self.plan[nprocs]))
+                finally:
+                    self._done[nprocs].set()
+
+        self._thread = threading.Thread(target=run, name="shared-launches", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the background launches (the session is ending): none starts any more, and the
+        one still running, whose output no test is left to read, is killed."""
+        self._stopping.set()
+        proc = self._running
+        if proc is not None and proc.poll() is None:
+            proc.terminate()  # mpiexec passes SIGTERM on to its ranks (a SIGKILL would orphan them)
+
     def output(self, job: RankJob) -> str:
         """The ranks' output of ``job`` (stdout, its section); fails the test unless the job
         passed and the launch exited 0."""
+        if job.nprocs in self._done:
+            self._done[job.nprocs].wait()
         res = self.results.setdefault(job.nprocs, {"ids": {}, "runs": []})
         if job not in res["ids"]:  # the first test of this size (or a job the plan did not hold)
             self.add(job)
@@ -119,7 +157,7 @@ class SharedLaunches:
     def _launch(self, nprocs: int, jobs: list[RankJob]) -> None:
         import json
 
-        res = self.results[nprocs]
+        res = self.results.setdefault(nprocs, {"ids": {}, "runs": []})
         index = len(res["runs"])
         specs = []
         for i, job in enumerate(jobs):
@@ -127,12 +165,13 @@ class SharedLaunches:
             jid = f"{i}:{job.module.rsplit('.', 1)[-1]}"
             specs.append({"id": jid, "module": job.module, "args": list(job.args), "env": env,
                           "timeout": job.timeout})
-            res["ids"][job] = (index, jid)
         path = os.path.join(str(self.tmp_dir()), "jobs.json")
         with open(path, "w") as f:
             json.dump(specs, f, indent=1)
         timeout = min(SHARED_LAUNCH_TIMEOUT_S, sum(j.timeout for j in jobs) + 60)
-        cmd, rc, stdout, stderr = _launch_ranks(nprocs, "tests.ranks.suite", path, timeout=timeout)
+        cmd, rc, stdout, stderr = launch_ranks(nprocs, "tests.ranks.suite", path, timeout=timeout,
+                                               started=lambda proc: setattr(self, "_running", proc))
+        self._running = None
         # rank 0 prints "@@ranks-job begin|passed|failed ID"; a section runs from one begin to the next
         lines: dict[str, list[str]] = {}
         status: dict[str, str] = {}
@@ -151,10 +190,14 @@ class SharedLaunches:
         res["runs"].append({"cmd": " ".join(cmd) + "  # " + ", ".join(s["id"] for s in specs),
                             "jobs": [s["id"] for s in specs], "rc": rc, "stdout": stdout, "stderr": stderr,
                             "sections": {j: "".join(v) for j, v in lines.items()}, "status": status})
+        for job, spec in zip(jobs, specs):  # only now: a test reading res["ids"] finds its run there
+            res["ids"][job] = (index, spec["id"])
 
 
-def _launch_ranks(nprocs: int, module: str, *args: str, timeout: float, env: dict | None = None):
-    """``mpiexec -n nprocs python -m module args`` as run_ranks does; (cmd, rc or None, stdout, stderr)."""
+def launch_ranks(nprocs: int, module: str, *args: str, timeout: float, env: dict | None = None,
+                 started: Callable[[subprocess.Popen], None] | None = None):
+    """``mpiexec -n nprocs python -m module args`` as run_ranks does; (cmd, rc or None, stdout, stderr).
+    ``started`` is given the launch's process as soon as it runs (to end it early)."""
     full_env = dict(os.environ)
     full_env.setdefault("MOECOMM_TIMEOUT", RANKS_COMM_TIMEOUT_S)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
@@ -165,14 +208,17 @@ def _launch_ranks(nprocs: int, module: str, *args: str, timeout: float, env: dic
     if env:
         full_env.update(env)
     cmd = ["mpiexec", "-n", str(nprocs), sys.executable, "-m", module, *args]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        def text(b):
-            return (b or b"").decode(errors="replace") if isinstance(b, bytes) else (b or "")
-
-        return cmd, None, text(exc.stdout) + f"\n[did not finish within {timeout} s]", text(exc.stderr)
-    return cmd, proc.returncode, proc.stdout, proc.stderr
+    with subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        if started is not None:
+            started(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            return cmd, None, (stdout or "") + f"\n[did not finish within {timeout} s]", stderr or ""
+    return cmd, proc.returncode, stdout, stderr
 
 
 def under_torchrun() -> bool:

@@ -115,6 +115,40 @@ def test_plot_writes_a_png(tmp_path):
     assert {(0.12, 0.47, 0.71), (1.0, 0.5, 0.05), (0.17, 0.63, 0.17), (0.84, 0.15, 0.16)} <= colors  # 4 methods
 
 
+def test_plot_title_and_one_legend_for_every_panel():
+    """The header's ``# `` is not in the title; one figure legend names every method (the time
+    panels had none)."""
+    pytest.importorskip("matplotlib")
+    from bench import plot
+
+    data = _results()
+    fig = plot.build_figure(data["results"], "# moecomm all-to-all: 3 ranks\n# second line")
+    try:
+        assert fig.get_suptitle() == "moecomm all-to-all: 3 ranks\nsecond line"
+        assert len(fig.legends) == 1
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == ["moecomm", "moecomm-known", "torch", "raw"]
+        assert all(not ax.get_title().startswith("#") for ax in fig.axes)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def _row(method: str, time_us: float, **extra) -> dict:
+    return dict(pattern="uniform", size=4096, rows=1, method=method, time_us=time_us, p99_us=time_us, algbw=1.0,
+                busbw=0.5, check=True, wire_bytes=4096, **extra)
+
+
+def test_table_has_wire_columns_only_with_a_wire_dtype():
+    plain = alltoall.format_table([_row("moecomm", 10.0), _row("torch", 20.0)], "# h")
+    assert "wire" not in plain and "vs plain" not in plain
+    assert plain.splitlines()[1].split()[-2:] == ["vs", "raw"]
+    assert plain.splitlines()[2].split()[-3:] == ["OK", "0.50x", "-"]
+    wired = alltoall.format_table([_row("moecomm", 10.0), _row("moecomm-fp8", 5.0)], "# h")
+    assert wired.splitlines()[1].split()[-3:] == ["wire", "vs", "plain"]
+    assert wired.splitlines()[3].split()[-2:] == ["4096", "0.50x"]
+
+
 def test_plot_errors_are_clear(tmp_path, capsys, monkeypatch):
     from bench import plot
 

@@ -20,7 +20,8 @@ def test_collectives_torch_backend(nprocs, ranks_job):
 
 
 def test_collectives_under_torchrun():
-    """``torchrun`` on CPU: moecomm.init() finds torchrun's variables and runs over gloo."""
+    """``torchrun`` on CPU: moecomm.init() finds torchrun's variables and runs over gloo, and no
+    rank warns (``init`` once raised torch's ``all_gather_into_tensor`` FutureWarning)."""
     import os
     import subprocess
     import sys
@@ -35,3 +36,4 @@ def test_collectives_under_torchrun():
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RANKS_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     assert "checks passed on 2 ranks" in proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr[-6000:]

@@ -35,6 +35,32 @@ def test_gloo_capable_follows_the_groups_cpu_backend(monkeypatch):
     assert not gloo_capable("n") and not gloo_capable(types.SimpleNamespace())
 
 
+def test_gloo_channel_allgather_raises_no_warning():
+    """The gloo channel's all-gather (what ``moecomm.init`` runs under torchrun to build the
+    topology profile) calls no deprecated torch function: no ``FutureWarning`` on any rank."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.mpi_util import ROOT
+
+    script = (
+        "import warnings, torch.distributed as dist\n"
+        "from moecomm._host_channel import GlooHostChannel\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "warnings.simplefilter('error')\n"
+        "chan = GlooHostChannel(dist.group.WORLD, 30.0)\n"
+        "assert chan._allgather([3, -4], 30.0, 'test') == [[3, -4]]\n"
+        "assert chan._allreduce([3, -4], 'max', 30.0, 'test') == [3, -4]\n"
+        "dist.destroy_process_group()\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 _TWO_GPUS = pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 CUDA GPUs")
 
 

@@ -118,6 +118,31 @@ def test_cli_simulate(tmp_path, capsys):
     assert "overridden by --alpha-inter" in out and "not a multiple of local size" in out
 
 
+def test_cli_simulate_takes_the_layout_from_the_profile(tmp_path, capsys):
+    """``simulate --profile P`` models the profile's own 2 nodes x 4 ranks unless flags say otherwise."""
+    path = _profile(tmp_path)
+    assert cli.main(["simulate", "--profile", path]) == 0
+    assert "alpha-beta model: 2 node(s) x 4 rank(s) = 8 ranks" in capsys.readouterr().out
+    assert cli.main(["simulate", "--profile", path, "--local-size", "8"]) == 0
+    assert "alpha-beta model: 2 node(s) x 8 rank(s) = 16 ranks" in capsys.readouterr().out
+    assert cli.main(["simulate", "--local-size", "8"]) == 2
+    assert "simulate needs --nodes (or --profile PROFILE" in capsys.readouterr().err
+
+
+def test_cli_probe_without_a_launcher_says_how_to_launch(capsys, monkeypatch):
+    """``probe``/``tune --local-size 4`` in one process: "run under mpiexec -n N", not a layout error."""
+    for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE",
+              "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for command in ("probe", "tune"):
+        assert cli.main([command, "--local-size", "4"]) == 2
+        err = capsys.readouterr().err
+        assert "run under mpiexec -n N (N a multiple of 4)" in err and "without a launcher" in err, err
+        assert f"mpiexec -n 8 python -m topology {command} --local-size 4" in err
+    assert cli.main(["probe", "--sizes", "256", "--iters", "1", "--warmup", "0", "--backend", "self"]) == 0
+    assert "one rank has no links to measure, only the layout copy: run under mpiexec -n N" in capsys.readouterr().out
+
+
 def test_wire_model():
     """The FP8 wire model: the packed rows' bytes (from quant.packed_row_bytes, counted here by
     hand) through the faster algorithm, plus two passes over (1 + w) B on the copy link."""

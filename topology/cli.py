@@ -45,10 +45,36 @@ def _ints(text: str) -> list[int]:
     return out
 
 
+class _UsageError(Exception):
+    """A command line that cannot work in this launch (printed by rank 0; exit status 2)."""
+
+
+def _launch_size() -> int:
+    """How many ranks this launch has (1 without a launcher), read before any communicator exists."""
+    import os
+
+    from moecomm.launch import detect_launcher, mpi_world
+
+    launcher = detect_launcher()
+    if launcher == "mpi":
+        return int(mpi_world().Get_size())
+    if launcher == "torchrun":
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return 1
+
+
 def _init(args):
     import moecomm
 
-    return moecomm.init(backend=args.backend, local_size=args.local_size, hierarchy=True, set_default=False)
+    size, local = _launch_size(), args.local_size
+    if local is not None and local > 1 and size % local:
+        example = f"mpiexec -n {2 * local} python -m topology {args.command} --local-size {local}"
+        where = "one process, without a launcher" if size == 1 else f"{size} ranks"
+        raise _UsageError(
+            f"{args.command} is collective and --local-size {local} simulates nodes of {local} ranks, but this is "
+            f"{where}: run under mpiexec -n N (N a multiple of {local}), e.g. `{example}` (or torchrun "
+            f"--nproc-per-node N)")
+    return moecomm.init(backend=args.backend, local_size=local, hierarchy=True, set_default=False)
 
 
 def _dtype(name: str):
@@ -78,6 +104,9 @@ def cmd_probe(args) -> int:
     say = print if comm.rank == 0 else (lambda s: None)
     say(f"probe: {comm.size} ranks as {comm.num_nodes} node(s) x {comm.local_size}, backend {comm.backend}, "
         f"device {comm.device}")
+    if comm.size == 1:
+        say("probe: one rank has no links to measure, only the layout copy: run under mpiexec -n N "
+            "(or torchrun --nproc-per-node N) for the intra- and inter-node links")
     links = probe_links(comm, args.sizes, iters=args.iters, warmup=args.warmup, log=say)
     if comm.rank == 0:
         _print_links(links)
@@ -226,7 +255,7 @@ def cmd_simulate(args) -> int:
             Link(given.get("alpha_copy", c.alpha_s), given.get("beta_copy", c.beta_Bps)),
             links.concurrent,
         )
-    n, l = args.nodes, args.local_size
+    n, l = _layout(args, prof)
     print(f"alpha-beta model: {n} node(s) x {l} rank(s) = {n * l} ranks; figures from {source}")
     for name, lk in (("intra", links.intra), ("inter", links.inter), ("copy", links.copy)):
         bw = "inf" if lk.beta_Bps >= 1e29 else f"{lk.beta_Bps / 1e9:.3f} GB/s"
@@ -251,13 +280,24 @@ def cmd_simulate(args) -> int:
         cx = crossover(links, nn, l)
         print(f"{g:6d} {nn:6d} {ratios}   {format_bytes(cx) if cx else '-'}")
     if args.wire_dtype is not None:
-        _print_wire(args, links)
+        _print_wire(args, links, n, l)
     print()
     print(_error_text(prof, concurrent, links if given else None))
     return 0
 
 
-def _print_wire(args, links) -> None:
+def _layout(args, prof) -> tuple[int, int]:
+    """``--nodes`` and ``--local-size``, each defaulting to the profile's (its fingerprint's layout)."""
+    fp = prof.fingerprint if prof is not None else None
+    n = args.nodes if args.nodes is not None else (fp.num_nodes if fp is not None else None)
+    l = args.local_size if args.local_size is not None else (fp.local_size if fp is not None else None)
+    if n is None or l is None:
+        missing = " and ".join(f for f, v in (("--nodes", n), ("--local-size", l)) if v is None)
+        raise _UsageError(f"simulate needs {missing} (or --profile PROFILE, whose layout is the default)")
+    return n, l
+
+
+def _print_wire(args, links, n: int, l: int) -> None:
     """The ``--wire-dtype`` tables: each exchange with its faster algorithm, plain against FP8."""
     from .measure import format_bytes, format_seconds
     from .model import best_time, wire_ratio, wire_time
@@ -267,7 +307,6 @@ def _print_wire(args, links) -> None:
     plain, wire = args.dtype, args.wire_dtype
     esize = torch.empty((), dtype=getattr(torch, plain)).element_size()
     w = wire_ratio(args.row_elems, esize)
-    n, l = args.nodes, args.local_size
     print(f"\nwire dtype {wire}: rows of {args.row_elems} {plain} ({args.row_elems * esize} B) travel as "
           f"{round(w * args.row_elems * esize)} B ({w:.3f}x), plus a quantize and a dequantize pass on the copy link; "
           f"each exchange with its faster algorithm")
@@ -371,9 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     sh.set_defaults(func=cmd_show)
 
     si = sub.add_parser("simulate", help="alpha-beta model of flat vs 2dh; crossover and scaling to 4096 GPUs")
-    si.add_argument("--nodes", type=int, required=True)
-    si.add_argument("--local-size", type=int, required=True)
-    si.add_argument("--profile", default=None, help="read link figures (and timings, to state the error) from it")
+    si.add_argument("--nodes", type=int, default=None, help="nodes to model (default: the profile's)")
+    si.add_argument("--local-size", type=int, default=None, help="ranks per node (default: the profile's)")
+    si.add_argument("--profile", default=None,
+                    help="read link figures, the node layout (unless --nodes/--local-size give it) and timings "
+                         "(to state the error) from it")
     for k, v in DEFAULT_LINKS.items():
         kind = {"alpha": "seconds per call", "msg": "seconds per message", "beta": "bytes per second"}[k.split("_")[0]]
         si.add_argument(f"--{k.replace('_', '-')}", type=float, default=None, help=f"{kind} (default {v:g})")
@@ -394,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "nodes", 1) < 1 or getattr(args, "local_size", 1) is not None and getattr(args, "local_size", 1) < 1:
+    if any(v is not None and v < 1 for v in (getattr(args, "nodes", None), getattr(args, "local_size", None))):
         print("error: --nodes and --local-size must be >= 1", file=sys.stderr)
         return 2
     if getattr(args, "row_elems", 1) < 1:
@@ -407,6 +448,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         return args.func(args)
-    except ProfileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ProfileError, _UsageError) as exc:
+        from .rank_parser import launcher_rank
+
+        if launcher_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
         return 2

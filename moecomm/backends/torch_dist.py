@@ -38,7 +38,9 @@ def _original(name: str) -> Any:
 
 
 _all_to_all_single = _original("all_to_all_single")
-_all_gather_single = _original("all_gather_into_tensor")
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns FutureWarning there)
+_all_gather_single = _original("all_gather_single" if hasattr(dist.distributed_c10d, "all_gather_single")
+                               else "all_gather_into_tensor")
 _all_reduce = _original("all_reduce")
 _broadcast = _original("broadcast")
 _barrier = _original("barrier")

@@ -13,6 +13,9 @@ in the top-1 gate, ``fast_dispatcher`` ``update`` / ``encode`` / ``decode`` in `
 on moecomm's dispatch/combine kernels, with no package named ``tutel`` installed. DeepSpeed
 reads ``TUTEL_INSTALLED`` when a layer is built: enable first, then build the model.
 ``disable()`` restores every name it changed.
+
+A layer whose ``set_deepspeed_parallelism()`` was never called exchanges over the group
+``None``, which DeepSpeed (and torch) read as the world group; so does moecomm here.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ _MISSING = object()
 
 
 def _forward(ctx: Any, group: Any, input: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
     ctx.group = group
     input = input.contiguous()
     output = torch.empty_like(input)
-    communicator_for_group(group).all_to_all_single(output, input)
+    # None is DeepSpeed's expert group until set_deepspeed_parallelism(): the world group, to it
+    communicator_for_group(dist.group.WORLD if group is None else group).all_to_all_single(output, input)
     return output
 
 

@@ -26,10 +26,14 @@ still on the device) therefore **cannot be used without editing Megatron**: the 
 and the event wait happen in the dispatcher before the communication call, and the host
 values are needed after it; skipping them needs changes to ``preprocess``,
 ``_maybe_dtoh_and_synchronize`` and ``dispatch_postprocess``.
+
+**Versions.** megatron-core 0.19 and later (:data:`SUPPORTED`; tested: 0.19.2). ``enable()``
+refuses an older one with the README's install recipe (:func:`check_version`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch
@@ -37,7 +41,17 @@ import torch
 from ._groups import communicator_for_group
 from ._patch import Patch, patch_all_to_all
 
-__all__ = ["enable", "disable", "is_enabled"]
+__all__ = ["enable", "disable", "is_enabled", "SUPPORTED", "installed_version", "check_version"]
+
+SUPPORTED = (0, 19)
+"""The oldest megatron-core release moecomm supports (tested: 0.19.2). Older ones are not
+tested: 0.16.1, what plain ``pip install megatron-core`` picks on Python 3.11, has another
+``mappings.all_to_all`` (no ``use_nccl_stream``) and builds its dispatcher from other
+process groups."""
+
+INSTALL = ("pip install --no-deps --ignore-requires-python megatron-core==0.19.2 && "
+           "pip install --no-deps triton")
+"""The README's recipe ("Megatron-core and DeepSpeed"): 0.19 declares Python >= 3.12, but runs on 3.11."""
 
 _state: dict[str, Patch] = {}
 """Explicit registry: the installed patch (key "all_to_all") while enabled."""
@@ -77,6 +91,33 @@ def _mappings() -> Any:
     return mappings
 
 
+def installed_version() -> Optional[str]:
+    """The installed megatron-core's version string (``None`` when it is not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_version(version: Optional[str]) -> Optional[str]:
+    """Why megatron-core ``version`` cannot be used with moecomm, or ``None`` when it can.
+
+    ``None`` (not installed, or no package metadata: a source checkout) passes; an unparsable
+    string or a release older than :data:`SUPPORTED` does not.
+    """
+    if version is None:
+        return None
+    release = re.match(r"(\d+)\.(\d+)", version)
+    if release and (int(release[1]), int(release[2])) >= SUPPORTED:
+        return None
+    oldest = ".".join(map(str, SUPPORTED))
+    return (f"megatron-core {version} is not supported by moecomm.integrations.megatron (supported: {oldest} and "
+            f"later; tested: 0.19.2). On Python 3.11, plain `pip install megatron-core` picks 0.16.1; install 0.19 "
+            f"as the README says (\"Megatron-core and DeepSpeed\"): {INSTALL}")
+
+
 def enable() -> None:
     """Route Megatron-core's ``_AllToAll`` (forward and backward) through moecomm.
 
@@ -86,11 +127,15 @@ def enable() -> None:
 
     Raises:
         ImportError: megatron-core is not installed (the message says so).
-        RuntimeError: Megatron's ``_AllToAll`` has no ``forward`` to replace (an unsupported
-            megatron-core version).
+        RuntimeError: the installed megatron-core is older than :data:`SUPPORTED` (the message
+            gives the README's install recipe), or its ``_AllToAll`` has no ``forward`` to
+            replace.
     """
     if "all_to_all" in _state:
         return
+    why = check_version(installed_version())
+    if why is not None:
+        raise RuntimeError(why)
     mappings = _mappings()
     _state["all_to_all"] = patch_all_to_all(
         mappings, _forward, "megatron.core.tensor_parallel.mappings._AllToAll.forward", "megatron-core")

@@ -1,8 +1,9 @@
 """Framework integrations on real MPI ranks (run by tests/test_integrations.py).
 
 One launch per world size runs every check: the global ``torch.distributed`` swap, then
-Megatron-core's ``mappings.all_to_all`` and ``MoEAlltoAllTokenDispatcher`` pipeline, then
-DeepSpeed's ``MoE`` layer (plain and ``use_tutel=True``), each with and without moecomm.
+DeepSpeed's ``MoE`` layer (plain and ``use_tutel=True``), then Megatron-core's
+``mappings.all_to_all`` and ``MoEAlltoAllTokenDispatcher`` pipeline, each with and without
+moecomm.
 A framework that is not installed is reported as ``SKIP <name>: <reason>`` and not run.
 Data is made on a gloo group over the MPI ranks (tests.mpi_util.init_gloo_over_mpi).
 """
@@ -122,6 +123,11 @@ def check_group_mapping() -> None:
 
 
 def megatron_missing() -> str | None:
+    from moecomm.integrations.megatron import check_version, installed_version
+
+    unsupported = check_version(installed_version())
+    if unsupported:
+        return unsupported
     try:
         import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
     except ImportError as exc:  # not installed, or triton missing (megatron.core imports it)
@@ -299,7 +305,9 @@ def deepspeed_missing() -> str | None:
     return None
 
 
-def deepspeed_run(seed: int, k: int, use_tutel: bool):
+def deepspeed_run(seed: int, k: int, use_tutel: bool, parallelism: bool = True):
+    """One forward and backward of DeepSpeed's MoE layer; without ``parallelism`` its
+    ``set_deepspeed_parallelism()`` is not called (its expert group stays None: the world)."""
     from deepspeed.moe.layer import MoE
 
     H, T, local = 6, 16, 2
@@ -307,7 +315,9 @@ def deepspeed_run(seed: int, k: int, use_tutel: bool):
     expert = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H))
     layer = MoE(H, expert, num_experts=local * W, ep_size=W, k=k, capacity_factor=1.0, min_capacity=2,
                 use_tutel=use_tutel)
-    layer.set_deepspeed_parallelism()
+    if parallelism:
+        layer.set_deepspeed_parallelism()
+    assert (layer.deepspeed_moe.ep_group is None) != parallelism
     assert layer.deepspeed_moe.use_tutel == use_tutel
     g = torch.Generator().manual_seed(100 * seed + R)
     x = torch.randn(2, T // 2, H, generator=g, requires_grad=True)
@@ -351,6 +361,15 @@ def check_deepspeed() -> None:
             finally:
                 ds.disable()
             what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
+            if k == 2:  # no set_deepspeed_parallelism(): the group is None, the world group to DeepSpeed
+                for name in MODES:
+                    with mode(name, ds):
+                        runs[name + "/world"] = deepspeed_run(seed, k, False, parallelism=False)
+                for name in MODES[1:]:
+                    for a, b, w in zip(runs["native/world"], runs[name + "/world"], what):
+                        same(a, b, f"DeepSpeed MoE k={k} seed {seed} {w} ({name}, expert group None)")
+                for a, b, w in zip(runs["native"], runs["native/world"], what):
+                    same(a, b, f"DeepSpeed MoE k={k} seed {seed} {w}: group None vs the expert-parallel group")
             for name in MODES[1:]:
                 for suffix in ("", "+tutel"):
                     for a, b, w in zip(runs["native" + suffix], runs[name + suffix], what):
@@ -378,6 +397,6 @@ def deepspeed_checks() -> list:
 
 if __name__ == "__main__":
     checks = [check_global_swap, check_group_mapping, lambda: say("PASS global-swap")]
-    checks += megatron_checks()
     checks += deepspeed_checks()
+    checks += megatron_checks()  # last: the most version-sensitive, a failure there ends the launch
     rank_main(checks)

@@ -1,14 +1,14 @@
 """Run every ```python block of the given markdown files as written, each in a fresh
 namespace, in order; blocks that use ``torch.cuda`` only where CUDA is available, blocks that
-use ``moecomm.integrations`` only where Megatron-core and DeepSpeed are installed
-(:func:`skipped_here`).
+use ``moecomm.integrations`` only where the frameworks they name (Megatron-core, DeepSpeed)
+are installed (:func:`skipped_here`).
 
 Launched by ``tests/test_readme.py`` as one process (no launcher) and under ``mpiexec -n 3``.
 Between blocks the default communicator is cleared and torch.distributed torn down, so each
-block starts as a fresh script would. A block that calls ``init_process_group`` is written for
-torchrun: for it this driver plays torchrun's part, setting ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (from the MPI launcher's rank and size, and
-the port given on the command line) while it runs.
+block starts as a fresh script would. A block that calls ``init_process_group`` (or DeepSpeed's
+``init_distributed``) is written for torchrun: for it this driver plays torchrun's part, setting
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (from the MPI
+launcher's rank and size, and the port given on the command line) while it runs.
 
 Usage: ``python -m tests.ranks.readme_blocks PORT README.md [MORE.md ...] [--no-mpi4py]``
 """
@@ -34,7 +34,8 @@ def code_blocks(path: str, lang: str) -> list[tuple[int, str]]:
 
 def skipped_here(code: str) -> bool:
     """Whether the block ``code`` cannot run on this machine: it uses CUDA and there is none,
-    or it runs the framework integrations and Megatron-core or DeepSpeed is not installed."""
+    or it runs the framework integrations and a framework it names is not installed (or is a
+    megatron-core version that ``megatron.enable()`` refuses)."""
     import importlib.util
 
     import torch
@@ -42,10 +43,16 @@ def skipped_here(code: str) -> bool:
     if "torch.cuda" in code and not torch.cuda.is_available():
         return True
     if "moecomm.integrations" in code:
+        needs = [m for m, name in (("megatron.core", "megatron"), ("deepspeed", "deepspeed")) if name in code]
         try:
-            return any(importlib.util.find_spec(m) is None for m in ("megatron.core", "deepspeed"))
+            if any(importlib.util.find_spec(m) is None for m in needs):
+                return True
         except ModuleNotFoundError:  # find_spec("megatron.core") with no "megatron" at all
             return True
+        if "megatron.core" in needs:
+            from moecomm.integrations.megatron import check_version, installed_version
+
+            return check_version(installed_version()) is not None  # enable() refuses it
     return False
 
 
@@ -83,9 +90,12 @@ def main(argv: list[str]) -> None:
         if skipped_here(code):
             skipped += 1
             continue
-        plays_torchrun = "init_process_group" in code
+        plays_torchrun = "init_process_group" in code or "init_distributed" in code
         if plays_torchrun:
             os.environ.update(torchrun_vars)
+            # a store of its own per block: a new group's rendezvous on the port a destroyed
+            # group's store had can hang one rank (seen with DeepSpeed's init_distributed)
+            os.environ["MASTER_PORT"] = str(int(port) + line)
         try:
             exec(compile(code, f"{readme}:{line}", "exec"), {"__name__": "__main__"})
         finally:
