@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -196,7 +197,11 @@ def _peer_available() -> bool:
 
 
 def _gpu_uuid(dev: torch.device) -> str:
-    """The GPU's UUID (what tells two ranks that they share one), else its PCI bus id."""
+    """The GPU's UUID (what tells two ranks that they share one), else its PCI bus id; where
+    the device cannot be queried (no CUDA: a stand-in device in tests), a name no other
+    process has, so that no sharing is claimed."""
+    if not torch.cuda.is_available():
+        return f"unqueried-{os.getpid()}-{dev}"
     props = torch.cuda.get_device_properties(dev)
     uuid = getattr(props, "uuid", None)
     return str(uuid) if uuid is not None else f"pci-{props.pci_bus_id}-{props.pci_device_id}"
