@@ -425,7 +425,7 @@ def cases_for(W: int, group: str) -> list:
         ]
         if W > 1:
             # fewer experts than ranks: each expert sharded over W / E ranks along its hidden dim
-            for Es in sorted({e for e in (1, 2) if W % e == 0 and W > e}):
+            for Es in sorted({e for e in (1, 2) if W % e == 0 and W > e and H % (W // e) == 0}):
                 for k in range(1, Es + 1):
                     out.append(Case(f"sharded E={Es} k={k} cf=1", Es, k=k, cf=1.0))
                     out.append(Case(f"sharded E={Es} k={k} dropless", Es, k=k, dropless=True, tokens=ragged))
