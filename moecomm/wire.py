@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 import torch
 
-from . import _tags, hierarchical, quant
-from ._engine import Engine
-from ._topology import Topology
+from . import hierarchical, quant
+from .engine import tags as _tags
+from .engine.engine import Engine
+from .collectives.topology import Topology
 from .errors import CountMismatchError
 from .splits import Splits
 

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._agreement import agree
-from ._step_cache import StepConstants
-from .gates import TopKGate
-from .losses import gshard_loss, load_importance_loss, router_z_loss
-from .routing import Routing, fixed_capacity, route
+from .agreement import agree
+from .._ops.step_cache import StepConstants
+from ..gates import TopKGate
+from ..losses import gshard_loss, load_importance_loss, router_z_loss
+from ..routing import Routing, fixed_capacity, route
 
 __all__ = ["RoutingStep"]
 
