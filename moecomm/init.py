@@ -16,8 +16,7 @@ import torch
 
 from . import env
 from .collectives import topology as _topology
-from .engine.engine import Engine
-from .collectives.flat import COPY_ENGINE_MIN_BYTES
+from .engine.engine import COPY_ENGINE_MIN_BYTES, Engine
 from .backends._host_channel import HostChannel
 from .backends._select import make_backend
 from .backends._p2p_default import resolve_p2p_bytes

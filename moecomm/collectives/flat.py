@@ -22,17 +22,9 @@ from ..splits import Splits, check_own_block, check_split_total, normalize_split
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine.engine import Engine
 
-__all__ = ["PEER_ROW_ALIGN", "COPY_ENGINE_MIN_BYTES", "start_all_to_all_v", "start_all_to_all_single",
+__all__ = ["PEER_ROW_ALIGN", "start_all_to_all_v", "start_all_to_all_single",
            "start_all_to_all_list", "start_records", "settle", "exchange_records", "check_exchanged_counts",
            "alltoallv"]
-
-
-COPY_ENGINE_MIN_BYTES = 16 << 20
-"""Default of ``init(p2p_min_bytes=)``: with peer memory, a plain ``all_to_all_v`` with known
-counts moves by copy engines when a rank sends or receives at least this many bytes; below,
-NCCL's grouped send/recv is as fast or faster (bench/results/README.md). The stages of
-``scatter_compute_gather`` always use the copy engines: there, leaving the SMs to the
-experts matters more."""
 
 
 def _on_gpu(splits: Any) -> bool:

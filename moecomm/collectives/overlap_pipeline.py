@@ -179,8 +179,7 @@ class Run:
         if self.packed is not None:
             x, self.packed = self.packed, None
         elif self.wire is not None:  # one fused pass: every row quantized and packed (own rows too)
-            from ..quant import pack_rows
-            from ..wire import WIRE_BLOCK
+            from ..quant import WIRE_BLOCK, pack_rows
 
             x = pack_rows(x.detach(), self.wire, WIRE_BLOCK)
         p = self.plan
@@ -218,8 +217,7 @@ class Run:
         rows, _ = self._wait(self.scatter[c])
         self.scatter[c] = None
         if self.wire is not None:
-            from ..quant import unpack_rows
-            from ..wire import WIRE_BLOCK
+            from ..quant import WIRE_BLOCK, unpack_rows
 
             return unpack_rows(self._used_here(rows), self.in_shape, self.in_dtype, self.wire, WIRE_BLOCK)
         return self._used_here(rows)

@@ -19,18 +19,24 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .dtypes import DTYPE_CODES, SUPPORTED_DTYPES
-from ..collectives.flat import COPY_ENGINE_MIN_BYTES
-from ..backends._host_channel import OPS, HostChannel
-from .requests import TagChecked, ThenRequest, Work
-from .tags import TagPlan
 from ..backends._deadline import poll_yielding
+from ..backends._host_channel import OPS, HostChannel
 from ..backends.base import Backend, Request
 from ..errors import CommunicatorClosedError, CountMismatchError
 from ..pool import StagingPool
 from ..splits import Splits, normalize_splits
+from .dtypes import DTYPE_CODES, SUPPORTED_DTYPES
+from .requests import TagChecked, ThenRequest, Work
+from .tags import TagPlan
 
-__all__ = ["Engine", "warn_if_graph_lost"]
+__all__ = ["COPY_ENGINE_MIN_BYTES", "Engine", "warn_if_graph_lost"]
+
+COPY_ENGINE_MIN_BYTES = 16 << 20
+"""Default of ``init(p2p_min_bytes=)``: with peer memory, a plain ``all_to_all_v`` with known
+counts moves by copy engines when a rank sends or receives at least this many bytes; below,
+NCCL's grouped send/recv is as fast or faster (bench/results/README.md). The stages of
+``scatter_compute_gather`` always use the copy engines: there, leaving the SMs to the
+experts matters more."""
 
 _FRAME = 16
 """Values of :meth:`Engine.allreduce_ints` that travel with the length check in one collective."""
@@ -53,7 +59,7 @@ class Engine:
     beforehand over an engine of the same backend without one; ``host``: the host channel
     (:class:`moecomm.backends._host_channel.HostChannel`) of the short integer agreements, closed and
     aborted with the engine (None: they go through the backend, on its device); ``copy_engine_min_bytes``:
-    see :data:`moecomm.collectives.flat.COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
+    see :data:`COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
     (the hierarchy groups) are closed and aborted with this one.
     """
 
