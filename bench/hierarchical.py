@@ -12,7 +12,7 @@ By default the counts are exchanged in every call (``recv_splits`` unknown, as i
 Every size is checked once: the 2DH output must equal the flat one byte for byte.
 
 Flat, 2DH and ``copies`` are timed round-robin in one loop. ``copies`` is the two layout
-copies (pack and regroup, ``moecomm._blocks.permute_blocks`` on a 2 x 2 block grid of this
+copies (pack and regroup, ``moecomm.collectives.blocks.permute_blocks`` on a 2 x 2 block grid of this
 rank's data) that a layout with several nodes *and* several ranks per node adds to the 2DH
 exchange. On layouts where either is 1 (all that 2 GPUs allow) 2DH needs no copy, so the
 column ``2dh+copies/flat`` is what those copies would cost on top, measured in the same run.
@@ -27,7 +27,7 @@ import sys
 import torch
 
 import moecomm
-from moecomm import _blocks
+from moecomm.collectives import blocks as _blocks
 from ._common import prog
 from ._topology import RankZeroParser, alltoall_input, format_bytes, format_seconds, parse_bytes, time_collectives
 

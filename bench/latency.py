@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-import moecomm._flat as flat
+import moecomm.collectives.flat as flat
 
 from .alltoall import Bench, build_parser, count_matrix, parse_size
 from ._common import prog

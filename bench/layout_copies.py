@@ -2,7 +2,7 @@
 
     python -m bench.layout_copies [--sizes 1M,16M,256M] [--grid 2x2] [--device cuda]
 
-For each size: the median time of one ``moecomm._blocks.permute_blocks`` over a grid of
+For each size: the median time of one ``moecomm.collectives.blocks.permute_blocks`` over a grid of
 equal blocks (issue and finish: synchronized), the host time to issue it, and a device
 copy of the same bytes for scale. Then a cProfile of the issuing at the first size.
 """
@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from moecomm import _blocks
+from moecomm.collectives import blocks as _blocks
 from ._common import prog
 from ._topology import RankZeroParser, format_bytes, parse_bytes
 

@@ -1,7 +1,7 @@
 """The :class:`Communicator`: variable-length collectives over one backend.
 
 The collectives check their arguments and build on the communicator's engine
-(:mod:`moecomm._engine`: waits, count exchanges, the flat exchange); ``algorithm="2dh"`` and
+(:mod:`moecomm.engine.engine`: waits, count exchanges, the flat exchange); ``algorithm="2dh"`` and
 ``"auto"`` go through :mod:`moecomm.hierarchical`, ``wire_dtype`` through :mod:`moecomm.wire`,
 ``scatter_compute_gather`` through :mod:`moecomm.overlap`.
 """
@@ -13,12 +13,13 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from . import _flat, hierarchical, overlap, wire
-from ._dtypes import SUPPORTED_DTYPES
-from ._engine import Engine, warn_if_graph_lost
-from ._other_collectives import OtherCollectives
-from ._requests import Work
-from ._topology import Topology
+from . import hierarchical, overlap, wire
+from .collectives import flat as _flat
+from .engine.dtypes import SUPPORTED_DTYPES
+from .engine.engine import Engine, warn_if_graph_lost
+from .collectives.small import OtherCollectives
+from .engine.requests import Work
+from .collectives.topology import Topology
 from .layout import Layout
 from .pool import PoolStats
 from .splits import Splits, split_sizes
@@ -50,7 +51,7 @@ class Communicator(OtherCollectives):
             NCCL and gloo only exchanges that exchange counts).
         host_channel: the kind of host channel of the integer agreements (``"mpi"``, ``"gloo"``
             or None: through the device).
-        engine, topology: internal (:mod:`moecomm._engine`, :mod:`moecomm._topology`).
+        engine, topology: internal (:mod:`moecomm.engine.engine`, :mod:`moecomm.collectives.topology`).
     """
 
     def __init__(self, engine: Engine, layout: Layout, *, topology: Optional[Topology] = None) -> None:
@@ -64,12 +65,12 @@ class Communicator(OtherCollectives):
 
     @property
     def engine(self) -> Engine:
-        """Internal: the engine the collectives run on (:mod:`moecomm._engine`)."""
+        """Internal: the engine the collectives run on (:mod:`moecomm.engine.engine`)."""
         return self._engine
 
     @property
     def topology(self) -> Optional[Topology]:
-        """Internal: the hierarchy groups, profile and fingerprint (:mod:`moecomm._topology`);
+        """Internal: the hierarchy groups, profile and fingerprint (:mod:`moecomm.collectives.topology`);
         None for a communicator made by :meth:`split`."""
         return self._topology
 
@@ -187,7 +188,7 @@ class Communicator(OtherCollectives):
                 dtype, or is in another exchange (it passed no ``recv_splits`` where this rank
                 did, or runs a backward); raised on both ranks of each such pair, at completion
                 (``wait()`` when ``async_op``). By default on MPI (tagged messages, see
-                :mod:`moecomm._tags`); on NCCL and gloo, with ``recv_splits`` given, only with
+                :mod:`moecomm.engine.tags`); on NCCL and gloo, with ``recv_splits`` given, only with
                 ``validate=True`` (before anything moves).
             TimeoutError: a wait outlived the communicator's timeout (it is aborted).
         """

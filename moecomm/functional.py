@@ -6,7 +6,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import _tags, hierarchical, wire
+from . import hierarchical, wire
+from .engine import tags as _tags
 from .communicator import Communicator
 from .init import default_communicator
 from .quant import WIRE_DTYPES, check_grad_wire_dtype
@@ -48,7 +49,7 @@ def _send_back(comm: Communicator, grad: torch.Tensor, send: list[int], recv: li
     ``grad_wire_dtype``: FP8 block-scaled, another floating dtype cast there and back, None as
     it is; along the reversed phases of a 2DH forward's ``plan`` where there is one. The
     forward's quantization counts as the identity (straight-through). Its tags say "backward",
-    so it never pairs with a peer's next forward (a skipped backward, see moecomm._tags)."""
+    so it never pairs with a peer's next forward (a skipped backward, see moecomm.engine.tags)."""
     with _tags.labelled("all_to_all_v backward"):
         return _send_back_as_labelled(comm, grad, send, recv, algorithm, grad_wire_dtype, plan)
 

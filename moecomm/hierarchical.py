@@ -4,11 +4,11 @@ along the *rail* (the ranks of one local index on every node).
 Among ``W = N * L`` ranks (``N`` nodes of ``L``) a flat all-to-all sends ``W - L`` messages
 per rank over the network; 2DH sends ``N - 1`` aggregated ones, the same bytes in ``L``
 times fewer messages, at the price of a second pass through the node and two layout copies
-(``moecomm._blocks``). Counts go the same route (never a flat ``W x W``
+(``moecomm.collectives.blocks``). Counts go the same route (never a flat ``W x W``
 exchange). The backward is the exchange reversed, reusing the forward's counts (the
 :class:`Plan`). Phases, why intra-node first, buffers, asynchrony and CUDA graphs:
 docs/hierarchical.md. The groups, the profile and ``algorithm="auto"``:
-:mod:`moecomm._topology` (whose names this module re-exports).
+:mod:`moecomm.collectives.topology` (whose names this module re-exports).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Any, Optional
 
 import torch
 
-from . import _flat, _tags
-from ._engine import Engine
-from ._hier_plan import Exchange, Local, Plan, forward_steps, make_plan, reverse_steps
-from ._requests import CheckedRequest, RaiseAfter
-from ._topology import (ALGORITHMS, AUTO_2DH_MAX_BYTES_PER_PEER, Hierarchy, Topology, build, choose, fingerprint,
+from .collectives import flat as _flat
+from .engine import tags as _tags
+from .engine.engine import Engine
+from .collectives.hier_plan import Exchange, Local, Plan, forward_steps, make_plan, reverse_steps
+from .engine.requests import CheckedRequest, RaiseAfter
+from .collectives.topology import (ALGORITHMS, AUTO_2DH_MAX_BYTES_PER_PEER, Hierarchy, Topology, build, choose, fingerprint,
                         require_hierarchy, unequal_nodes_message)
 from .backends.base import DoneRequest, Request
 from .errors import CountMismatchError
@@ -48,7 +49,7 @@ TopologyState = Topology  # the name of earlier releases
 
 def choose_algorithm(comm: Any, x: torch.Tensor) -> str:
     """Collective: what ``algorithm="auto"`` runs on the communicator ``comm`` for input ``x``
-    (the same on every rank; see :mod:`moecomm._topology`)."""
+    (the same on every rank; see :mod:`moecomm.collectives.topology`)."""
     return choose(comm.engine, comm.topology, x)
 
 
@@ -166,7 +167,7 @@ class _Chain(Request):
                     self._run_local(step)
         except CountMismatchError:
             # The rows of the checked phase completed as every rank planned (see
-            # moecomm._peer_check), and the sub-communicators still match message for
+            # moecomm.engine.peer_check), and the sub-communicators still match message for
             # message, unless the check aborted one (rows that could never arrive).
             self._finish()
             if self._h.intra.closed or self._h.rail.closed:

@@ -1,9 +1,9 @@
 """``moecomm.init``: make a :class:`Communicator` for however this process was launched.
 
 The checks that need no peer are here; the backend for the launch is made by
-:mod:`moecomm._make_backend`, then the engine (:mod:`moecomm._engine`, with the peer-memory
-transport where it is on, and the host channel of :mod:`moecomm._host_channel` where the
-launch gives one) and the topology (:mod:`moecomm._topology`).
+:mod:`moecomm.backends._select`, then the engine (:mod:`moecomm.engine.engine`, with the peer-memory
+transport where it is on, and the host channel of :mod:`moecomm.backends._host_channel` where the
+launch gives one) and the topology (:mod:`moecomm.collectives.topology`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _topology, env
-from ._engine import Engine
-from ._flat import COPY_ENGINE_MIN_BYTES
-from ._host_channel import HostChannel
-from ._make_backend import make_backend
-from ._p2p_default import resolve_p2p_bytes
+from . import env
+from .collectives import topology as _topology
+from .engine.engine import COPY_ENGINE_MIN_BYTES, Engine
+from .backends._host_channel import HostChannel
+from .backends._select import make_backend
+from .backends._p2p_default import resolve_p2p_bytes
 from .communicator import Communicator
 from .layout import Layout
 from .pool import StagingPool
@@ -171,7 +171,7 @@ def init(
             it can work (an NCCL communicator of 2 or more ranks over the whole launch, one
             node, every GPU able to map every other's memory; the ranks probe and agree),
             with ``4 * size * 128 MiB`` capped at 1/16 of the GPU's free memory (see
-            :mod:`moecomm._p2p_default`); elsewhere off, without error. 0: off. A positive
+            :mod:`moecomm.backends._p2p_default`); elsewhere off, without error. 0: off. A positive
             int: that size; it needs every GPU pair to map the other's memory (NVLink or
             PCIe peer access), otherwise ValueError.
         p2p_min_bytes: with ``p2p_bytes``: a plain ``all_to_all_v`` (or ``all_to_all_single``,
@@ -181,7 +181,7 @@ def init(
             Default (None): 16 MiB.
 
     Collective: every rank of the launch (or of ``process_group``) must call it. Under an MPI
-    launcher it also registers, once per process, the exit hook of :mod:`moecomm._exit`
+    launcher it also registers, once per process, the exit hook of :mod:`moecomm.backends._exit`
     (a process that failed does not wait in MPI finalization for a stuck peer).
 
     Raises:
@@ -235,7 +235,7 @@ def _engine_and_topology(backend_obj: Any, layout: Layout, hosts: list[str], poo
                          process_group: Any, hierarchy: Optional[bool], profile: Any, local_size_given: bool
                          ) -> tuple[Engine, Optional[_topology.Topology]]:
     """The engine over ``backend_obj`` (with the peer-memory transport where
-    :func:`moecomm._p2p_default.resolve_p2p_bytes` gives it bytes) and the topology (the
+    :func:`moecomm.backends._p2p_default.resolve_p2p_bytes` gives it bytes) and the topology (the
     hierarchy groups); ``host``: the host channel, owned by the engine. On failure the engine
     is aborted."""
     engine = Engine(backend_obj, pool, timeout=timeout_s, validate=validate, host=host)

@@ -50,7 +50,7 @@ from . import quant
 
 __all__ = ["LowLatencyBuffer", "DispatchHandle", "Dispatched", "Transport", "AllToAllTransport"]
 
-_WIRE_BLOCK = 128  # elements per float32 scale: the block of moecomm.wire's exchanges
+_WIRE_BLOCK = quant.WIRE_BLOCK  # elements per float32 scale: the block of moecomm.wire's exchanges
 _ALIGN = 16
 
 

@@ -6,8 +6,8 @@ runs on a stage as soon as it has arrived, while later stages are in flight, and
 go home while ``fn`` works on the next; the backward pass is pipelined the same way. Why and
 how (chunking, own rows first, transport, streams, autograd, failures): docs/overlap.md.
 
-The parts: :mod:`moecomm._overlap_plan` (degrees and the chunk plan),
-:mod:`moecomm._overlap_chunk` (what ``fn`` is told) and :mod:`moecomm._overlap_pipeline`
+The parts: :mod:`moecomm.collectives.overlap_plan` (degrees and the chunk plan),
+:mod:`moecomm.collectives.overlap_chunk` (what ``fn`` is told) and :mod:`moecomm.collectives.overlap_pipeline`
 (the exchanges, streams and autograd functions).
 """
 
@@ -20,10 +20,10 @@ from typing import Any, Optional, Union
 import torch
 
 from . import hierarchical, wire
-from ._dtypes import SUPPORTED_DTYPES
-from ._overlap_chunk import Chunk, GroupOrder
-from ._overlap_pipeline import Fn, Run, run_pipeline
-from ._overlap_plan import _AUTO_RULES, MAX_DEGREE, Plan, auto_pieces, auto_stages, check_degree  # noqa: F401
+from .engine.dtypes import SUPPORTED_DTYPES
+from .collectives.overlap_chunk import Chunk, GroupOrder
+from .collectives.overlap_pipeline import Fn, Run, run_pipeline
+from .collectives.overlap_plan import _AUTO_RULES, MAX_DEGREE, Plan, auto_pieces, auto_stages, check_degree  # noqa: F401
 from .errors import CommunicatorClosedError
 from .splits import Splits, check_own_block, check_split_total, normalize_splits
 

@@ -38,6 +38,7 @@ __all__ = [
     "FP8_MAX",
     "WIRE_DTYPES",
     "INPUT_DTYPES",
+    "WIRE_BLOCK",
     "quantize_rows",
     "dequantize_rows",
     "quantize_rows_reference",
@@ -62,6 +63,10 @@ WIRE_DTYPES: tuple = tuple(FP8_MAX)
 
 INPUT_DTYPES: tuple = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes that can be quantized (and that dequantization produces)."""
+
+WIRE_BLOCK = 128
+"""Elements per scale block of a ``wire_dtype`` exchange (:mod:`moecomm.wire`, the overlap
+pipeline's stages, the MoE layer's dispatch); also ``moecomm.wire.WIRE_BLOCK``."""
 
 _PACK_ALIGN = 16
 

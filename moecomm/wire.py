@@ -18,17 +18,19 @@ from typing import Any, Optional
 
 import torch
 
-from . import _tags, hierarchical, quant
-from ._engine import Engine
-from ._topology import Topology
+from . import hierarchical, quant
+from .engine import tags as _tags
+from .engine.engine import Engine
+from .collectives.topology import Topology
 from .errors import CountMismatchError
 from .splits import Splits
 
 __all__ = ["WIRE_BLOCK", "start_all_to_all_v", "start_packed_all_to_all_v", "exchange_rows", "reverse_rows", "wire_bytes",
            "check_input", "check_packed", "cross_check_packed"]
 
-WIRE_BLOCK = 128
-"""Elements per scale block of a ``wire_dtype`` exchange."""
+WIRE_BLOCK = quant.WIRE_BLOCK
+"""Elements per scale block of a ``wire_dtype`` exchange (defined in :mod:`moecomm.quant`,
+below the collectives that use it)."""
 
 _CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 

@@ -22,7 +22,7 @@ Autograd wrappers built only from those kernels: :func:`dispatch` and
 :func:`combine` (with the slot maps of :func:`invert_slots` /
 :func:`slot_positions`); :func:`dispatch_backward` is dispatch's backward on its own, for a
 forward gather fused with something else (moecomm's FP8 dispatch). The 2D hierarchical all-to-all's block reordering is
-``moecomm``'s own (``moecomm/_blocks.py``, on :func:`gather_rows`).
+``moecomm``'s own (``moecomm/collectives/blocks.py``, on :func:`gather_rows`).
 
 Every op has a pure-torch reference in :mod:`moecomm_ext.reference`.  When the
 native extension is neither installed nor can be built (no compiler, failed build) one

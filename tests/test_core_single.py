@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
-from moecomm import _flat
+from moecomm.collectives import flat as _flat
 from moecomm.layout import Layout
 from moecomm.pool import StagingPool
 from moecomm.splits import normalize_splits

@@ -1,4 +1,4 @@
-"""moecomm._device_tables: host tables on the device, also during CUDA graph capture."""
+"""moecomm.engine.device_tables: host tables on the device, also during CUDA graph capture."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moecomm._device_tables import _runs, int64_table
+from moecomm.engine.device_tables import _runs, int64_table
 
 _ints = st.lists(st.integers(-5, 40), max_size=60)
 

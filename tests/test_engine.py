@@ -1,4 +1,4 @@
-"""The internal engine (moecomm._engine): one timeout, per-call timeouts on stream-ordered
+"""The internal engine (moecomm.engine.engine): one timeout, per-call timeouts on stream-ordered
 backends, sub-engines owned by their parent, and the init option that replaced a module knob."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moecomm
-from moecomm._engine import Engine
+from moecomm.engine.engine import Engine
 from moecomm.pool import StagingPool
 
 

@@ -153,7 +153,7 @@ def test_out_of_range_raises_on_host():
 
 @pytest.mark.parametrize("A,B", [(2, 2), (3, 5), (8, 4), (9, 8)])  # 72 blocks: the gather_rows path
 def test_hierarchical_block_moves_on_gpu_match_cpu(A, B):
-    from moecomm import _blocks
+    from moecomm.collectives import blocks as _blocks
 
     g = torch.Generator().manual_seed(A * 10 + B)
     counts = torch.randint(0, 5, (A, B), generator=g).tolist()

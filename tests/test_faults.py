@@ -23,7 +23,7 @@ def test_fault_subset():
 
 
 def test_exit_hook_reads_timeouts_in_the_chain():
-    from moecomm._exit import _timed_out
+    from moecomm.backends._exit import _timed_out
 
     try:
         try:

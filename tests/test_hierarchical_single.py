@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
-from moecomm import _blocks, _topology, env, hierarchical
-from moecomm._engine import Engine
+from moecomm import env, hierarchical
+from moecomm.collectives import blocks as _blocks
+from moecomm.collectives import topology as _topology
+from moecomm.engine.engine import Engine
 from moecomm.communicator import Communicator
 from moecomm.layout import Layout
 from moecomm.profile import Fingerprint, Profile, ProfileEntry, ProfileError, default_profile_path, load_profile

@@ -1,4 +1,4 @@
-"""The host channel of the short integer agreements (moecomm._host_channel): real MPI ranks
+"""The host channel of the short integer agreements (moecomm.backends._host_channel): real MPI ranks
 run tests/ranks/host_channel_checks.py (channels of every size from 1 to the world's, against
 numpy); the choice of channel for a group, without ranks."""
 
@@ -21,7 +21,7 @@ def test_gloo_capable_follows_the_groups_cpu_backend(monkeypatch):
     object torch does not know as a group, does not (its agreements stay on the device)."""
     import torch.distributed as dist
 
-    from moecomm._host_channel import gloo_capable
+    from moecomm.backends._host_channel import gloo_capable
 
     names = {"g": "gloo", "mixed": "cpu:gloo,cuda:nccl", "n": "nccl"}
 
@@ -46,7 +46,7 @@ def test_gloo_channel_allgather_raises_no_warning():
 
     script = (
         "import warnings, torch.distributed as dist\n"
-        "from moecomm._host_channel import GlooHostChannel\n"
+        "from moecomm.backends._host_channel import GlooHostChannel\n"
         "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
         "warnings.simplefilter('error')\n"
         "chan = GlooHostChannel(dist.group.WORLD, 30.0)\n"

@@ -1,6 +1,7 @@
-"""The import graph of ``moecomm/`` has no cycle: every ``import`` of every module, at module
-level and inside functions, read with ``ast`` (only those under ``if TYPE_CHECKING:``, which
-never run, are left out)."""
+"""The import graph of ``moecomm/`` has no cycle, and its folders are layers: every
+``import`` of every module, at module level and inside functions, read with ``ast`` (only
+those under ``if TYPE_CHECKING:``, which never run, are left out), runs within a layer or
+down to a lower one (``LAYERS``, docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,82 @@ def test_moecomm_imports_are_acyclic():
     assert f"{PACKAGE}.hierarchical" in graph[f"{PACKAGE}.communicator"]  # the walk sees imports
     cycle = _cycle(graph)
     assert not cycle, "import cycle in moecomm/: " + " -> ".join(cycle)
+
+
+# The layers of moecomm/, lowest first (docs/architecture.md): a module may import its own
+# layer's modules and those of lower layers, never a higher layer's. A layer is a folder,
+# except at the top of moecomm/ and of moecomm/moe/, where the public modules are split in
+# two: the vocabulary every folder below uses (errors, splits, ...; the layer's parts) at
+# the bottom, and the front that assembles the folders at the top. A top-level module not
+# named in a vocabulary set is front; a module in no declared folder fails the test.
+CORE_VOCABULARY = {"_version", "errors", "splits", "layout", "launch", "env", "profile", "quant", "graphs", "pool"}
+MOE_PARTS = {"config", "gates", "routing", "experts", "losses", "tutel_functional"}
+LAYERS = [
+    "moecomm: vocabulary",   # errors, splits, layout, pool, quant, ...: import nothing above them
+    "moecomm.backends",      # the transports, the host channel, and the choice of one
+    "moecomm.engine",        # what runs a collective on a backend
+    "moecomm.collectives",   # how each collective is made of backend exchanges
+    "moecomm: front",        # init, communicator, functional, distributed, hierarchical, overlap, wire, ...
+    "moecomm.moe._ops",      # grouped GEMMs, segments, the step cache, the layer's comm calls, argument checks
+    "moecomm.moe: parts",    # config, gates, routing, experts, losses
+    "moecomm.moe._checkpoint",  # the checkpoint file format and resharding
+    "moecomm.moe._step",     # the step's machinery: routing step, expert/data parallel paths, fused, graphed, decode
+    "moecomm.moe: front",    # MoELayer, tutel, checkpoint
+    "moecomm.integrations",  # DeepSpeed and Megatron hooks
+]
+
+
+def layer_of(module: str) -> str:
+    """The layer ``module`` (a dotted name inside moecomm) belongs to; KeyError if none."""
+    parts = module.split(".")
+    for depth in (3, 2):
+        if len(parts) >= depth and ".".join(parts[:depth]) in LAYERS:
+            return ".".join(parts[:depth])
+    if parts[:2] == [PACKAGE, "moe"] and len(parts) <= 3:
+        return "moecomm.moe: parts" if parts[-1] in MOE_PARTS else "moecomm.moe: front"
+    if len(parts) <= 2:
+        return "moecomm: vocabulary" if parts[-1] in CORE_VOCABULARY else "moecomm: front"
+    raise KeyError(f"{module} is in no declared layer (tests/test_import_graph.py LAYERS)")
+
+
+def upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b (layer A -> layer B)"`` for every import of a higher layer's module."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return [f"{a} -> {b} ({layer_of(a)} -> {layer_of(b)})" for a in sorted(graph) for b in sorted(graph[a])
+            if rank[layer_of(b)] > rank[layer_of(a)]]
+
+
+def test_the_layer_check_sees_upward_edges():
+    assert layer_of("moecomm.errors") == "moecomm: vocabulary" and layer_of("moecomm") == "moecomm: front"
+    assert layer_of("moecomm.engine.engine") == "moecomm.engine" and layer_of("moecomm.moe") == "moecomm.moe: front"
+    assert layer_of("moecomm.moe._step.fused_step") == "moecomm.moe._step"
+    assert layer_of("moecomm.moe.gates") == "moecomm.moe: parts" and layer_of("moecomm.moe.layer") == "moecomm.moe: front"
+    assert upward_edges({"moecomm.engine.engine": {"moecomm.collectives.flat", "moecomm.backends.base"}}) == [
+        "moecomm.engine.engine -> moecomm.collectives.flat (moecomm.engine -> moecomm.collectives)"]
+    assert upward_edges({"moecomm.backends.mpi": {"moecomm.errors"}, "moecomm.moe._step.decode": {"moecomm.moe._ops.segments"}}) == []
+
+
+def test_every_module_has_a_layer():
+    missing = []
+    for module in _modules():
+        try:
+            layer_of(module)
+        except KeyError as exc:
+            missing.append(str(exc))
+    assert not missing, "\n".join(missing)
+
+
+def test_folders_are_layered():
+    """No import runs upward between layers; with the file graph acyclic, no folder circle
+    either (an edge between two layers only ever runs down, so the layer graph is acyclic)."""
+    modules = _modules()
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    bad = upward_edges(graph)
+    assert not bad, "imports that run upward between layers (see LAYERS):\n" + "\n".join(bad)
+    layers = {}
+    for a, targets in graph.items():
+        for b in targets:
+            if layer_of(a) != layer_of(b):
+                layers.setdefault(layer_of(a), set()).add(layer_of(b))
+    cycle = _cycle(layers)
+    assert not cycle, "circle between layers: " + " -> ".join(cycle)

@@ -226,7 +226,7 @@ def test_flipped_bytes_inside_a_tensor_are_detected(tmp_path):
 
 def sealed(ck: dict) -> dict:
     """``ck`` with its header checksum made anew: a file whose writer lied, not a corrupt one."""
-    from moecomm.moe import _checkpoint_file
+    from moecomm.moe._checkpoint import file as _checkpoint_file
 
     return dict(ck, header_checksum=_checkpoint_file.header_checksum(ck))
 
@@ -297,7 +297,7 @@ def test_version_1_files_still_read(tmp_path):
 
 def _tiny_rank_file(rank: int = 0, size: int = 2) -> dict:
     """A small per-rank checkpoint (2 experts over 2 ranks, a replicated tensor), by hand."""
-    from moecomm.moe import _checkpoint_file
+    from moecomm.moe._checkpoint import file as _checkpoint_file
 
     g = torch.Generator().manual_seed(1)
     sd = {"inp.weight": torch.randn(2, 2, generator=g), "moe.experts.fc1_weight": torch.randn(1, 2, 3, generator=g),
@@ -358,7 +358,8 @@ def test_single_bit_flips_give_checkpoint_error(tmp_path):
     import io
     import random
 
-    from moecomm.moe import _checkpoint_file, checkpoint
+    from moecomm.moe import checkpoint
+    from moecomm.moe._checkpoint import file as _checkpoint_file
 
     buf = io.BytesIO()
     torch.save(_tiny_rank_file(), buf)

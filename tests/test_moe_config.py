@@ -269,7 +269,7 @@ def test_pipelined_capacity_layout(T, W, El, data):
 
 def test_float_arguments_fail_alike_in_layer_and_gate():
     """One check for float arguments: TypeError for what is not a number, ValueError for inf/nan."""
-    from moecomm.moe._args import float_arg
+    from moecomm.moe._ops.args import float_arg
 
     assert float_arg("x", 2) == 2.0 and isinstance(float_arg("x", 2), float)
     for bad, exc in (("1.0", TypeError), (True, TypeError), (None, TypeError), (float("inf"), ValueError),

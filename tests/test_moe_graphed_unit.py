@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import moecomm
-from moecomm.moe import MoELayer, _graphed
+from moecomm.moe import MoELayer
+from moecomm.moe._step import graphed as _graphed
 
 
 @pytest.fixture(scope="module")

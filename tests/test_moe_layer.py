@@ -38,10 +38,10 @@ def test_negative_counts_are_refused():
     it: the heap corruption)."""
     import torch
 
-    from moecomm._blocks import _device_index
+    from moecomm.collectives.blocks import _device_index
     from moecomm.errors import CountMismatchError
-    from moecomm.moe import _comm
-    from moecomm.moe._segments import Segments
+    from moecomm.moe._ops import comm as _comm
+    from moecomm.moe._ops.segments import Segments
 
     with pytest.raises(ValueError, match=r"counts\[1\] = \[1, -1\]"):
         Segments([[2, 3], [1, -1]], 2, counts_dev=torch.tensor([[2, 3], [1, -1]]))

@@ -1,10 +1,10 @@
-"""The MoE layer's cache of constant index tensors (moecomm.moe._step_cache.StepConstants)."""
+"""The MoE layer's cache of constant index tensors (moecomm.moe._ops.step_cache.StepConstants)."""
 
 from __future__ import annotations
 
 import torch
 
-from moecomm.moe._step_cache import StepConstants
+from moecomm.moe._ops.step_cache import StepConstants
 
 
 def test_kept_per_key_bounded_and_not_in_inference_mode():

@@ -69,13 +69,13 @@ def test_step_synchronises_only_for_the_counts(comm, dropless, k, dtype, fused):
     want = 1 if dropless else 0
     assert len(fwd) == want and not bwd, f"forward {len(fwd)} (want {want}): {fwd}; backward {len(bwd)}: {bwd}"
     if dropless:
-        assert ("_fused_step.py" if fused else "_expert_parallel.py") in fwd[0], fwd
+        assert ("_step/fused_step.py" if fused else "_step/expert_parallel.py") in fwd[0], fwd
 
 
 @pytest.mark.parametrize("blocks", [1, 3])
 def test_dropless_bias_gradient_sums(blocks):
-    from moecomm.moe._seg_gemm import seg_sum
-    from moecomm.moe._segments import Segments
+    from moecomm.moe._ops.seg_gemm import seg_sum
+    from moecomm.moe._ops.segments import Segments
 
     g = torch.Generator().manual_seed(blocks)
     El, B = 5, 384

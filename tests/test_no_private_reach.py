@@ -20,7 +20,7 @@ PACKAGE = "moecomm"
 ALLOWED = {
     # torch's grouped GEMM has no public name in the torch versions supported (2.11, 2.13);
     # grouped_mm_available() checks that it exists and works before the layer uses it
-    ("moecomm/moe/_seg_gemm.py", "torch._grouped_mm"),
+    ("moecomm/moe/_ops/seg_gemm.py", "torch._grouped_mm"),
     # the raw handle of torch's current stream without building a torch.cuda.Stream object
     # per call (the public torch.cuda.current_stream(i).cuda_stream), on every exchange's path
     ("moecomm/backends/_cudart.py", "torch._C"),

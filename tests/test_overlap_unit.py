@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moecomm import _overlap_plan as ovp
+from moecomm.collectives import overlap_plan as ovp
 from moecomm import overlap as ov
 
 pytestmark = pytest.mark.timeout(60)

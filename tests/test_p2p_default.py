@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moecomm
-from moecomm import _p2p_default as pd
+from moecomm.backends import _p2p_default as pd
 
 init_mod = importlib.import_module("moecomm.init")  # the module (moecomm.init is the function)
 

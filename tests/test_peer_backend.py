@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moecomm import _make_backend
+from moecomm.backends import _select as _make_backend
 from moecomm.backends.peer import default_arena_bytes, shared_gpus
 from moecomm.backends.peer_rounds import round_blocks, rounds_needed
 

@@ -1,7 +1,7 @@
 """moecomm_ext.route_capacity / route_backward (the MoE router's kernels): native CPU and
 CUDA against the torch reference, the reference against an independent python-loop queue
 and torch autograd of the router's op chain, and argument validation; the fused capacity
-step's coverage rule (moecomm.moe._fused_step.applies)."""
+step's coverage rule (moecomm.moe._step.fused_step.applies)."""
 
 from __future__ import annotations
 
@@ -242,7 +242,7 @@ def test_fused_step_covers_the_defaults_only():
     configuration the op-by-op path, with the option that sends it there named."""
     import moecomm
     from moecomm.moe import MoELayer
-    from moecomm.moe._fused_step import applies, uncovered
+    from moecomm.moe._step.fused_step import applies, uncovered
 
     comm = moecomm.init()
     x = torch.randn(6, 8)
@@ -276,7 +276,7 @@ def test_step_ops_take_strided_inputs():
     """Issue 34 item 1: the fused step's native glue copies strided inputs instead of refusing
     them (a zero-stride row map of one local expert, a transposed input, a strided bias), and
     the uniform row map is contiguous at its source."""
-    from moecomm.moe._segments import uniform_row_expert
+    from moecomm.moe._ops.segments import uniform_row_expert
     from moecomm_ext import unchecked
 
     assert uniform_row_expert(3, 1, 4, torch.device("cpu")).is_contiguous()

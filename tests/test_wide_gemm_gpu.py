@@ -1,11 +1,11 @@
-"""moecomm.moe._wide_gemm: float32 results from bfloat16 GEMMs (the gate, the experts' bias sums)."""
+"""moecomm.moe._ops.wide_gemm: float32 results from bfloat16 GEMMs (the gate, the experts' bias sums)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moecomm.moe._wide_gemm import wide_linear, wide_linear_applies
+from moecomm.moe._ops.wide_gemm import wide_linear, wide_linear_applies
 from moecomm.moe.gates import LinearTopKGate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

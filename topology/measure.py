@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import moecomm
-from moecomm import _blocks
+from moecomm.collectives import blocks as _blocks
 
 __all__ = [
     "Timing",
@@ -161,7 +161,7 @@ def probe_links(comm: "moecomm.Communicator", sizes: Sequence[int], *, iters: in
     ``m`` bytes per peer for ``m`` in ``sizes``; where the group has more than 2 ranks also
     in pairs of it, so that per-call latency and per-message overhead can be told apart.
     Fitted as ``t = alpha + (P - 1) * (msg + m / beta)`` (:func:`fit_link`). ``copy``:
-    ``moecomm._blocks.permute_blocks`` of ``m * W`` bytes on this rank's device, ``t = alpha +
+    ``moecomm.collectives.blocks.permute_blocks`` of ``m * W`` bytes on this rank's device, ``t = alpha +
     bytes / beta``. A link that the layout lacks (one node, or one rank per node) is omitted.
 
     Returns ``{"intra"|"inter"|"copy": {"alpha_s", "msg_s", "beta_Bps", "group",

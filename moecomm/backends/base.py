@@ -82,7 +82,7 @@ class Backend(abc.ABC):
 
     tagged: bool = False
     """True where :meth:`exchange_tagged` exists: one tagged message per peer (MPI; see
-    :mod:`moecomm._tags`). Elsewhere row exchanges carry no description of themselves."""
+    :mod:`moecomm.engine.tags`). Elsewhere row exchanges carry no description of themselves."""
 
     timeout_s: float = 600.0
     """Seconds any wait of this backend may last: the communicator's ``timeout``, kept here

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .._exit import note_abort
+from ._exit import note_abort
 from ..launch import mpi_wait
 from ..splits import split_offsets
 from ._deadline import call_before_deadline
@@ -216,7 +216,7 @@ class MpiBackend(Backend):
         initializes MPI with ``MPI_THREAD_MULTIPLE``), and ``TimeoutError`` names it when it
         has not returned within the timeout. The call cannot be cancelled, so this backend then
         refuses further work with that error (and the process's exit ends the MPI job with
-        ``MPI_Abort``: see :mod:`moecomm._exit`)."""
+        ``MPI_Abort``: see :mod:`moecomm.backends._exit`)."""
         self.check_health()
         MPI = self._MPI
         split = functools.partial(self._comm.Split, MPI.UNDEFINED if color is None else color, key)

@@ -50,7 +50,7 @@ from ._p2p_limits import ROW_ALIGN
 from .base import DoneRequest, Request
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .._engine import Engine
+    from ..engine.engine import Engine
     from .nccl import NcclBackend
 
 __all__ = ["PeerTransport", "ROW_ALIGN"]

@@ -46,9 +46,9 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ._checkpoint_file import READABLE_VERSIONS  # noqa: F401 - importable from here, as before the split
-from ._checkpoint_file import FORMAT, VERSION, CheckpointError, checksum, one_line, pack, read, write
-from ._checkpoint_reshard import gather, rank_path, scatter
+from ._checkpoint.file import READABLE_VERSIONS  # noqa: F401 - importable from here, as before the split
+from ._checkpoint.file import FORMAT, VERSION, CheckpointError, checksum, one_line, pack, read, write
+from ._checkpoint.reshard import gather, rank_path, scatter
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "save", "load", "read", "gather", "scatter", "describe", "main"]
 

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from moecomm.quant import check_grad_wire_dtype, check_wire_dtype
 
-from . import _comm
-from ._args import float_arg, int_arg
+from ._ops import comm as _comm
+from ._ops.args import float_arg, int_arg
 from .gates import GATE_TYPES, TopKGate
 from .losses import BALANCE_LOSSES
 from .scoring import SCORE_FUNCTIONS

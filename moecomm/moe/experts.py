@@ -1,8 +1,8 @@
 """Experts: the built-in feed-forward experts (a grouped GEMM over variable row counts,
-:mod:`moecomm.moe._seg_gemm`) and adapters for user modules.
+:mod:`moecomm.moe._ops.seg_gemm`) and adapters for user modules.
 
 Every expert container maps the rows an expert rank received, laid out as
-:class:`Segments` describe (:mod:`moecomm.moe._segments`), to one output row each, in the
+:class:`Segments` describe (:mod:`moecomm.moe._ops.segments`), to one output row each, in the
 same order.
 """
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._seg_gemm import WeightGradSum, grouped_mm_available, seg_mm, seg_sum, seg_wgrad
-from ._segments import Segments
+from ._ops.seg_gemm import WeightGradSum, grouped_mm_available, seg_mm, seg_sum, seg_wgrad
+from ._ops.segments import Segments
 
 __all__ = ["Segments", "WeightGradSum", "FFNExperts", "ffn_forward", "ffn_backward", "ACTIVATIONS",
            "GatedActivation", "is_gated", "resolve_activation", "BatchedExperts", "ExpertList",

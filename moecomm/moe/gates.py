@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._args import float_arg, int_arg
-from ._wide_gemm import wide_linear, wide_linear_applies
+from ._ops.args import float_arg, int_arg
+from ._ops.wide_gemm import wide_linear, wide_linear_applies
 
 __all__ = ["TopKGate", "LinearTopKGate", "CosineTopKGate", "GATE_TYPES", "make_gate"]
 

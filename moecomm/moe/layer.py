@@ -12,14 +12,15 @@ from torch import Tensor, nn
 import moecomm_ext
 from moecomm.quant import check_wire_dtype
 
-from . import _comm, _fused_step
-from ._args import float_arg, int_arg
-from ._data_parallel import DataParallelPath
-from ._decode import DecodePath
-from ._expert_parallel import ExpertParallelPath
-from ._graphed import CallResults, StepAccess, StepGraphs
-from ._routing_step import RoutingStep
-from ._step_cache import StepConstants
+from ._ops import comm as _comm
+from ._step import fused_step as _fused_step
+from ._ops.args import float_arg, int_arg
+from ._step.data_parallel import DataParallelPath
+from ._step.decode import DecodePath
+from ._step.expert_parallel import ExpertParallelPath
+from ._step.graphed import CallResults, StepAccess, StepGraphs
+from ._step.routing_step import RoutingStep
+from ._ops.step_cache import StepConstants
 from .config import (PARALLEL_MODES, MoEConfig, bool_arg, check_algorithm, check_degree, check_own_first,
                      expert_layout)
 from .experts import BatchedExperts, ExpertList, FFNExperts
@@ -143,7 +144,7 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
 
     ``fused_step=True`` (default): the calls it covers run as one autograd Function whose
     operations are issued from C++, with the router in two native kernels
-    (:mod:`moecomm.moe._fused_step`): capacity mode (``capacity_factor > 0``) and dropless
+    (:mod:`moecomm.moe._step.fused_step`): capacity mode (``capacity_factor > 0``) and dropless
     with the built-in experts (any activation: named, gated or a callable), each with the
     linear float32 gate, the GShard loss or none, postscore gates, unsharded experts, no
     pipelining (``wire_dtype`` across ranks too) (with gate noise only outside training).
@@ -162,7 +163,7 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
     ``decode_tokens=N`` (off by default): a ``torch.no_grad()`` call with at most ``N`` tokens
     per rank moves them through a preallocated :class:`moecomm.LowLatencyBuffer` (no host
     synchronisation, capturable in a CUDA graph), dropless; ``layer.last_decode`` says whether
-    the last call did. See :mod:`moecomm.moe._decode`.
+    the last call did. See :mod:`moecomm.moe._step.decode`.
 
     The options are held (and checked) by a :class:`~moecomm.moe.config.MoEConfig`, kept as
     ``layer.config``; ``MoELayer.from_config(cfg)`` builds a layer from one.

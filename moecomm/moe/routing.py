@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._step_cache import StepConstants
+from ._ops.step_cache import StepConstants
 
 __all__ = ["Routing", "route", "fixed_capacity", "SlotMap", "capacity_slots", "dropless_slots",
            "pipelined_capacity_slots", "chunk_sizes"]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._args import int_arg
+from ._ops.args import int_arg
 from .experts import resolve_activation
 
 __all__ = ["SharedExpertFFN", "SharedExpertStep", "GATED_ACTIVATIONS"]

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ._comm import resolve_comm
+from ._ops.comm import resolve_comm
 from .config import MoEConfig
 from .gates import make_gate
 from .layer import MoELayer

@@ -61,7 +61,7 @@ at::ScalarType acc_type(const at::Tensor& t) {
 }
 
 // rows [blocks * El * C, A] @ w[e] (+ bias[e]) per block: w [El, A, B] (used transposed:
-// [El, B, A]); as moecomm.moe._seg_gemm.seg_mm on a uniform layout. With a bias every row
+// [El, B, A]); as moecomm.moe._ops.seg_gemm.seg_mm on a uniform layout. With a bias every row
 // starts as its expert's (a row gather by `row_expert`: a broadcast copy is 4x slower), then
 // each block adds its GEMM in place.
 at::Tensor block_mm(const StepKernels& kern, const at::Tensor& x, const at::Tensor& w, const Opt& bias,

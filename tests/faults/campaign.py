@@ -1,7 +1,7 @@
 """The fault campaign: every case launches ``mpiexec -n K python -m tests.faults.rank ...``.
 
 A case passes when the job ends within ``timeout + 10 s`` of the phase's start (the exit hook
-of :mod:`moecomm._exit` aborts a job whose peers never come), and every rank other than the
+of :mod:`moecomm.backends._exit` aborts a job whose peers never come), and every rank other than the
 victim either finished the phase (it did not need the victim after the fault) or raised a
 named error within ``2 * timeout + 2 s``: ``TimeoutError`` saying what did not complete, or
 ``RuntimeError`` naming the victim's rank; and at least one of them raised.

@@ -133,7 +133,7 @@ def run(phase: str, kind: str, bad: bool, comm, R: int, W: int, setup: dict) -> 
         comm.all_to_all_v(x, m[R])
     elif phase == "rows":
         if bad:
-            # MPI: the count exchange and the rows are both tagged exchanges (moecomm._tags)
+            # MPI: the count exchange and the rows are both tagged exchanges (moecomm.engine.tags)
             tagged = comm.engine.tagged
             on_first_call(comm.engine.backend, ["alltoallv", "exchange_tagged"] if tagged else ["alltoallv"], kind,
                           "rows", skip=1 if tagged else 0)

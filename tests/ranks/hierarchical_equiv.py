@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 import moecomm
 import moecomm.functional as F
-from moecomm import _topology, hierarchical
-from moecomm._engine import Engine
+from moecomm import hierarchical
+from moecomm.collectives import topology as _topology
+from moecomm.engine.engine import Engine
 from moecomm.communicator import Communicator
 from moecomm.layout import Layout
 from tests.mpi_util import collective_assert, rank_main

@@ -1,4 +1,4 @@
-"""The host channel of the short integer agreements (moecomm._host_channel), on real MPI ranks
+"""The host channel of the short integer agreements (moecomm.backends._host_channel), on real MPI ranks
 (run by tests/test_host_channel.py): against a numpy reference on channels of every size from
 1 to the world's, timeouts, ``Communicator.allreduce_ints``, and the channel each construction
 path gives (MPI launch with NCCL faked by a CPU stand-in, a torch gloo group)."""
@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 import moecomm
-from moecomm._host_channel import GlooHostChannel, MpiHostChannel
+from moecomm.backends._host_channel import GlooHostChannel, MpiHostChannel
 from moecomm.errors import CountMismatchError
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main, world_barrier
 
@@ -184,7 +184,7 @@ class _Recording:
 def _fake_nccl(make):
     """``NcclBackend.create`` replaced by a CPU stand-in (``make(size, rank)``),
     and no CUDA device needed: the construction path of ``backend="nccl"`` without a GPU."""
-    from moecomm import _make_backend
+    from moecomm.backends import _select as _make_backend
     from moecomm.backends.nccl import NcclBackend
 
     saved = (NcclBackend.__dict__["create"], NcclBackend.__dict__["new_unique_id"], _make_backend._cuda_device)

@@ -1,9 +1,9 @@
 """The MoE layer's fused FP8 dispatch (the gather writes packed FP8 rows,
-``moecomm/moe/_wire_dispatch.py``) against a reference built from public pieces (the same
+``moecomm/moe/_step/wire_dispatch.py``) against a reference built from public pieces (the same
 layer without ``wire_dtype`` whose experts first apply the FP8 rule to the rows they receive,
 straight-through, with the backward's gradient rounded as ``grad_wire_dtype`` sends it: the
 rule is row-wise, so it commutes with the exchange), bit for bit, and the fused step's (the
-default, ``moecomm/moe/_fused_step.py``) against both; the fused dispatch-exchange against
+default, ``moecomm/moe/_step/fused_step.py``) against both; the fused dispatch-exchange against
 the unfused pieces (``moecomm_ext.dispatch``, then ``functional.all_to_all_v(wire_dtype=)``);
 on real ranks (run by
 tests/test_moe_wire_fused.py; from 3 ranks on also on sub-communicators of W - 1 ranks and of 1): the layer's output, aux loss, input gradient and every parameter
@@ -26,7 +26,7 @@ import moecomm.functional as F
 import moecomm_ext
 from moecomm import quant, wire
 from moecomm.moe import MoELayer
-from moecomm.moe import _wire_dispatch
+from moecomm.moe._step import wire_dispatch as _wire_dispatch
 from tests.mpi_util import collective_assert, rank_main
 from tests.ranks.data import count_matrix
 

@@ -6,7 +6,7 @@ rank either raises CountMismatchError or holds exactly the reference bytes, and 
   count exchange (a dtype or row shape that differs is named on the ranks that see it);
 * validate=True: every disagreement raises on every rank before anything moves, also when
   ranks mix recv_splits and None (the records keep their collectives in step);
-* known counts, by default (issue 32): every MPI exchange travels tagged (moecomm._tags):
+* known counts, by default (issue 32): every MPI exchange travels tagged (moecomm.engine.tags):
   the two ranks of a disagreeing pair raise, the others complete, the communicator stays
   usable (also where one side sends no rows: an empty message still carries its tag);
   ranks mixing recv_splits and None raise; gloo with records beside compares before the rows.

@@ -10,7 +10,7 @@ import torch
 
 import moecomm
 import moecomm.distributed as mdist
-from moecomm import _p2p_default
+from moecomm.backends import _p2p_default
 from tests.mpi_util import collective_assert, rank_main
 from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
 

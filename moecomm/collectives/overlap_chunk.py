@@ -8,8 +8,8 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ._device_tables import int64_table
-from ._overlap_plan import block_rows
+from ..engine.device_tables import int64_table
+from .overlap_plan import block_rows
 
 __all__ = ["Chunk", "GroupOrder"]
 

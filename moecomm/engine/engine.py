@@ -1,6 +1,6 @@
 """The engine under a :class:`moecomm.Communicator`: one backend, its staging pool, its
 timeout, its count buffers, and the waits and count exchanges that every
-collective, the flat exchange (:mod:`moecomm._flat`), the 2DH exchange
+collective, the flat exchange (:mod:`moecomm.collectives.flat`), the 2DH exchange
 (:mod:`moecomm.hierarchical`), the overlap pipeline
 (:mod:`moecomm.overlap`) and the FP8 wire (:mod:`moecomm.wire`) are built from.
 
@@ -19,18 +19,24 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ._dtypes import DTYPE_CODES, SUPPORTED_DTYPES
-from ._flat import COPY_ENGINE_MIN_BYTES
-from ._host_channel import OPS, HostChannel
-from ._requests import TagChecked, ThenRequest, Work
-from ._tags import TagPlan
-from .backends._deadline import poll_yielding
-from .backends.base import Backend, Request
-from .errors import CommunicatorClosedError, CountMismatchError
-from .pool import StagingPool
-from .splits import Splits, normalize_splits
+from ..backends._deadline import poll_yielding
+from ..backends._host_channel import OPS, HostChannel
+from ..backends.base import Backend, Request
+from ..errors import CommunicatorClosedError, CountMismatchError
+from ..pool import StagingPool
+from ..splits import Splits, normalize_splits
+from .dtypes import DTYPE_CODES, SUPPORTED_DTYPES
+from .requests import TagChecked, ThenRequest, Work
+from .tags import TagPlan
 
-__all__ = ["Engine", "warn_if_graph_lost"]
+__all__ = ["COPY_ENGINE_MIN_BYTES", "Engine", "warn_if_graph_lost"]
+
+COPY_ENGINE_MIN_BYTES = 16 << 20
+"""Default of ``init(p2p_min_bytes=)``: with peer memory, a plain ``all_to_all_v`` with known
+counts moves by copy engines when a rank sends or receives at least this many bytes; below,
+NCCL's grouped send/recv is as fast or faster (bench/results/README.md). The stages of
+``scatter_compute_gather`` always use the copy engines: there, leaving the SMs to the
+experts matters more."""
 
 _FRAME = 16
 """Values of :meth:`Engine.allreduce_ints` that travel with the length check in one collective."""
@@ -51,9 +57,9 @@ class Engine:
 
     ``peer``: the peer-memory transport (:class:`moecomm.backends.p2p.PeerTransport`), made
     beforehand over an engine of the same backend without one; ``host``: the host channel
-    (:class:`moecomm._host_channel.HostChannel`) of the short integer agreements, closed and
+    (:class:`moecomm.backends._host_channel.HostChannel`) of the short integer agreements, closed and
     aborted with the engine (None: they go through the backend, on its device); ``copy_engine_min_bytes``:
-    see :data:`moecomm._flat.COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
+    see :data:`COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
     (the hierarchy groups) are closed and aborted with this one.
     """
 
@@ -67,11 +73,11 @@ class Engine:
         self.validate = bool(validate)
         self.peer = peer
         self.copy_engine_min_bytes = int(copy_engine_min_bytes)
-        # Records beside rows whose counts were given (moecomm._peer_check) also without
+        # Records beside rows whose counts were given (moecomm.engine.peer_check) also without
         # validate: off by default for their cost (README, "Bad input and faults"); a switch
         # for bench.alltoall --check-cost, which times them, and for tests.
         self.records_beside = False
-        # Row exchanges as tagged messages (moecomm._tags) where the backend has them: the
+        # Row exchanges as tagged messages (moecomm.engine.tags) where the backend has them: the
         # default check; a switch for bench.alltoall --check-cost, which times it.
         self.row_tags = True
         self.seq = 0  # exchanges issued on this engine (their tags carry it)
@@ -117,7 +123,7 @@ class Engine:
 
     @property
     def tagged(self) -> bool:
-        """Whether row exchanges travel tagged (checked where they land, see :mod:`moecomm._tags`)."""
+        """Whether row exchanges travel tagged (checked where they land, see :mod:`moecomm.engine.tags`)."""
         return self.row_tags and self.backend.tagged and self.size > 1
 
     def start_tagged(self, send: torch.Tensor, send_counts: Sequence[Sequence[int]], send_displs: Sequence[int],

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ._peer_check import PeerCheck
-from .backends.base import Request
+from .peer_check import PeerCheck
+from ..backends.base import Request
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._engine import Engine
+    from .engine import Engine
 
 __all__ = ["Work", "CheckedRequest", "TagChecked", "RaiseAfter", "ThenRequest"]
 
@@ -61,7 +61,7 @@ class Work:
 
 class CheckedRequest(Request):
     """Rows whose counts were given, with the records sent beside them: done once both are,
-    then raises :class:`CountMismatchError` if a peer disagrees (see :mod:`moecomm._peer_check`).
+    then raises :class:`CountMismatchError` if a peer disagrees (see :mod:`moecomm.engine.peer_check`).
     Where the disagreement means some rows can never arrive, it raises as soon as the records
     are in, abandoning the rows and aborting the engine."""
 
@@ -107,7 +107,7 @@ class CheckedRequest(Request):
 class TagChecked(Request):
     """A tagged exchange (:meth:`moecomm.backends.base.Backend.exchange_tagged`): done once
     every message is, then raises :class:`CountMismatchError` if what arrived disagrees with
-    ``plan`` (:class:`moecomm._tags.TagPlan`). Every rank sent and received one message per
+    ``plan`` (:class:`moecomm.engine.tags.TagPlan`). Every rank sent and received one message per
     peer whatever it found, so the communicator stays matched."""
 
     __slots__ = ("_inner", "_plan", "_done", "plan")

@@ -30,8 +30,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ._dtypes import SUPPORTED_DTYPES
-from .errors import CountMismatchError
+from .dtypes import SUPPORTED_DTYPES
+from ..errors import CountMismatchError
 
 __all__ = ["LABELS", "TagPlan", "labelled", "current", "using", "meta_code", "count_code"]
 

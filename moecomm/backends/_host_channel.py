@@ -11,8 +11,8 @@ ahead of the GPU. A :class:`HostChannel` runs the same agreement between the pro
 - :class:`GlooHostChannel`: a CPU torch.distributed group (gloo), ``async_op`` work waited on
   with a timeout.
 
-:func:`moecomm._make_backend.make_backend` makes one where the launch provides one, and the
-engine (:mod:`moecomm._engine`) owns it; where there is none (an NCCL-only process group) the
+:func:`moecomm.backends._select.make_backend` makes one where the launch provides one, and the
+engine (:mod:`moecomm.engine.engine`) owns it; where there is none (an NCCL-only process group) the
 engine's integer agreements keep going through the device.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .backends._deadline import poll_yielding
+from ._deadline import poll_yielding
 
 __all__ = ["HostChannel", "MpiHostChannel", "GlooHostChannel", "OPS", "int_list", "gloo_capable"]
 
@@ -203,7 +203,7 @@ class MpiHostChannel(HostChannel):
         """``MPI_Comm_split`` (blocking in MPI) on a thread of its own under the deadline, as
         :meth:`moecomm.backends.mpi.MpiBackend.split` runs it; the sub-channel owns its
         communicator."""
-        from .backends._deadline import call_before_deadline
+        from ._deadline import call_before_deadline
 
         self._check_usable("split")
         MPI = self._MPI
@@ -264,7 +264,7 @@ class GlooHostChannel(HostChannel):
     def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str) -> list[int]:
         import torch
 
-        from .backends.torch_dist import _OPS, _all_reduce
+        from .torch_dist import _OPS, _all_reduce
 
         t = torch.tensor(values, dtype=torch.int64)
         work = _all_reduce(t, _OPS[op], group=self._group, async_op=True)
@@ -274,7 +274,7 @@ class GlooHostChannel(HostChannel):
     def _allgather(self, values: list[int], timeout_s: float, what: str) -> list[list[int]]:
         import torch
 
-        from .backends.torch_dist import _all_gather_single
+        from .torch_dist import _all_gather_single
 
         n = len(values)
         mine = torch.tensor(values, dtype=torch.int64)

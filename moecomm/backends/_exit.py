@@ -109,7 +109,7 @@ def arm(world: Any, timeout_s: float) -> None:
     """
     guard = _GUARD.get("guard")
     if guard is None:
-        from .launch import mpi_wait
+        from ..launch import mpi_wait
 
         guard = _ExitGuard(world, timeout_s)
         atexit.register(guard.at_exit)

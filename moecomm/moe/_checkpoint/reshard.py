@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from ._checkpoint_file import (CheckpointError, commit, layout, pack, read, refuse_overwrite, split_index, write,
+from .file import (CheckpointError, commit, layout, pack, read, refuse_overwrite, split_index, write,
                                write_temp)
 
 __all__ = ["gather", "scatter", "rank_path"]

@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._agreement import agree
-from . import _comm
-from ._args import float_arg
-from ._step_cache import StepConstants
-from .config import MoEConfig, check_groups
-from .gates import TopKGate
-from .losses import gshard_loss, load_importance_loss, router_z_loss
-from .routing import Routing, fixed_capacity, route
-from .scoring import RouterOptions, loss_scores, select_experts, seq_switch_loss, switch_loss, updated_expert_bias
+from .agreement import agree
+from .._ops import comm as _comm
+from .._ops.args import float_arg
+from .._ops.step_cache import StepConstants
+from ..config import MoEConfig, check_groups
+from ..gates import TopKGate
+from ..losses import gshard_loss, load_importance_loss, router_z_loss
+from ..routing import Routing, fixed_capacity, route
+from ..scoring import RouterOptions, loss_scores, select_experts, seq_switch_loss, switch_loss, updated_expert_bias
 
 __all__ = ["RoutingStep"]
 

@@ -42,13 +42,13 @@ from moecomm.functional import all_to_all_v_backward
 from moecomm.wire import WIRE_BLOCK
 from moecomm_ext import unchecked
 
-from ._comm import check_received_counts
-from ._step_cache import StepConstants
-from ._wide_gemm import wide_gemm_available, wide_linear_applies
-from ._segments import Segments
-from .experts import FFNExperts, ffn_backward, ffn_forward
-from .gates import LinearTopKGate
-from .routing import Routing
+from .._ops.comm import check_received_counts
+from .._ops.step_cache import StepConstants
+from .._ops.wide_gemm import wide_gemm_available, wide_linear_applies
+from .._ops.segments import Segments
+from ..experts import FFNExperts, ffn_backward, ffn_forward
+from ..gates import LinearTopKGate
+from ..routing import Routing
 
 __all__ = ["StepPath", "FUSED", "applies", "uncovered", "StepCall", "fused_step"]
 

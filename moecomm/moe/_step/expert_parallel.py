@@ -11,10 +11,11 @@ from torch import Tensor
 
 import moecomm_ext
 
-from . import _comm, _wire_dispatch
-from ._step_cache import StepConstants
-from .experts import Segments, WeightGradSum
-from .routing import Routing, dropless_slots, pipelined_capacity_slots
+from .._ops import comm as _comm
+from . import wire_dispatch as _wire_dispatch
+from .._ops.step_cache import StepConstants
+from ..experts import Segments, WeightGradSum
+from ..routing import Routing, dropless_slots, pipelined_capacity_slots
 
 __all__ = ["ExpertParallelPath"]
 

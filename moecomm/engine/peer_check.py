@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .errors import CountMismatchError
+from ..errors import CountMismatchError
 
 __all__ = ["PeerCheck", "UNKNOWN", "row_codes"]
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._gather import gather_expert_params
-from .experts import FFNExperts, Segments
-from .routing import Routing, capacity_slots, dropless_slots
+from .gather import gather_expert_params
+from ..experts import FFNExperts, Segments
+from ..routing import Routing, capacity_slots, dropless_slots
 
 __all__ = ["DataParallelPath"]
 

@@ -30,7 +30,7 @@ import torch
 
 import moecomm_ext
 
-from ._device_tables import int64_table
+from ..engine.device_tables import int64_table
 
 __all__ = ["permute_blocks", "reorder_blocks", "block_order_index"]
 

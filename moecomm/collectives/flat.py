@@ -1,8 +1,8 @@
 """The flat variable-length exchange on an engine: validate, learn or check the counts
-(:mod:`moecomm._peer_check`), and issue the rows through the backend, the peer-memory
+(:mod:`moecomm.engine.peer_check`), and issue the rows through the backend, the peer-memory
 transport's kernels (counts on the GPU) or its copy engines (known counts).
 
-Every function takes the :class:`moecomm._engine.Engine` of the communicator (or of a 2DH
+Every function takes the :class:`moecomm.engine.engine.Engine` of the communicator (or of a 2DH
 sub-communicator) it runs on.
 """
 
@@ -13,26 +13,18 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ._peer_check import PeerCheck
-from ._requests import CheckedRequest, RaiseAfter
-from .backends._p2p_limits import ROW_ALIGN as PEER_ROW_ALIGN
-from .backends.base import DoneRequest, Request
-from .splits import Splits, check_own_block, check_split_total, normalize_splits, split_offsets
+from ..engine.peer_check import PeerCheck
+from ..engine.requests import CheckedRequest, RaiseAfter
+from ..backends._p2p_limits import ROW_ALIGN as PEER_ROW_ALIGN
+from ..backends.base import DoneRequest, Request
+from ..splits import Splits, check_own_block, check_split_total, normalize_splits, split_offsets
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._engine import Engine
+    from ..engine.engine import Engine
 
-__all__ = ["PEER_ROW_ALIGN", "COPY_ENGINE_MIN_BYTES", "start_all_to_all_v", "start_all_to_all_single",
+__all__ = ["PEER_ROW_ALIGN", "start_all_to_all_v", "start_all_to_all_single",
            "start_all_to_all_list", "start_records", "settle", "exchange_records", "check_exchanged_counts",
            "alltoallv"]
-
-
-COPY_ENGINE_MIN_BYTES = 16 << 20
-"""Default of ``init(p2p_min_bytes=)``: with peer memory, a plain ``all_to_all_v`` with known
-counts moves by copy engines when a rank sends or receives at least this many bytes; below,
-NCCL's grouped send/recv is as fast or faster (bench/results/README.md). The stages of
-``scatter_compute_gather`` always use the copy engines: there, leaving the SMs to the
-experts matters more."""
 
 
 def _on_gpu(splits: Any) -> bool:
@@ -180,7 +172,7 @@ def settle(engine: Engine, records: Optional[tuple]) -> None:
 def exchange_records(engine: Engine, check: PeerCheck, counts: Optional[torch.Tensor] = None
                      ) -> tuple[list[int], list[int], list[str], bool]:
     """The count exchange of a call without ``recv_splits``: every rank's records
-    (:mod:`moecomm._peer_check`), blocking. Returns (send, recv, disagreements) with one
+    (:mod:`moecomm.engine.peer_check`), blocking. Returns (send, recv, disagreements) with one
     count per peer, and whether some rows could never arrive; ``counts`` (a count tensor, any
     device) replaces ``check.sent``."""
     values: Any = check.record() if counts is None else check.record_tensor(counts)

@@ -1,4 +1,4 @@
-"""GEMMs over the expert segments of a :class:`~moecomm.moe._segments.Segments` layout: the
+"""GEMMs over the expert segments of a :class:`~moecomm.moe._ops.segments.Segments` layout: the
 forward product, the weight gradient and the bias gradient, each as batched GEMMs for the
 padded (uniform) layout, ``torch._grouped_mm`` where it runs (bf16 on a GPU), else a loop
 over the segments; and :class:`WeightGradSum`, which sums weight gradients over the stages
@@ -13,8 +13,8 @@ from torch import Tensor
 
 import moecomm_ext
 
-from ._segments import Segments
-from ._wide_gemm import wide_gemm_available
+from .segments import Segments
+from .wide_gemm import wide_gemm_available
 
 __all__ = ["grouped_mm_available", "seg_mm", "seg_wgrad", "seg_sum", "WeightGradSum"]
 

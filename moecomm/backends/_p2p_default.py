@@ -57,7 +57,7 @@ def default_bytes(size: int, free_bytes: int) -> int:
 def resolve_p2p_bytes(engine: Any, num_nodes: int, requested: Optional[int], hosts: Sequence[str],
                       whole_launch: bool) -> int:
     """The ``p2p_bytes`` to build the peer-memory transport of a communicator with (0: none):
-    ``engine`` is its :class:`moecomm._engine.Engine` (without a transport), ``num_nodes`` its
+    ``engine`` is its :class:`moecomm.engine.engine.Engine` (without a transport), ``num_nodes`` its
     node count.
 
     ``requested`` is ``init``'s argument (checked already): an int is returned as it is;
@@ -170,7 +170,7 @@ def _handle_ints(raw: bytes) -> list[int]:
 
 
 def _load_ext() -> Any:
-    from .backends._ext import load_p2p
+    from ._ext import load_p2p
 
     return load_p2p()
 

@@ -9,12 +9,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ._dtypes import DTYPE_CODES, float8_dtypes
-from ._engine import Engine
-from ._host_channel import int_list
-from ._requests import Work
-from .backends.base import DoneRequest, Request, reduce_op_name
-from .errors import CountMismatchError
+from ..engine.dtypes import DTYPE_CODES, float8_dtypes
+from ..engine.engine import Engine
+from ..backends._host_channel import int_list
+from ..engine.requests import Work
+from ..backends.base import DoneRequest, Request, reduce_op_name
+from ..errors import CountMismatchError
 
 __all__ = ["OtherCollectives"]
 

@@ -20,9 +20,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ._engine import Engine
-from .layout import Layout
-from .profile import Fingerprint, Profile, ProfileError, default_profile_path, load_profile
+from ..engine.engine import Engine
+from ..layout import Layout
+from ..profile import Fingerprint, Profile, ProfileError, default_profile_path, load_profile
 
 __all__ = ["ALGORITHMS", "AUTO_2DH_MAX_BYTES_PER_PEER", "Hierarchy", "Topology", "build", "fingerprint", "choose",
            "require_hierarchy", "unequal_nodes_message"]

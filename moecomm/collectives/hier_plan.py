@@ -9,10 +9,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import _blocks, _flat
-from ._engine import Engine
-from ._peer_check import PeerCheck
-from ._topology import Hierarchy
+from . import blocks as _blocks
+from . import flat as _flat
+from ..engine.engine import Engine
+from ..engine.peer_check import PeerCheck
+from .topology import Hierarchy
 
 __all__ = ["Plan", "Counts", "Exchange", "Local", "make_plan", "forward_steps", "reverse_steps"]
 
@@ -38,7 +39,7 @@ class Plan:
 
 def _records(sub: Engine, check: PeerCheck) -> tuple[list[list[int]], list[str], bool]:
     """A count exchange with ``check``'s records among ``sub`` (blocks the host): what each
-    member sends this rank, and what disagrees (see :mod:`moecomm._peer_check`)."""
+    member sends this rank, and what disagrees (see :mod:`moecomm.engine.peer_check`)."""
     if sub.size == 1:
         return check.sent, [], False
     got = sub.exchange_ints(check.record(), check.per_peer, f"{check.op} (count exchange)")[1]
@@ -86,7 +87,7 @@ def make_plan(h: Hierarchy, send: list[int], recv: Optional[list[int]], dtype: t
         rgrid = [[recv[h.members[n][l]] for l in range(L)] for n in range(N)]
         if N > 1:
             # validate=True: sent now, before any rows, where a rank without recv_splits
-            # exchanges them (None otherwise: see moecomm._flat.start_records).
+            # exchanges them (None otherwise: see moecomm.collectives.flat.start_records).
             found.rail_check = PeerCheck(f"{op}, rail", h.rail.rank, rail_sent, rgrid, dtype, row_shape,
                                          unit="rows (one count per source rank of its node)")
             found.rail_records = _flat.start_records(h.rail.engine, found.rail_check)
@@ -104,7 +105,7 @@ class Exchange:
     recv: list[int]
     name: str
     check: Optional[PeerCheck] = None  # records beside the rows (recv_splits given)
-    records: Optional[tuple] = None  # ... already sent (moecomm._flat.start_records)
+    records: Optional[tuple] = None  # ... already sent (moecomm.collectives.flat.start_records)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch import Tensor
 from moecomm import quant
 from moecomm.low_latency import LowLatencyBuffer
 
-from ._segments import Segments
+from .._ops.segments import Segments
 
 __all__ = ["DecodePath"]
 

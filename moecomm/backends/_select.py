@@ -7,7 +7,7 @@ whose arguments :func:`moecomm.init` refused (``problem``) makes every peer rais
 waiting for it.
 
 Beside the backend it makes the host channel of the short integer agreements
-(:mod:`moecomm._host_channel`), where the launch has one: under an MPI launcher a duplicate of
+(:mod:`moecomm.backends._host_channel`), where the launch has one: under an MPI launcher a duplicate of
 ``COMM_WORLD`` for NCCL, a duplicate of the MPI backend's own communicator for MPI (so that an
 agreement on one rank never meets an exchange of the backend on another: ranks that disagree
 on what comes next wait and time out instead of reading each other's messages); over a torch
@@ -26,9 +26,9 @@ import torch
 
 from . import _exit
 from ._host_channel import GlooHostChannel, HostChannel, MpiHostChannel, gloo_capable
-from .backends.base import Backend
-from .launch import detect_launcher, host_name, mpi_agree, mpi_world
-from .layout import Layout
+from .base import Backend
+from ..launch import detect_launcher, host_name, mpi_agree, mpi_world
+from ..layout import Layout
 
 __all__ = ["make_backend"]
 
@@ -89,7 +89,7 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     in a process that made a torch.distributed group: :func:`_from_process_group`; alone:
     :func:`_single_process`."""
     nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
-    from .backends.nccl import NcclBackend, nccl_available
+    from .nccl import NcclBackend, nccl_available
 
     launcher = detect_launcher()
     if launcher == "single" and backend == "auto" and _torch_dist_initialized():
@@ -153,7 +153,7 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
     if backend == "mpi":
         return _mpi_backend(world, timeout_s, hosts, rank)
     if backend == "peer":
-        from .backends.peer import PeerBackend
+        from .peer import PeerBackend
 
         host = MpiHostChannel(world, timeout_s)
         try:
@@ -177,7 +177,7 @@ def _from_launcher(backend: str, device: Any, timeout_s: float, local_size: Opti
 
 
 def _mpi_backend(world: Any, timeout_s: float, hosts: list[str], rank: int) -> Made:
-    from .backends.mpi import MpiBackend
+    from .mpi import MpiBackend
 
     mpi = MpiBackend(world, timeout_s)
     try:  # a duplicate: agreements never meet the backend's own collectives
@@ -190,7 +190,7 @@ def _mpi_backend(world: Any, timeout_s: float, hosts: list[str], rank: int) -> M
 def _peer_available() -> bool:
     """True where the peer backend can be made: CUDA runtime bindings import."""
     try:
-        from .backends import _cudart  # noqa: F401  (import check only)
+        from . import _cudart  # noqa: F401  (import check only)
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return False
     return True
@@ -216,8 +216,8 @@ def _gpu_backend(backend: str, auto: bool, uuids: list[str], hosts: list[str], r
         ValueError: ``backend="nccl"`` while ranks share a GPU (the message names the GPU,
             the ranks and the backend to use); the same on every rank.
     """
-    from .backends.nccl import nccl_available
-    from .backends.peer import shared_gpus
+    from .nccl import nccl_available
+    from .peer import shared_gpus
 
     shared = shared_gpus(uuids, hosts)
     if auto:
@@ -246,7 +246,7 @@ def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict
     """A communicator of size 1 without a launcher and without mpi4py."""
     _nccl_only(nccl_only, backend)
     if backend == "nccl":
-        from .backends.nccl import NcclBackend
+        from .nccl import NcclBackend
 
         dev = _cuda_device(device, 0)
         return NcclBackend.create(1, 0, NcclBackend.new_unique_id(), dev, timeout_s, nccl_only["max_ctas"]), \
@@ -254,7 +254,7 @@ def _single_process(backend: str, device: Any, timeout_s: float, nccl_only: dict
     if device is not None and torch.device(device if not isinstance(device, int) else "cuda").type != "cpu":
         raise ValueError(f"device: a single-process {backend!r} communicator runs on the CPU, got {device!r}")
     if backend == "self":
-        from .backends.single import SelfBackend
+        from .single import SelfBackend
 
         return SelfBackend(), [host_name()], 0, None
     import torch.distributed as dist
@@ -274,8 +274,8 @@ def _from_process_group(group: Any, backend: str, device: Any, timeout_s: float,
     nccl_only = {"max_ctas": max_ctas, "p2p_bytes": p2p_bytes or None}  # p2p_bytes=0 (off) fits any backend
     import torch.distributed as dist
 
-    from .backends.nccl import NcclBackend
-    from .backends.torch_dist import TorchBackend
+    from .nccl import NcclBackend
+    from .torch_dist import TorchBackend
 
     if not dist.is_initialized():
         raise RuntimeError("process_group given, but torch.distributed is not initialized")

@@ -11,14 +11,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _tags
-from ._dtypes import SUPPORTED_DTYPES
-from ._engine import Engine
-from ._overlap_chunk import Chunk
-from ._overlap_plan import Plan
-from ._requests import Work
-from .backends.base import DoneRequest, Request
-from .errors import CommunicatorClosedError
+from ..engine import tags as _tags
+from ..engine.dtypes import SUPPORTED_DTYPES
+from ..engine.engine import Engine
+from .overlap_chunk import Chunk
+from .overlap_plan import Plan
+from ..engine.requests import Work
+from ..backends.base import DoneRequest, Request
+from ..errors import CommunicatorClosedError
 
 __all__ = ["Fn", "Transport", "Run", "run_pipeline"]
 
@@ -48,13 +48,13 @@ class Transport:
 
     def exchange(self, send: torch.Tensor, send_counts: list[int], send_displs: list[int], recv: torch.Tensor,
                  recv_counts: list[int], recv_displs: list[int], label: str) -> Any:
-        """``label``: which of the pipeline's exchanges this is (one of :data:`moecomm._tags.LABELS`)."""
+        """``label``: which of the pipeline's exchanges this is (one of :data:`moecomm.engine.tags.LABELS`)."""
         engine = self.engine
         if engine.closed:
             raise CommunicatorClosedError(f"moecomm: cannot run {self.OP}: the communicator is closed")
         b = self.backend
         row_bytes = math.prod(send.shape[1:]) * send.element_size()
-        if engine.tagged:  # checked where the rows land (moecomm._tags), row width and dtype included
+        if engine.tagged:  # checked where the rows land (moecomm.engine.tags), row width and dtype included
             request: Request = engine.start_tagged(send, [[c] for c in send_counts], send_displs, recv,
                                                    [[c] for c in recv_counts], recv_displs, row_bytes,
                                                    f"{self.OP} ({label})", send.dtype, tuple(send.shape[1:]),
@@ -179,8 +179,7 @@ class Run:
         if self.packed is not None:
             x, self.packed = self.packed, None
         elif self.wire is not None:  # one fused pass: every row quantized and packed (own rows too)
-            from .quant import pack_rows
-            from .wire import WIRE_BLOCK
+            from ..quant import WIRE_BLOCK, pack_rows
 
             x = pack_rows(x.detach(), self.wire, WIRE_BLOCK)
         p = self.plan
@@ -218,8 +217,7 @@ class Run:
         rows, _ = self._wait(self.scatter[c])
         self.scatter[c] = None
         if self.wire is not None:
-            from .quant import unpack_rows
-            from .wire import WIRE_BLOCK
+            from ..quant import WIRE_BLOCK, unpack_rows
 
             return unpack_rows(self._used_here(rows), self.in_shape, self.in_dtype, self.wire, WIRE_BLOCK)
         return self._used_here(rows)

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ._seg_gemm import WeightGradSum
-    from ._step_cache import StepConstants
+    from .seg_gemm import WeightGradSum
+    from .step_cache import StepConstants
 
 __all__ = ["Segments", "uniform_row_expert"]
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ._device_tables import int64_table
+from ..engine.device_tables import int64_table
 
 __all__ = ["MAX_DEGREE", "Plan", "auto_pieces", "auto_stages", "check_degree", "block_rows"]
 

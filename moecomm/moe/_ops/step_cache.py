@@ -9,7 +9,7 @@ from typing import Callable, Hashable
 import torch
 from torch import Tensor
 
-from ._segments import uniform_row_expert
+from .segments import uniform_row_expert
 
 __all__ = ["StepConstants"]
 
