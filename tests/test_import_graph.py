@@ -119,7 +119,7 @@ def test_moecomm_imports_are_acyclic():
 # the bottom, and the front that assembles the folders at the top. A top-level module not
 # named in a vocabulary set is front; a module in no declared folder fails the test.
 CORE_VOCABULARY = {"_version", "errors", "splits", "layout", "launch", "env", "profile", "quant", "graphs", "pool"}
-MOE_PARTS = {"config", "gates", "routing", "experts", "losses", "tutel_functional"}
+MOE_PARTS = {"config", "gates", "routing", "scoring", "experts", "losses", "tutel_functional"}
 LAYERS = [
     "moecomm: vocabulary",   # errors, splits, layout, pool, quant, ...: import nothing above them
     "moecomm.backends",      # the transports, the host channel, and the choice of one
@@ -127,7 +127,7 @@ LAYERS = [
     "moecomm.collectives",   # how each collective is made of backend exchanges
     "moecomm: front",        # init, communicator, functional, distributed, hierarchical, overlap, wire, ...
     "moecomm.moe._ops",      # grouped GEMMs, segments, the step cache, the layer's comm calls, argument checks
-    "moecomm.moe: parts",    # config, gates, routing, experts, losses
+    "moecomm.moe: parts",    # config, gates, routing, scoring, experts, losses
     "moecomm.moe._checkpoint",  # the checkpoint file format and resharding
     "moecomm.moe._step",     # the step's machinery: routing step, expert/data parallel paths, fused, graphed, decode
     "moecomm.moe: front",    # MoELayer, tutel, checkpoint
