@@ -17,10 +17,11 @@ synchronisations; times are the slowest rank's, median (and 10th/90th percentile
 
 * **megatron**: ``MoEAlltoAllTokenDispatcher`` (top ``--megatron-k``, dropless) with a
   two-matmul expert per local expert; methods ``nccl`` (Megatron's own
-  ``torch.distributed.all_to_all_single``) and ``moecomm``
-  (:func:`moecomm.integrations.megatron.enable`). ``a2a_ms``: forward ``token_dispatch`` +
+  ``torch.distributed.all_to_all_single`` and torch permute/unpermute), ``moecomm``
+  (:func:`moecomm.integrations.megatron.enable`: the exchange and the permutation on moecomm)
+  and ``moecomm-a2a`` (``enable(permute=False)``: the exchange only). ``a2a_ms``: forward ``token_dispatch`` +
   ``token_combine`` (the tokens, probabilities and combine exchanges; CUDA events around
-  them); ``step_ms``: the whole pipeline forward + backward. Ratio: moecomm / nccl.
+  them); ``step_ms``: the whole pipeline forward + backward. Ratios: moecomm / nccl (and moecomm-a2a / nccl).
 * **deepspeed**: ``deepspeed.moe.layer.MoE`` (capacity factor 1.0, a two-layer GELU expert)
   at each ``--ks``; methods ``native`` (DeepSpeed's sparse encode/decode and its exchange),
   ``tutel`` (``use_tutel=True`` on moecomm's kernels, DeepSpeed's exchange) and
@@ -233,22 +234,23 @@ def bench_megatron(args: argparse.Namespace, device: torch.device, dtype: torch.
         step_ms = clock.run(run)
         return {"step_ms": step_ms, "a2a_ms": clock.max_over_ranks(span.total())}
 
-    @contextlib.contextmanager
-    def routed():
-        megatron.enable()
-        try:
-            yield
-        finally:
-            megatron.disable()
+    def routed(permute: bool) -> Callable[[_Clock], dict]:
+        def timed(clock: _Clock) -> dict:
+            megatron.enable(permute=permute)
+            try:
+                return step(clock)
+            finally:
+                megatron.disable()
 
-    def with_moecomm(clock: _Clock) -> dict:
-        with routed():
-            return step(clock)
+        return timed
 
-    res = _rounds({"nccl": step, "moecomm": with_moecomm}, clock=_Clock(device), args=args, rng=rng)
+    res = _rounds({"nccl": step, "moecomm": routed(True), "moecomm-a2a": routed(False)}, clock=_Clock(device),
+                  args=args, rng=rng)
     ratios = {key: res["moecomm"][key]["median_ms"] / res["nccl"][key]["median_ms"] for key in ("a2a_ms", "step_ms")}
+    ratios_a2a = {key: res["moecomm-a2a"][key]["median_ms"] / res["nccl"][key]["median_ms"]
+                  for key in ("a2a_ms", "step_ms")}
     return {"config": {"k": k, "tokens": T, "model_dim": M, "hidden": H, "experts": E, "dtype": str(dtype)},
-            "methods": res, "ratio_moecomm_over_nccl": ratios}
+            "methods": res, "ratio_moecomm_over_nccl": ratios, "ratio_moecomm_a2a_over_nccl": ratios_a2a}
 
 
 # ---------------------------------------------------------------------------------------
@@ -342,8 +344,9 @@ def main(argv: Optional[list] = None) -> dict:
     if dist.get_rank() == 0:
         if "megatron" in report:
             r = report["megatron"]["ratio_moecomm_over_nccl"]
+            ra = report["megatron"]["ratio_moecomm_a2a_over_nccl"]
             print(f"megatron dispatcher: a2a (dispatch + combine) moecomm/nccl = {r['a2a_ms']:.3f}, "
-                  f"step = {r['step_ms']:.3f}", flush=True)
+                  f"step = {r['step_ms']:.3f} (exchange only, permute=False: step = {ra['step_ms']:.3f})", flush=True)
         for key, res in report.get("deepspeed", {}).get("by_k", {}).items():
             ratios = ", ".join(f"{n}/native = {v:.3f}" for n, v in res["ratio_over_native"].items())
             print(f"deepspeed MoE {key}: {ratios}", flush=True)

@@ -10,7 +10,11 @@ moecomm communicator of the expert-parallel group
 :mod:`moecomm.moe.tutel_functional` and sets ``sharded_moe.TUTEL_INSTALLED = True``, so that
 ``deepspeed.moe.layer.MoE(..., use_tutel=True)`` runs its Tutel path (``fast_cumsum_sub_one``
 in the top-1 gate, ``fast_dispatcher`` ``update`` / ``encode`` / ``decode`` in ``MOELayer``)
-on moecomm's dispatch/combine kernels, with no package named ``tutel`` installed. DeepSpeed
+on moecomm's dispatch/combine kernels, with no package named ``tutel`` installed. The
+dispatchers it makes skip the route check (``check_routes=False``, the default): DeepSpeed's
+gates only give experts in ``[-1, E)`` and locations in ``[0, C)``, and the check costs a host
+sync per step (issue 28's profile: it and the maps' extra launches made the Tutel path slower
+than DeepSpeed's native one). DeepSpeed
 reads ``TUTEL_INSTALLED`` when a layer is built: enable first, then build the model.
 ``disable()`` restores every name it changed.
 
@@ -57,7 +61,23 @@ def _sharded_moe() -> Any:
     return sharded_moe
 
 
-def enable(tutel_kernels: bool = False, *, exchange: bool = True) -> None:
+class _TutelOps:
+    """What ``sharded_moe.tutel_moe`` names while enabled: Tutel's two ops on moecomm's kernels."""
+
+    def __init__(self, check_routes: bool) -> None:
+        from ..moe import tutel_functional
+
+        self.check_routes = check_routes
+        self.fast_cumsum_sub_one = tutel_functional.fast_cumsum_sub_one
+        self._cls = tutel_functional.FastDispatcher
+
+    def fast_dispatcher(self, num_global_experts: int, capacity: int, model_dim: int,
+                        dispatch_dtype: torch.dtype = torch.float32) -> Any:
+        """:class:`moecomm.moe.tutel_functional.FastDispatcher` with ``check=check_routes``."""
+        return self._cls(num_global_experts, capacity, model_dim, dispatch_dtype, check=self.check_routes)
+
+
+def enable(tutel_kernels: bool = False, *, exchange: bool = True, check_routes: bool = False) -> None:
     """Route DeepSpeed's MoE all-to-all through moecomm (and its Tutel path onto moecomm's kernels).
 
     Args:
@@ -65,22 +85,25 @@ def enable(tutel_kernels: bool = False, *, exchange: bool = True) -> None:
             :mod:`moecomm.moe.tutel_functional`.
         exchange: route ``_AllToAll`` through moecomm (False: only the kernels, with
             DeepSpeed's own exchange, e.g. to compare the two separately).
+        check_routes: make the Tutel dispatchers validate the routes in every ``update`` (a
+            host sync per step; for debugging a gate other than DeepSpeed's own).
 
     Call it on every rank. A later call adds what it asks for; ``disable()`` removes all.
 
     Raises:
         ImportError: DeepSpeed is not installed (the message says how to install it on CPU).
         RuntimeError: ``sharded_moe._AllToAll.forward`` is missing (an unsupported version).
+        TypeError: ``check_routes`` is not a bool.
     """
+    if not isinstance(check_routes, bool):
+        raise TypeError(f"enable: check_routes must be a bool, got {check_routes!r}")
     sharded_moe = _sharded_moe()
     if exchange and "all_to_all" not in _state:
         _state["all_to_all"] = patch_all_to_all(sharded_moe, _forward, "deepspeed.moe.sharded_moe._AllToAll.forward",
                                                 "DeepSpeed")
     if tutel_kernels and "tutel" not in _state:
-        from ..moe import tutel_functional
-
         _state["tutel"] = {n: getattr(sharded_moe, n, _MISSING) for n in ("tutel_moe", "TUTEL_INSTALLED")}
-        sharded_moe.tutel_moe = tutel_functional
+        sharded_moe.tutel_moe = _TutelOps(check_routes)
         sharded_moe.TUTEL_INSTALLED = True
 
 

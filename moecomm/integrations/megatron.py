@@ -27,6 +27,15 @@ and the event wait happen in the dispatcher before the communication call, and t
 values are needed after it; skipping them needs changes to ``preprocess``,
 ``_maybe_dtoh_and_synchronize`` and ``dispatch_postprocess``.
 
+**Permutation.** ``enable()`` (``permute=True``, the default) also replaces the unfused
+``moe_utils.permute`` / ``unpermute`` (the dispatcher's permutation before the dispatch
+exchange and its unpermutation after the combine; the ones used without Transformer Engine,
+or with ``moe_permute_fusion`` off) in ``moe_utils`` and in ``token_dispatcher``, which
+imported them by name: the rows move through moecomm's gather kernels (gathers forward and
+backward, no ``index_add`` / ``scatter_add_`` atomics), the index arithmetic stays Megatron's,
+and the bits are Megatron's in float32/float64 (and bfloat16/float16 up to top-2 routing;
+see :mod:`moecomm.integrations._permute`). Fused calls still go to Transformer Engine.
+
 **Versions.** megatron-core 0.19 and later (:data:`SUPPORTED`; tested: 0.19.2). ``enable()``
 refuses an older one with the README's install recipe (:func:`check_version`).
 """
@@ -41,7 +50,7 @@ import torch
 from ._groups import communicator_for_group
 from ._patch import Patch, patch_all_to_all
 
-__all__ = ["enable", "disable", "is_enabled", "SUPPORTED", "installed_version", "check_version"]
+__all__ = ["enable", "disable", "is_enabled", "permute_enabled", "SUPPORTED", "installed_version", "check_version"]
 
 SUPPORTED = (0, 19)
 """The oldest megatron-core release moecomm supports (tested: 0.19.2). Older ones are not
@@ -53,8 +62,10 @@ INSTALL = ("pip install --no-deps --ignore-requires-python megatron-core==0.19.2
            "pip install --no-deps triton")
 """The README's recipe ("Megatron-core and DeepSpeed"): 0.19 declares Python >= 3.12, but runs on 3.11."""
 
-_state: dict[str, Patch] = {}
-"""Explicit registry: the installed patch (key "all_to_all") while enabled."""
+_state: dict[str, Any] = {}
+"""Explicit registry while enabled: "all_to_all" -> Patch; "permute" -> {(module, name): original}."""
+
+_PERMUTE_NAMES = ("permute", "unpermute")
 
 
 def _rows(splits: Any) -> int:
@@ -118,37 +129,76 @@ def check_version(version: Optional[str]) -> Optional[str]:
             f"as the README says (\"Megatron-core and DeepSpeed\"): {INSTALL}")
 
 
-def enable() -> None:
+def _moe_modules() -> tuple:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    return moe_utils, token_dispatcher
+
+
+def _enable_permute() -> None:
+    from ._permute import make_permute, make_unpermute
+
+    moe_utils, token_dispatcher = _moe_modules()
+    originals = {n: getattr(moe_utils, n, None) for n in _PERMUTE_NAMES}
+    if any(f is None for f in originals.values()):
+        raise RuntimeError("megatron.core.transformer.moe.moe_utils.permute/unpermute not found: this megatron-core "
+                           "version is not supported by moecomm.integrations (permute=False skips them)")
+    replacements = {"permute": make_permute(originals["permute"]), "unpermute": make_unpermute(originals["unpermute"])}
+    saved = {}
+    for module in (moe_utils, token_dispatcher):
+        for name in _PERMUTE_NAMES:
+            if getattr(module, name, None) is originals[name]:
+                saved[(module, name)] = originals[name]
+                setattr(module, name, replacements[name])
+    _state["permute"] = saved
+
+
+def enable(*, permute: bool = True) -> None:
     """Route Megatron-core's ``_AllToAll`` (forward and backward) through moecomm.
+
+    Args:
+        permute: also run the dispatcher's unfused permutation and unpermutation on moecomm's
+            gather kernels (see the module docstring; False: only the exchange).
 
     Call it on every rank, before or after building the model (the patch is on the class, so
     existing dispatchers are covered). Idempotent. A communicator is made for a group on its
     first exchange; call :func:`moecomm.init` first to have the default one reused.
+    A later call with ``permute=True`` adds the permutation if it was left out.
 
     Raises:
         ImportError: megatron-core is not installed (the message says so).
         RuntimeError: the installed megatron-core is older than :data:`SUPPORTED` (the message
             gives the README's install recipe), or its ``_AllToAll`` has no ``forward`` to
-            replace.
+            replace (or, with ``permute``, no ``moe_utils.permute`` / ``unpermute``).
     """
-    if "all_to_all" in _state:
-        return
-    why = check_version(installed_version())
-    if why is not None:
-        raise RuntimeError(why)
-    mappings = _mappings()
-    _state["all_to_all"] = patch_all_to_all(
-        mappings, _forward, "megatron.core.tensor_parallel.mappings._AllToAll.forward", "megatron-core")
+    if not isinstance(permute, bool):
+        raise TypeError(f"enable: permute must be a bool, got {permute!r}")
+    if "all_to_all" not in _state:
+        why = check_version(installed_version())
+        if why is not None:
+            raise RuntimeError(why)
+        mappings = _mappings()
+        _state["all_to_all"] = patch_all_to_all(
+            mappings, _forward, "megatron.core.tensor_parallel.mappings._AllToAll.forward", "megatron-core")
+    if permute and "permute" not in _state:
+        _enable_permute()
 
 
 def disable() -> None:
-    """Put Megatron's own ``_AllToAll.forward`` back (no-op when not enabled)."""
+    """Put Megatron's own ``_AllToAll.forward`` and ``permute`` / ``unpermute`` back (no-op when not enabled)."""
     patch: Optional[Patch] = _state.pop("all_to_all", None)
     if patch is not None:
         patch.disable()
+    for (module, name), original in _state.pop("permute", {}).items():
+        setattr(module, name, original)
 
 
 def is_enabled() -> bool:
-    """True between :func:`enable` and :func:`disable`."""
+    """True between :func:`enable` and :func:`disable` (the exchange is routed)."""
     patch = _state.get("all_to_all")
     return patch is not None and patch.enabled
+
+
+def permute_enabled() -> bool:
+    """True while the permutation runs on moecomm's kernels (``enable(permute=True)``)."""
+    return bool(_state.get("permute"))

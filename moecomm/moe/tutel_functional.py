@@ -109,7 +109,10 @@ class FastDispatcher:
         self.check = bool(check)
         self.sample_size = 0
         self.is_postscore = True
-        self._maps: Optional[tuple[Tensor, Tensor, Tensor]] = None
+        self._maps: Optional[tuple[Tensor, Tensor, Tensor, Tensor]] = None
+        self._weight: Optional[Tensor] = None
+        self._cache_key: Optional[tuple] = None
+        self._cache: tuple[Tensor, Tensor, Tensor] = ()  # type: ignore[assignment]
         self.gates_: list[Tensor] = []
 
     def update(self, indices_: Sequence[Tensor], locations_: Sequence[Tensor], gates_: Sequence[Tensor],
@@ -131,43 +134,58 @@ class FastDispatcher:
         idx = _route_list("indices_", indices_, None)
         loc = _route_list("locations_", locations_, len(idx))
         gts = _route_list("gates_", gates_, len(idx))
-        S = idx[0].numel()
-        dev = idx[0].device
-        for name, lst in (("indices_", idx), ("locations_", loc), ("gates_", gts)):
-            for k, t in enumerate(lst):
-                if t.numel() != S or t.device != dev:
-                    raise ValueError(f"fast_dispatcher.update: {name}[{k}] must have {S} entries on {dev} like "
-                                     f"indices_[0], got {t.numel()} on {t.device}")
-        for k, t in enumerate(gts):
-            if not t.dtype.is_floating_point:
-                raise TypeError(f"fast_dispatcher.update: gates_[{k}] must be floating, got {t.dtype}")
-        for name, lst in (("indices_", idx), ("locations_", loc)):
-            for k, t in enumerate(lst):
-                if t.dtype.is_floating_point or t.dtype.is_complex:
-                    raise TypeError(f"fast_dispatcher.update: {name}[{k}] must be integer, got {t.dtype}")
+        K = len(idx)
+        # one [K, S] block each (DeepSpeed passes the rows of one): the checks below are per block
+        e, l, g = (v[0].unsqueeze(0) if K == 1 else torch.stack(v) for v in (idx, loc, gts))
+        S = e.shape[1]
+        dev = e.device
+        for name, t in (("locations_", l), ("gates_", g)):
+            if t.shape != e.shape or t.device != dev:
+                raise ValueError(f"fast_dispatcher.update: every {name}[k] must have {S} entries on {dev} like "
+                                 f"indices_[0], got {[v.numel() for v in (loc if name == 'locations_' else gts)]} "
+                                 f"on {t.device}")
+        if not g.dtype.is_floating_point:
+            raise TypeError(f"fast_dispatcher.update: gates_ must be floating, got {g.dtype}")
+        for name, t in (("indices_", e), ("locations_", l)):
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise TypeError(f"fast_dispatcher.update: {name} must be integer, got {t.dtype}")
         if capacity is not None and _positive_int("capacity", capacity):
             self.capacity = int(capacity)
-        E, C, K = self.num_global_experts, self.capacity, len(idx)
-        e = torch.stack(idx).long()  # [K, S]
-        l = torch.stack(loc).long()
+        E, C = self.num_global_experts, self.capacity
+        e, l = e.long(), l.long()
         if self.check and bool(((e >= E) | ((e >= 0) & (l < 0))).any()):
             raise ValueError(f"fast_dispatcher.update: some route names an expert >= num_global_experts ({E}) or a "
                              f"negative location; Tutel's kernels would write outside the [E * C, M] buffer")
         kept = (e >= 0) & (e < E) & (l >= 0) & (l < C)
-        slot = torch.where(kept, e * C + l, torch.full_like(e, -1))
-        # the route that owns each row: the last one naming it, in (k, t) order
-        order = torch.arange(K * S, device=dev).view(K, S)
-        parked = torch.where(kept, slot, torch.full_like(slot, E * C))  # dropped routes land on a spare row
+        # dropped routes park on a spare row E * C; the route owning each row is the last one
+        # naming it in (k, t) order (order value k * S + t), found with one amax scatter
+        parked = torch.where(kept, e * C + l, E * C)
+        order, tokens, routes = self._constants(K, S, dev)
         owner = torch.full((E * C + 1,), -1, dtype=torch.long, device=dev)
-        owner.scatter_reduce_(0, parked.reshape(-1), order.reshape(-1), reduce="amax", include_self=True)
+        owner.scatter_reduce_(0, parked.view(-1), order, reduce="amax", include_self=True)
         owner = owner[:E * C]
-        slot_token = torch.where(owner >= 0, owner % max(S, 1), owner)
-        self._maps = (slot.t().contiguous(), slot_token, owner)
-        self.gates_ = [g.to(self.dtype) for g in gts]
+        # -1 (an empty row) reads the tables' last entry, -1
+        self._maps = (torch.where(kept, parked, -1).t().contiguous(), tokens[owner], owner, routes[owner])
+        gk = g.to(self.dtype)
+        self.gates_ = list(gk.unbind(0))
+        self._weight = gk.t().contiguous()  # [S, K]: the combine's weights
         self.sample_size = S
         self.is_postscore = bool(is_postscore)
 
-    def _routes(self, fn: str) -> tuple[Tensor, Tensor, Tensor]:
+    def _constants(self, K: int, S: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """Per (K, S, device), made once: the order value ``k * S + t`` of each route, and the
+        token ``t`` and flat ``[S, K]`` position ``t * K + k`` of each order value (then -1)."""
+        key = (K, S, device)
+        if self._cache_key != key:
+            order = torch.arange(K * S, device=device)
+            minus = torch.full((1,), -1, dtype=torch.long, device=device)
+            tokens = torch.cat([order % max(S, 1), minus])
+            routes = torch.cat([(order % max(S, 1)) * K + order // max(S, 1), minus])
+            self._cache = (order, tokens, routes)
+            self._cache_key = key
+        return self._cache
+
+    def _routes(self, fn: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if self._maps is None:
             raise RuntimeError(f"fast_dispatcher.{fn}: call update() first")
         return self._maps
@@ -189,7 +207,7 @@ class FastDispatcher:
             RuntimeError: no :meth:`update` yet.
             TypeError, ValueError: ``data`` is not a floating ``[S, M]`` tensor.
         """
-        token_slots, slot_token, owner = self._routes("encode")
+        token_slots, slot_token, owner, _ = self._routes("encode")
         x = self._data("encode", data, self.sample_size, "S")
         scale = None
         if not self.is_postscore:
@@ -208,10 +226,12 @@ class FastDispatcher:
             RuntimeError: no :meth:`update` yet.
             TypeError, ValueError: ``data`` is not a floating ``[E * C, M]`` tensor.
         """
-        token_slots, slot_token, _ = self._routes("decode")
+        token_slots, slot_token, _, slot_route = self._routes("decode")
         y = self._data("decode", data, self.num_global_experts * self.capacity, "E * C")
-        weight = torch.stack(self.gates_, dim=1) if self.is_postscore else None
-        out = moecomm_ext.combine(y, token_slots, weight, slot_token, check=False)
+        if self.is_postscore:
+            out = moecomm_ext.combine(y, token_slots, self._weight, slot_token, check=False, slot_route=slot_route)
+        else:
+            out = moecomm_ext.combine(y, token_slots, None, slot_token, check=False)
         return out.to(self.original_dtype)
 
 
