@@ -84,3 +84,11 @@ def test_enable_disable_swap_the_methods_on_the_class(monkeypatch):
     finally:
         tt.disable()
     assert not tt.is_enabled() and all(cls.__dict__[n] is own[n] for n in own)
+
+
+def test_install_recipe_is_the_readmes():
+    from pathlib import Path
+
+    from moecomm.integrations.torchtitan import INSTALL
+
+    assert INSTALL in (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
