@@ -92,3 +92,27 @@ def test_install_recipe_is_the_readmes():
     from moecomm.integrations.torchtitan import INSTALL
 
     assert INSTALL in (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+
+
+def test_bench_frameworks_torchtitan_cpu_smoke(tmp_path):
+    """``bench.frameworks --only torchtitan`` on 2 CPU ranks, tiny sizes: both methods timed."""
+    if importlib.util.find_spec("torchtitan") is None:
+        from moecomm.integrations.torchtitan import INSTALL
+
+        pytest.skip(f"torchtitan is not installed: {INSTALL}")
+    import json
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "titan.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "bench.frameworks", "--device", "cpu", "--only", "torchtitan", "--tokens", "32", "--model-dim", "16",
+           "--hidden", "16", "--experts", "4", "--iters", "2", "--warmup", "1", "--json", str(out)]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())["torchtitan"]
+    assert set(result["methods"]) == {"native", "moecomm"}
+    assert result["config"]["spmd_backend"] == "partial_dtensor"
+    assert all(v > 0 for v in result["ratio_moecomm_over_native"].values())
