@@ -27,6 +27,8 @@ synchronisations; times are the slowest rank's, median (and 10th/90th percentile
   ``tutel`` (``use_tutel=True`` on moecomm's kernels, DeepSpeed's exchange) and
   ``tutel+moecomm`` (the kernels and moecomm's exchange). ``step_ms``: forward + backward of
   the layer and its aux loss. Ratios: each / native.
+* **torchtitan**: torchtitan's ``MoE`` (top ``--titan-k``), native and on moecomm
+  (:mod:`bench.frameworks_torchtitan`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 import moecomm
+from . import frameworks_torchtitan
 from ._common import DTYPES, FLOAT_DTYPES, prog
 
 __all__ = ["main", "build_parser"]
@@ -69,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--p2p-bytes", type=_size, default=None, help="moecomm.init(p2p_bytes=) on one node")
-    p.add_argument("--only", choices=("megatron", "deepspeed"), default=None)
+    p.add_argument("--only", choices=("megatron", "deepspeed", "torchtitan"), default=None)
+    frameworks_torchtitan.add_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     return p
@@ -341,6 +345,8 @@ def main(argv: Optional[list] = None) -> dict:
             report["megatron"] = bench_megatron(args, device, dtype, rng)
     if args.only in (None, "deepspeed"):
         report["deepspeed"] = bench_deepspeed(args, device, dtype, rng)
+    if args.only in (None, "torchtitan"):
+        report["torchtitan"] = frameworks_torchtitan.bench_torchtitan(args, device, dtype, rng, _Span, _Clock, _rounds)
     if dist.get_rank() == 0:
         if "megatron" in report:
             r = report["megatron"]["ratio_moecomm_over_nccl"]
@@ -350,6 +356,8 @@ def main(argv: Optional[list] = None) -> dict:
         for key, res in report.get("deepspeed", {}).get("by_k", {}).items():
             ratios = ", ".join(f"{n}/native = {v:.3f}" for n, v in res["ratio_over_native"].items())
             print(f"deepspeed MoE {key}: {ratios}", flush=True)
+        if "torchtitan" in report:
+            print(frameworks_torchtitan.summary(report["torchtitan"]), flush=True)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as fh:

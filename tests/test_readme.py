@@ -51,6 +51,8 @@ SHELL: dict[str, tuple[str | None, str]] = {
          "PROFILE.json: a profile stored in bench/results"),
     "pip install --no-deps --ignore-requires-python megatron-core==0.19.2 && pip install --no-deps triton":
         (None, "installs a framework (tests/test_integrations.py runs with it where installed)"),
+    "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring-parser typeguard && pip install --no-deps triton":
+        (None, "installs a framework (tests/test_integrations_torchtitan.py runs with it where installed)"),
     "DS_BUILD_OPS=0 pip install deepspeed==0.19.8":
         (None, "installs a framework (tests/test_integrations.py runs with it where installed)"),
     "DS_ACCELERATOR=cpu python3 -m pytest -q tests/test_integrations.py tests/test_integrations_tutel.py":

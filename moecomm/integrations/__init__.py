@@ -5,6 +5,8 @@
 * :mod:`moecomm.integrations.deepspeed`: DeepSpeed's ``sharded_moe._AllToAll`` and, with
   ``enable(tutel_kernels=True)``, its ``use_tutel=True`` path on moecomm's kernels
   (:mod:`moecomm.moe.tutel_functional`).
+* :mod:`moecomm.integrations.torchtitan`: torchtitan's ``AllToAllTokenDispatcher`` (its count,
+  dispatch and combine exchanges, under either ``spmd_backend``).
 
 Each has ``enable()`` / ``disable()`` / ``is_enabled()``; the framework is imported only by
 ``enable()``. A framework's process group is mapped to a moecomm communicator once per group

@@ -43,7 +43,8 @@ def skipped_here(code: str) -> bool:
     if "torch.cuda" in code and not torch.cuda.is_available():
         return True
     if "moecomm.integrations" in code:
-        needs = [m for m, name in (("megatron.core", "megatron"), ("deepspeed", "deepspeed")) if name in code]
+        needs = [m for m, name in (("megatron.core", "megatron"), ("deepspeed", "deepspeed"),
+                                              ("torchtitan", "torchtitan")) if name in code]
         try:
             if any(importlib.util.find_spec(m) is None for m in needs):
                 return True
