@@ -387,7 +387,14 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 DS_LAYER_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 """enable(layer="moecomm") vs DeepSpeed's own layer: the largest difference allowed, relative to
-the largest magnitude of each result (batched vs per-expert GEMMs, another order of the k sums)."""
+the largest magnitude of each result (batched vs per-expert GEMMs, another order of the k sums).
+The gate's weight gradient is held to its own float32 error instead (:data:`DS_GATE_FACTOR`)."""
+
+DS_GATE_FACTOR = 4.0
+"""The gate's weight gradient sums softmax-Jacobian products that cancel: DeepSpeed's own float32
+result is ~1e-4 of its largest magnitude away from the float64 one (and its use_tutel path as far
+from its plain one). moecomm's may differ from DeepSpeed's by at most this many times that
+distance (or DS_LAYER_RTOL, if larger)."""
 
 
 def _gelu_tanh_expert(H, seed):
@@ -416,16 +423,23 @@ def check_deepspeed_layer() -> None:
 
     from moecomm.integrations import deepspeed as ds
 
-    worst = {}
-    cases = [(1, False, None, torch.float32), (2, False, None, torch.float32), (3, False, None, torch.float32),
-             (2, True, None, torch.float32), (1, True, _relu_expert, torch.float32),
-             (3, False, _gelu_tanh_expert, torch.float32), (2, False, None, torch.float64)]
+    worst, worst_gate = {}, 0.0
+    small, large = (8, 24, 3), (64, 512, 4)  # (model_dim, tokens per rank, local experts)
+    cases = [(1, False, None, torch.float32, small), (2, False, None, torch.float32, small),
+             (3, False, None, torch.float32, small), (2, True, None, torch.float32, small),
+             (1, True, _relu_expert, torch.float32, small), (3, False, _gelu_tanh_expert, torch.float32, small),
+             (2, False, None, torch.float64, small), (2, False, None, torch.float32, large)]
     what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
-    for seed, (k, tutel, expert, dtype) in enumerate(cases):
-        kw = dict(expert=expert, dtype=dtype, H=8, T=24, local=3)
+    for seed, (k, tutel, expert, dtype, (H, T, local)) in enumerate(cases):
+        kw = dict(expert=expert, dtype=dtype, H=H, T=T, local=local)
         ds.enable(tutel_kernels=tutel, exchange=False)  # native: DeepSpeed's exchange, kernels as asked
         try:
             native = deepspeed_run(seed, k, tutel, **kw)
+            gate = [n for n, _ in deepspeed_run.last_layer.named_parameters()].index("deepspeed_moe.gate.wg.weight")
+            gate_tol = DS_LAYER_RTOL[dtype]
+            if dtype == torch.float32:  # DeepSpeed's own float32 error in the gate's weight gradient
+                ref = deepspeed_run(seed, k, tutel, **dict(kw, dtype=torch.float64))
+                gate_tol = max(gate_tol, DS_GATE_FACTOR * _max_rel(ref[4 + gate], native[4 + gate]))
         finally:
             ds.disable()
         for name in MODES[1:]:
@@ -437,15 +451,20 @@ def check_deepspeed_layer() -> None:
                 collective_assert(reason is None and hasattr(deepspeed_run.last_layer.deepspeed_moe,
                                                              "_moecomm_dispatcher"), f"layer='moecomm' fell back: {reason}")
             collective_assert(len(got) == len(native), "parameter count")
-            for a, b, w in zip(native, got, what):
+            for i, (a, b, w) in enumerate(zip(native, got, what)):
                 collective_assert(b is not None and a.dtype == b.dtype and a.shape == b.shape, f"{w}: {b}")
                 if not a.is_floating_point():
                     same(a, b, f"layer='moecomm' k={k} {w}")
                     continue
                 rel = _max_rel(a, b)
-                worst[dtype] = max(worst.get(dtype, 0.0), rel)
-                collective_assert(rel <= DS_LAYER_RTOL[dtype], f"layer='moecomm' k={k} tutel={tutel} {dtype} {w}: "
-                                  f"relative difference {rel:.3g} > {DS_LAYER_RTOL[dtype]:g} ({name})")
+                if i == 4 + gate:
+                    tol, w = gate_tol, w + " (the gate's weight)"
+                    worst_gate = max(worst_gate, rel)
+                else:
+                    tol = DS_LAYER_RTOL[dtype]
+                    worst[dtype] = max(worst.get(dtype, 0.0), rel)
+                collective_assert(rel <= tol, f"layer='moecomm' k={k} tutel={tutel} {dtype} H={H} {w}: "
+                                  f"relative difference {rel:.3g} > {tol:.3g} ({name})")
     collective_assert(not ds.layer_enabled(), "disable")
     # an expert moecomm does not run: DeepSpeed's own path, the same bits, a reason, one log line
     native = deepspeed_run(11, 2, False, expert=lambda H, s: _OtherExpert(H))
@@ -467,7 +486,7 @@ def check_deepspeed_layer() -> None:
     for a, b, w in zip(native, got, what):
         same(a, b, f"layer='moecomm' fallback {w}")
     say("deepspeed layer='moecomm' vs DeepSpeed's layer, max relative difference: "
-        + ", ".join(f"{d}: {v:.2e}" for d, v in worst.items()))
+        + ", ".join(f"{d}: {v:.2e}" for d, v in worst.items()) + f"; the gate's weight gradient: {worst_gate:.2e}")
 
 
 def ds_group_dict():
