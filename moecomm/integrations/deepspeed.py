@@ -40,9 +40,11 @@ wall-clock timers) runs DeepSpeed's own ``MOELayer.forward``, with one log line 
 Results equal DeepSpeed's own layer up to float rounding: the gate, the dispatch and the
 exchange are exact; the experts' GEMMs are batched (``bmm`` over ``[E_local, C, M]``) where
 DeepSpeed runs one ``addmm`` per expert, so their sums are blocked differently, and the
-combine sums the k routes in another order. Measured in float32 on CPU ranks (the tests):
-relative difference at most 1e-6 of the largest magnitude (a few ulps), in the output and
-in every gradient (input, gate, each expert's weights and biases).
+combine sums the k routes in another order. Measured in float32 on 1 and 2 CPU ranks (the
+tests): the output, the input's gradient and every expert weight's and bias's gradient within
+6e-7 of each result's largest magnitude (a few ulps); the gate's weight gradient, a sum of
+softmax-Jacobian terms that cancel, within 2e-4, as far as DeepSpeed's own float32 result is
+from its float64 one there.
 
 A layer whose ``set_deepspeed_parallelism()`` was never called exchanges over the group
 ``None``, which DeepSpeed (and torch) read as the world group; so does moecomm here.
