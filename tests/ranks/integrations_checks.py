@@ -447,9 +447,10 @@ def check_deepspeed_layer() -> None:
                 ds.enable(tutel_kernels=tutel, layer="moecomm")
                 collective_assert(ds.layer_enabled(), "layer_enabled")
                 got = deepspeed_run(seed, k, tutel, **kw)
-                reason = ds.layer_fallback_reason(deepspeed_run.last_layer.deepspeed_moe)
-                collective_assert(reason is None and hasattr(deepspeed_run.last_layer.deepspeed_moe,
-                                                             "_moecomm_dispatcher"), f"layer='moecomm' fell back: {reason}")
+                moe = deepspeed_run.last_layer.deepspeed_moe
+                reason = ds.layer_fallback_reason(moe)
+                collective_assert(reason is None and hasattr(moe, "_moecomm_dispatcher"),
+                                  f"layer='moecomm' fell back: {reason}")
             collective_assert(len(got) == len(native), "parameter count")
             for i, (a, b, w) in enumerate(zip(native, got, what)):
                 collective_assert(b is not None and a.dtype == b.dtype and a.shape == b.shape, f"{w}: {b}")
