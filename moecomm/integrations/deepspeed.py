@@ -183,7 +183,7 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
 def layer_fallback_reason(layer: Any) -> Optional[str]:
     """Why ``enable(layer="moecomm")`` ran ``layer`` (a ``sharded_moe.MOELayer``) on DeepSpeed's own
     path at its last forward; None when it ran on moecomm's (or has not run since enabled)."""
-    return getattr(layer, "_moecomm_fallback", None)
+    return getattr(layer, "moecomm_fallback", None)
 
 
 def _stack(mods: list, name: str) -> Optional[torch.Tensor]:
@@ -204,12 +204,12 @@ def _layer_forward(self: Any, *input: torch.Tensor, **kwargs: Any) -> torch.Tens
 
     plan = _plan(self, input[0])
     if isinstance(plan, str):
-        if getattr(self, "_moecomm_fallback", None) != plan:
+        if getattr(self, "moecomm_fallback", None) != plan:
             _log.warning("moecomm.integrations.deepspeed: layer='moecomm' runs DeepSpeed's own MOELayer.forward "
                          "for this layer: %s", plan)
-        self._moecomm_fallback = plan
+        self.moecomm_fallback = plan
         return _state["layer"](self, *input, **kwargs)
-    self._moecomm_fallback = None
+    self.moecomm_fallback = None
     act, fc1, fc2 = plan
     sharded_moe = _sharded_moe()
     d_model = input[0].shape[-1]
