@@ -93,30 +93,9 @@ def mode(name: str):
 
 def build_moe(seed: int, dim: int, hidden: int, local: int, top_k: int, mesh):
     """torchtitan's MoE with ``local * W`` experts, this rank's expert slice, the EP mesh wired."""
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    from bench.frameworks_torchtitan import build_moe as build
 
-    E = local * W
-    cfg = MoE.Config(
-        num_experts=E,
-        routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=E),
-            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=E, top_k=top_k)),
-        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=dim, out_features=E),
-                                            top_k=top_k, score_func="softmax"),
-        load_balance_coeff=None)
-    moe = cfg.build()
-    g = torch.Generator().manual_seed(seed)  # the same weights on every rank
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    experts = moe.routed_experts.inner_experts
-    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-        full = getattr(experts, name)
-        setattr(experts, name, torch.nn.Parameter(full.detach()[R * local:(R + 1) * local].clone()))
-    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
-    return moe
+    return build(local * W, dim, hidden, top_k, seed, mesh, scale=0.3)
 
 
 def moe_run(seed: int, top_k: int, mesh, skewed: bool):
