@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _spmd_backend(name: str, mesh: Any) -> Iterator[None]:
+def spmd_backend(name: str, mesh: Any) -> Iterator[None]:
+    """torchtitan's ``parallelism.spmd_backend`` set to ``name`` (one of :data:`SPMD_BACKENDS`)
+    on ``mesh`` for the block, the previous one restored after it."""
     from torchtitan.distributed import spmd_types as tt_spmd
     from torchtitan.distributed import utils
 
@@ -112,7 +114,7 @@ def bench_torchtitan(args: argparse.Namespace, device: torch.device, dtype: torc
     backend = args.titan_spmd_backend or ("spmd_types" if device.type == "cuda" else "partial_dtensor")
     W, R = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device.type, (W,), mesh_dim_names=("ep",))
-    with _spmd_backend(backend, mesh):
+    with spmd_backend(backend, mesh):
         moe = _build(args, device, dtype, mesh)
         g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + R)
         x = torch.randn(1, args.tokens, args.model_dim, generator=g).to(device, dtype).requires_grad_(True)

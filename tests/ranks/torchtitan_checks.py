@@ -58,18 +58,10 @@ def torchtitan_missing() -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def spmd_backend(name: str, mesh):
-    from torchtitan.distributed import spmd_types as tt_spmd
-    from torchtitan.distributed import utils
+    from bench.frameworks_torchtitan import spmd_backend as backend
 
-    saved = utils.get_spmd_backend()
-    utils.set_spmd_backend(name)
-    tt_spmd.set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh if name == "spmd_types" else None)
-    try:
-        yield
-    finally:
-        utils.set_spmd_backend(saved)
+    return backend(name, mesh)
 
 
 @contextlib.contextmanager
