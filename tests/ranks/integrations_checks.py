@@ -22,6 +22,7 @@ import moecomm.distributed
 from moecomm.integrations import _groups, clear_group_cache, communicator_for_group
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
+from tests.ranks.integration_modes import integration_mode
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 init_gloo_over_mpi()
@@ -179,21 +180,8 @@ def megatron_on_cpu():
 MODES = ("native", "moecomm-default", "moecomm-group")
 
 
-@contextlib.contextmanager
 def mode(name: str, integration):
-    """native: the framework's own exchange; moecomm-default: through moecomm, reusing the MPI
-    default communicator; moecomm-group: through a communicator made on the gloo group."""
-    clear_group_cache()
-    if name == "native":
-        yield
-        return
-    moecomm.set_default_communicator(MPI_COMM if name == "moecomm-default" else None)
-    integration.enable()
-    try:
-        yield
-    finally:
-        integration.disable()
-        moecomm.set_default_communicator(MPI_COMM)
+    return integration_mode(name, integration, MPI_COMM)
 
 
 def megatron_all_to_all_run(seed: int):

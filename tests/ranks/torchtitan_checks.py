@@ -20,15 +20,15 @@ does. Where torchtitan cannot be imported the launch reports ``SKIP torchtitan: 
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
 
 import moecomm
-from moecomm.integrations import _groups, clear_group_cache
+from moecomm.integrations import _groups
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 from tests.ranks.data import as_bytes
+from tests.ranks.integration_modes import integration_mode
 
 init_gloo_over_mpi()
 import torch.distributed as dist  # noqa: E402
@@ -64,23 +64,11 @@ def spmd_backend(name: str, mesh):
     return backend(name, mesh)
 
 
-@contextlib.contextmanager
 def mode(name: str):
-    """native: torchtitan's own exchanges; moecomm-default: through moecomm, reusing the MPI
-    default communicator; moecomm-group: through a communicator made on the gloo group."""
+    """native: torchtitan's own exchanges; moecomm-default / moecomm-group: through moecomm."""
     from moecomm.integrations import torchtitan as tt
 
-    clear_group_cache()
-    if name == "native":
-        yield
-        return
-    moecomm.set_default_communicator(MPI_COMM if name == "moecomm-default" else None)
-    tt.enable()
-    try:
-        yield
-    finally:
-        tt.disable()
-        moecomm.set_default_communicator(MPI_COMM)
+    return integration_mode(name, tt, MPI_COMM)
 
 
 def build_moe(seed: int, dim: int, hidden: int, local: int, top_k: int, mesh):
