@@ -6,8 +6,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import numpy as np
+import torch
+
 import moecomm
 from moecomm.integrations import clear_group_cache
+from tests.mpi_util import collective_assert
+from tests.ranks.data import as_bytes
 
 MODES = ("native", "moecomm-default", "moecomm-group")
 
@@ -29,3 +34,9 @@ def integration_mode(name: str, integration: Any, default_comm: Any) -> Iterator
     finally:
         integration.disable()
         moecomm.set_default_communicator(default_comm)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Collective: ``a`` and ``b`` hold the same bytes, shape and dtype on every rank."""
+    ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
+    collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))

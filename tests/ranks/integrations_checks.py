@@ -22,7 +22,7 @@ import moecomm.distributed
 from moecomm.integrations import _groups, clear_group_cache, communicator_for_group
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
-from tests.ranks.integration_modes import integration_mode
+from tests.ranks.integration_modes import MODES, integration_mode, same
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 init_gloo_over_mpi()
@@ -35,11 +35,6 @@ MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (
 def say(line: str) -> None:
     if R == 0:
         print(line, flush=True)
-
-
-def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
-    collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -177,7 +172,6 @@ def megatron_on_cpu():
         token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
-MODES = ("native", "moecomm-default", "moecomm-group")
 
 
 def mode(name: str, integration):

@@ -21,32 +21,24 @@ does. Where torchtitan cannot be imported the launch reports ``SKIP torchtitan: 
 from __future__ import annotations
 
 
-import numpy as np
 import torch
 
 import moecomm
 from moecomm.integrations import _groups
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
-from tests.ranks.data import as_bytes
-from tests.ranks.integration_modes import integration_mode
+from tests.ranks.integration_modes import MODES, integration_mode, same
 
 init_gloo_over_mpi()
 import torch.distributed as dist  # noqa: E402
 
 W, R = dist.get_world_size(), dist.get_rank()
 MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (MPI rank == torch rank)
-MODES = ("native", "moecomm-default", "moecomm-group")
 BACKENDS = ("spmd_types", "partial_dtensor")
 
 
 def say(line: str) -> None:
     if R == 0:
         print(line, flush=True)
-
-
-def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
-    collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))
 
 
 def torchtitan_missing() -> str | None:
