@@ -213,8 +213,12 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
       fi ;;
     moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
-    peercosts) mps_on; step peer_costs 60 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY \
-        -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.peer_costs; mps_off ;;
+    peercosts) mps_on
+      for rows in 64 2048; do
+        step "peer_costs_$rows" 60 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x CUDA_VISIBLE_DEVICES=0 \
+          -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.peer_costs --rows $rows --profile 200
+      done
+      mps_off ;;
     sobuild)  # build every native extension in place and send the libraries back (carry them next time)
       step build_ext 400 env MAX_JOBS=16 python3 setup.py -q build_ext --inplace
       mkdir -p "$RES/so" && find moecomm moecomm_ext -name "*cpython-3*.so" -exec cp --parents {} "$RES/so" \; ;;
