@@ -159,6 +159,7 @@ def _backend_with(others: list[list[int]]):
     b._host = _FakeHost(others)
     b._watchdog = SimpleNamespace(stop=lambda: None, failure=None)
     b.transport = SimpleNamespace(capacity_rows=lambda row_bytes: 1 << 20, region_bytes=1 << 30)
+    b.begin = lambda *tensors: 0  # (the own block's copy is issued on "stream 0" before the agreement)
     return b
 
 
@@ -171,14 +172,20 @@ def _record(call, row_bytes, send, recv):
     (_record(1, 32, [1, 1], [1, 1]), "rows differ in size (16 to 32 bytes", True),
     (_record(1, 16, [2, 1], [1, 1]), "rank 0 expected 1 rows from rank 1, but rank 1 sent 2", False),
 ])
-def test_ranks_that_disagree_raise_before_any_row_moves(other, words, aborted):
+def test_ranks_that_disagree_raise_before_any_row_moves(other, words, aborted, monkeypatch):
+    from types import SimpleNamespace
+
+    from moecomm.backends import peer
     from moecomm.errors import CountMismatchError
 
+    copies = []
+    monkeypatch.setattr(peer, "_cudart", SimpleNamespace(D2D=0, copy_async=lambda *args: copies.append(args)))
     b = _backend_with([other])
     x = torch.zeros(2, 4)
     with pytest.raises(CountMismatchError, match=words.replace("(", r"\(")):
         b.alltoallv(x, [1, 1], x, [1, 1], 16)
     assert b._host.aborted is aborted and b._aborted is aborted
+    assert len(copies) == 1 and copies[0][2] == 16  # the own block only: no peer's row moved
 
 
 @st.composite

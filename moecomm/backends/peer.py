@@ -196,6 +196,11 @@ class PeerBackend(StreamOrdered, Backend):
         if not self.concurrent and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moecomm: the peer backend cannot capture exchanges of ranks that share a GPU without "
                                "MPS (each round waits on the host); run the ranks under MPS")
+        h = self.begin(send, recv)
+        own = min(send_counts[me], recv_counts[me])
+        if own and row_bytes:  # issued first: the GPU copies it while the ranks agree on the rest
+            _cudart.copy_async(recv.data_ptr() + rd[me] * row_bytes, send.data_ptr() + sd[me] * row_bytes,
+                               own * row_bytes, _cudart.D2D, h)
         flag, shared = self._share_output(recv, recv_counts, row_bytes)
         record = agreement_record(self._calls, row_bytes, rounds_needed(send_counts, recv_counts, me, cap), flag,
                                   shared, send_counts, recv_counts, rd)
@@ -207,11 +212,6 @@ class PeerBackend(StreamOrdered, Backend):
                 self.abort()
             raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {what}"
                                      + ("; the communicator was aborted" if out_of_step else ""))
-        h = self.begin(send, recv)
-        own = send_counts[me]
-        if own and row_bytes:
-            _cudart.copy_async(recv.data_ptr() + rd[me] * row_bytes, send.data_ptr() + sd[me] * row_bytes,
-                               own * row_bytes, _cudart.D2D, h)
         if row_bytes and is_direct(table):  # one round (see _share_output)
             dst = direct_destinations(table, me, row_bytes, t.map_output)
             part = round_blocks(send_counts, sd, recv_counts, rd, me, max(send_counts + recv_counts + [1]), 0)
@@ -246,7 +246,7 @@ class PeerBackend(StreamOrdered, Backend):
         if largest < min(DIRECT_MIN_BYTES, self.transport.region_bytes):
             return 0, _NOT_SHARED
         if not self.concurrent:
-            self.transport.wait_stream(self.begin(recv), "all_to_all_v (peer memory, before a direct exchange)")
+            self.transport.wait_stream(self._stream, "all_to_all_v (peer memory, before a direct exchange)")
         shared = self.transport.export_output(recv)
         return (-1, _NOT_SHARED) if shared is None else (1, shared)
 
