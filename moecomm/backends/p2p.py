@@ -55,10 +55,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..engine.engine import Engine
     from .nccl import NcclBackend
 
-__all__ = ["PeerTransport", "ROW_ALIGN", "MAPPED_PER_PEER"]
+__all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER"]
 
 
 _HEADER_BYTES = 64
+
+INLINE_BYTES = 1 << 20
+"""On the peer backend, what the counts-on-the-GPU round carries per pair at most (the rest: :meth:`PeerTransport.finish`)."""
 
 MAPPED_PER_PEER = 16
 """Peers' output allocations a direct exchange keeps mapped, per peer (:meth:`PeerTransport.map_output`)."""
@@ -112,6 +115,10 @@ class PeerTransport:
         self.data_off = _round_up(5 * W * _HEADER_BYTES, 4096)
         self.region_bytes = (arena_bytes - self.data_off) // (4 * W) // 256 * 256
         self.ce_data_off = self.data_off + 2 * W * self.region_bytes
+        # the counts-on-the-GPU round carries at most this much per pair; the rest follows in a second,
+        # known-counts exchange, which the peer backend makes direct for large blocks (one crossing of
+        # the GPU's memory instead of two) and runs anyway (every rank joins it, rows or not)
+        self.inline_bytes = min(self.region_bytes, INLINE_BYTES) if self.collective else self.region_bytes
         if self.region_bytes < 256:
             raise ValueError(f"p2p_bytes={arena_bytes} leaves no room for rows: it needs at least "
                              f"{self.data_off + 4 * W * 256} bytes for {W} ranks")
@@ -189,7 +196,7 @@ class PeerTransport:
         b.check_health()
         self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b.stream.cuda_stream, self._order,
                                       x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base, self.rank,
-                                      self.size, self._seq, self._seq % 2, self.region_bytes, self.data_off,
+                                      self.size, self._seq, self._seq % 2, self.inline_bytes, self.data_off,
                                       self.header_off, done, self._blocks(x.numel() * x.element_size()), result, host,
                                       self._timeout_ns)
         return _HostFlagRequest(self._host_np, 2 * self.size + 1, self._seq)
@@ -211,7 +218,8 @@ class PeerTransport:
         self.issue_round(stream, x, send, send_displs, out, recv, recv_displs, row_bytes)
         request = b.end("all_to_all_v (copy engines)", self.problem)
         # the rank's own block went whole (input to output): only the peers' overflow remains
-        rest = self._overflow(x, send, send_displs, out, recv, recv_displs, row_bytes, me)
+        rest = self._overflow(x, send, send_displs, out, recv, recv_displs, row_bytes, me,
+                              self.capacity_rows(row_bytes))
         return request if rest is None else rest  # (the rest follows on the same stream)
 
     def issue_round(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
@@ -375,19 +383,19 @@ class PeerTransport:
         through NCCL. Returns the request of that remainder (done at once when there is none)."""
         if out.numel():
             self._ext.launch_copy_out(self._device, self._base, self.data_off, self._seq % 2, self.size,
-                                      self.region_bytes, row_bytes, self._ptrs[2], out.data_ptr(),
+                                      self.inline_bytes, row_bytes, self._ptrs[2], out.data_ptr(),
                                       self._blocks(out.numel() * out.element_size()),
                                       _cudart.current_stream(self._device))
-        rest = self._overflow(x, send, None, out, recv, None, row_bytes, None)
+        rest = self._overflow(x, send, None, out, recv, None, row_bytes, None, self.inline_bytes // row_bytes)
         return DoneRequest() if rest is None else rest
 
     def _overflow(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
                   out: torch.Tensor, recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int,
-                  skip: Optional[int]) -> Optional[Request]:
-        """The rows beyond a region's capacity per pair (rank ``skip`` left out), through NCCL
-        on the backend's stream, from and into the places right after what the arenas carried;
-        None when every pair fit."""
-        cap = self.capacity_rows(row_bytes)
+                  skip: Optional[int], cap: int) -> Optional[Request]:
+        """The rows beyond ``cap`` per pair (rank ``skip`` left out), through the backend (NCCL,
+        or the peer backend's known-counts exchange) on its stream, from and into the places
+        right after what the arenas carried; None when every pair fit (never on the peer
+        backend: every rank joins its exchanges)."""
         if max(send) <= cap and max(recv) <= cap and not self.collective:
             return None
         send_displs = split_offsets(send) if send_displs is None else send_displs

@@ -10,6 +10,17 @@ the number of rounds over the host channel), so any size goes through buffers of
 size. The rank's own block is one device copy. Small host agreements (the rounds, the
 counts, barriers) go over the host channel (MPI or gloo).
 
+*Direct exchanges*: where a block between two ranks is :data:`DIRECT_MIN_BYTES` or more,
+its receiver shares its output (the IPC handle of the allocation it lies in, and the
+offset), and senders write their rows straight into it (the allocation mapped once per peer
+and kept, :meth:`moecomm.backends.p2p.PeerTransport.map_output`): rows cross the GPU's
+memory once instead of twice (into the arena, then out), in one round whatever the size.
+Before any row moves the ranks all-gather one record each (call number, row size, rounds,
+where their output lies, their counts and displacements:
+:mod:`moecomm.backends.peer_rounds`), so every rank names a count disagreement before
+anything moves. Memory that cannot be shared that way (torch's expandable segments) goes
+through the arenas in rounds, as before.
+
 How a round waits for the peers depends on whether the ranks' kernels run at the same time
 (:attr:`PeerBackend.concurrent`, measured at creation, below):
 
