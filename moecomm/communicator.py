@@ -8,6 +8,7 @@ The collectives check their arguments and build on the communicator's engine
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -16,7 +17,7 @@ import torch
 from . import hierarchical, overlap, wire
 from .collectives import flat as _flat
 from .engine.dtypes import SUPPORTED_DTYPES
-from .engine.engine import Engine, warn_if_graph_lost
+from .engine.engine import Engine, collective_failure, warn_if_graph_lost
 from .collectives.small import OtherCollectives
 from .engine.requests import Work
 from .collectives.topology import Topology
@@ -25,6 +26,23 @@ from .pool import PoolStats
 from .splits import Splits, split_sizes
 
 __all__ = ["Communicator", "Work", "SUPPORTED_DTYPES"]
+
+
+def _collective(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A public collective method named ``op``: an argument error it raises on this rank only
+    is also sent to the peers as a failure notice, and the communicator aborted (MPI; see
+    :func:`moecomm.engine.engine.collective_failure`), so that they raise it too instead of
+    waiting for their timeout."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: "Communicator", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except (TypeError, ValueError) as exc:
+                collective_failure(self._engine, op, exc)
+                raise
+        return call
+    return wrap
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -141,6 +159,7 @@ class Communicator(OtherCollectives):
 
     # -- the variable-length all-to-all -----------------------------------------------------
 
+    @_collective("all_to_all_v")
     def all_to_all_v(
         self,
         input: torch.Tensor,
@@ -201,6 +220,7 @@ class Communicator(OtherCollectives):
                                                                 recv_splits, algorithm)
         return self._engine.finish(request, "all_to_all_v", (out, recv), async_op)
 
+    @_collective("all_to_all_v_packed")
     def all_to_all_v_packed(
         self,
         packed: torch.Tensor,
@@ -252,6 +272,7 @@ class Communicator(OtherCollectives):
 
     # -- all-to-all overlapped with compute -------------------------------------------------
 
+    @_collective("scatter_compute_gather")
     def scatter_compute_gather(
         self,
         input: torch.Tensor,
@@ -290,6 +311,7 @@ class Communicator(OtherCollectives):
 
     # -- torch.distributed-compatible all-to-all --------------------------------------------
 
+    @_collective("all_to_all_single")
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -332,6 +354,7 @@ class Communicator(OtherCollectives):
         request = _flat.start_all_to_all_single(self._engine, op, x, send, y, recv)
         return self._engine.finish(request, op, True if async_op else None, async_op)
 
+    @_collective("all_to_all")
     def all_to_all(
         self,
         output_tensor_list: Sequence[torch.Tensor],

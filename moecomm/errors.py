@@ -7,7 +7,7 @@ here cover what the builtins do not.
 
 from __future__ import annotations
 
-__all__ = ["MoeCommError", "CommunicatorClosedError", "CountMismatchError"]
+__all__ = ["MoeCommError", "CommunicatorClosedError", "CountMismatchError", "PeerFailedError"]
 
 
 class MoeCommError(RuntimeError):
@@ -22,4 +22,12 @@ class CountMismatchError(MoeCommError, ValueError):
     """Ranks disagree on what they exchange (found by ``validate=True``).
 
     Raised on every rank of the collective, with the same message naming the ranks and counts.
+    """
+
+
+class PeerFailedError(MoeCommError):
+    """A peer's call of the same collective failed on that peer (its arguments were refused)
+    and it aborted the communicator: raised on the other ranks, quoting the peer's error,
+    as soon as its notice arrives (during a wait, or at the next call), instead of a timeout.
+    The communicator is aborted on every rank it reached.
     """

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Request", "DoneRequest", "Backend", "REDUCE_OPS", "reduce_op_name"]
+__all__ = ["Request", "DoneRequest", "Backend", "REDUCE_OPS", "NOTICE_BYTES", "reduce_op_name"]
 
 REDUCE_OPS = ("sum", "max", "min", "prod")
 
@@ -29,6 +29,10 @@ def reduce_op_name(op: Any) -> str:
         if op == k:
             return v
     raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")
+
+
+NOTICE_BYTES = 1024
+"""The largest failure notice (:meth:`Backend.send_notice`) a backend carries, in bytes."""
 
 
 class Request(abc.ABC):
@@ -83,6 +87,11 @@ class Backend(abc.ABC):
     tagged: bool = False
     """True where :meth:`exchange_tagged` exists: one tagged message per peer (MPI; see
     :mod:`moecomm.engine.tags`). Elsewhere row exchanges carry no description of themselves."""
+
+    notices: bool = False
+    """True where the backend carries failure notices (:meth:`send_notice`, :meth:`poll_notice`)
+    beside its exchanges, on a channel of their own (MPI: a duplicate communicator), so that a
+    rank that fails a collective tells its peers why instead of leaving them to time out."""
 
     timeout_s: float = 600.0
     """Seconds any wait of this backend may last: the communicator's ``timeout``, kept here
@@ -163,6 +172,16 @@ class Backend(abc.ABC):
 
     def check_health(self) -> None:
         """Raise if the backend has failed asynchronously (a watchdog timeout, say)."""
+
+    def send_notice(self, payload: bytes) -> None:
+        """Send ``payload`` (at most :data:`NOTICE_BYTES`) to every other rank on the notice
+        channel, without blocking; where :attr:`notices` only."""
+        raise NotImplementedError(f"the {self.name} backend carries no notices")
+
+    def poll_notice(self) -> Optional[tuple[int, bytes]]:
+        """The first notice that arrived from a peer, ``(its rank, payload)``, or None (never
+        blocks; the same notice again on later polls). None where not :attr:`notices`."""
+        return None
 
     def watch_stream(self, op: str, timeout_s: float,
                      problem: Optional[Callable[[], Optional[BaseException]]] = None) -> None:

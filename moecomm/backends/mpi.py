@@ -7,7 +7,9 @@ and every torch dtype (bfloat16, float8, bool) moves bit for bit.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -17,7 +19,7 @@ from ._exit import note_abort
 from ..launch import mpi_wait
 from ..splits import split_offsets
 from ._deadline import call_before_deadline
-from .base import Backend, Request
+from .base import NOTICE_BYTES, Backend, Request
 
 __all__ = ["MpiBackend", "MpiRequest", "TaggedRequest", "byte_view"]
 
@@ -25,6 +27,27 @@ __all__ = ["MpiBackend", "MpiRequest", "TaggedRequest", "byte_view"]
 def byte_view(t: torch.Tensor) -> np.ndarray:
     """A writable uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
     return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+_NOTICE_TAG = 1
+"""The tag of failure notices, on the backend's notice duplicate (nothing else travels there)."""
+
+
+_POSTED: "weakref.WeakSet[MpiBackend]" = weakref.WeakSet()
+
+
+def _withdraw_all() -> None:
+    for backend in list(_POSTED):
+        backend.withdraw_notices()
+
+
+def _withdraw_at_exit(backend: "MpiBackend") -> None:
+    """Cancel ``backend``'s posted notice receive when the process exits, before MPI is
+    finalized (the hook is registered after mpi4py's, so it runs first)."""
+    if not _POSTED and not getattr(_withdraw_all, "armed", False):
+        atexit.register(_withdraw_all)
+        _withdraw_all.armed = True  # type: ignore[attr-defined]
+    _POSTED.add(backend)
 
 
 class MpiRequest(Request):
@@ -92,6 +115,7 @@ class MpiBackend(Backend):
     supports_displacements = True
     mismatched_rows_complete = True
     tagged = True
+    notices = True
 
     def __init__(self, comm: Any, timeout_s: float, *, adopt: bool = False) -> None:
         """A backend over a duplicate of ``comm`` (made without blocking: ``MPI_Comm_idup``,
@@ -112,6 +136,20 @@ class MpiBackend(Backend):
         self.size = self._comm.Get_size()
         self.device = torch.device("cpu")
         self._row_types: dict[int, Any] = {}  # explicit cache: row_bytes -> committed datatype
+        # Failure notices travel on a duplicate of their own, so that they never match a row
+        # receive (those take any tag); one receive from any rank stays posted on it, polled
+        # by the engine's waits: nothing more moves while no rank fails.
+        self._notice_comm: Any = MPI.COMM_NULL
+        self._notice_buf = np.zeros(NOTICE_BYTES, dtype=np.uint8)
+        self._notice_recv: Any = None
+        self._notice_got: Optional[tuple[int, bytes]] = None
+        self._notice_sends: list = []
+        if self.size > 1:
+            dup, req = self._comm.Idup()
+            mpi_wait(req, timeout_s=self.timeout_s, what="MPI_Comm_idup (moecomm notices)", rank=self.rank)
+            self._notice_comm = dup
+            self._notice_recv = dup.Irecv([self._notice_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_NOTICE_TAG)
+            _withdraw_at_exit(self)
 
     @property
     def mpi_comm(self) -> Any:
@@ -238,6 +276,33 @@ class MpiBackend(Backend):
         if self._failure is not None:
             raise self._failure
 
+    def send_notice(self, payload: bytes) -> None:
+        """Send ``payload`` (cut to :data:`NOTICE_BYTES`) to every other rank on the notice
+        duplicate; the sends stay referenced (small: they leave eagerly)."""
+        if self._notice_comm == self._MPI.COMM_NULL:
+            return
+        data = np.frombuffer(bytes(payload[:NOTICE_BYTES]), dtype=np.uint8).copy()
+        for k in range(1, self.size):
+            p = (self.rank + k) % self.size
+            self._notice_sends.append((self._notice_comm.Isend([data, self._MPI.BYTE], dest=p, tag=_NOTICE_TAG),
+                                       data))
+
+    def withdraw_notices(self) -> None:
+        """Cancel the posted notice receive if no notice came (at close, and at exit)."""
+        req, self._notice_recv = self._notice_recv, None
+        if req is not None:
+            req.Cancel()
+            req.Wait()
+
+    def poll_notice(self) -> Optional[tuple[int, bytes]]:
+        if self._notice_got is None and self._notice_recv is not None:
+            status = self._MPI.Status()
+            if self._notice_recv.Test(status):
+                self._notice_recv = None
+                n = status.Get_count(self._MPI.BYTE)
+                self._notice_got = (status.Get_source(), bytes(self._notice_buf[:n]))
+        return self._notice_got
+
     def close(self) -> None:
         if self._failure is not None:  # a split still runs on the communicator: leave it allocated
             self.abort()
@@ -248,11 +313,16 @@ class MpiBackend(Backend):
         if self._comm != self._MPI.COMM_NULL:
             self._comm.Free()
             self._comm = self._MPI.COMM_NULL
+        self.withdraw_notices()
+        if self._notice_comm != self._MPI.COMM_NULL and not self._notice_sends:
+            self._notice_comm.Free()
+        self._notice_comm = self._MPI.COMM_NULL
 
     def abort(self) -> None:
         note_abort()
         # MPI cannot cancel a collective in flight: the communicator is left allocated and
         # its buffers referenced (by the requests the caller abandoned), so that late peers
-        # never write into freed memory.
+        # never write into freed memory. The notice duplicate stays open: notices sent on it
+        # still leave, and one that arrives is still read (poll_notice).
         self._comm = self._MPI.COMM_NULL
 

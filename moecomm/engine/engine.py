@@ -22,14 +22,14 @@ import torch
 from ..backends._deadline import poll_yielding
 from ..backends._host_channel import OPS, HostChannel
 from ..backends.base import Backend, Request
-from ..errors import CommunicatorClosedError, CountMismatchError
+from ..errors import CommunicatorClosedError, CountMismatchError, MoeCommError, PeerFailedError
 from ..pool import StagingPool
 from ..splits import Splits, normalize_splits
 from .dtypes import DTYPE_CODES, SUPPORTED_DTYPES
 from .requests import TagChecked, ThenRequest, Work
 from .tags import TagPlan
 
-__all__ = ["COPY_ENGINE_MIN_BYTES", "Engine", "warn_if_graph_lost"]
+__all__ = ["COPY_ENGINE_MIN_BYTES", "Engine", "agreed", "collective_failure", "warn_if_graph_lost"]
 
 COPY_ENGINE_MIN_BYTES = 16 << 20
 """Default of ``init(p2p_min_bytes=)``: with peer memory, a plain ``all_to_all_v`` with known
@@ -50,6 +50,37 @@ def warn_if_graph_lost(t: Any, op: str) -> None:
         warnings.warn(f"moecomm: {op} is not differentiable: the result of an input that requires grad has no "
                       f"autograd graph; use moecomm.functional.all_to_all_v (or .detach() the input to silence "
                       f"this)", UserWarning, stacklevel=3)
+
+
+_NOTICE_GRACE_S = 0.2
+"""Seconds a wait that meets a peer's failure notice still gives its own exchange to complete
+(its own view of a disagreement then wins) before it raises what the notice says."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """``exc``'s message, cut to what a notice carries."""
+    text = str(exc).strip() or type(exc).__name__
+    return text[:800] + (" ..." if len(text) > 800 else "")
+
+
+_AGREED = "_moecomm_agreed"
+
+
+def agreed(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised on every rank in agreement (after an exchange that told each rank
+    every rank's problem): no notice is sent for it, the communicator stays usable."""
+    setattr(exc, _AGREED, True)
+    return exc
+
+
+def collective_failure(engine: "Engine", op: str, exc: BaseException) -> BaseException:
+    """What a public collective call raises for ``exc``: an argument error of this rank only
+    (``TypeError``/``ValueError``, not a :class:`MoeCommError`, which the ranks raise in
+    agreement or after a notice) becomes a failure notice to the peers (:meth:`Engine.fail`)."""
+    if isinstance(exc, (TypeError, ValueError)) and not isinstance(exc, MoeCommError) and \
+            not getattr(exc, _AGREED, False):
+        return engine.fail(op, exc)
+    return exc
 
 
 class Engine:
@@ -84,6 +115,7 @@ class Engine:
         self.world_ranks: Optional[list[int]] = None  # a sub-engine's members' ranks in its parent
         self.parent: Optional[Engine] = None
         self.closed_as: Optional[str] = None  # "closed" or "aborted"
+        self.noticed: Optional[BaseException] = None  # what a failure notice (sent or received) raised here
         self._abandoned: list = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._owned: list[Engine] = []
@@ -138,7 +170,7 @@ class Engine:
         self.seq += 1
         request = self.backend.exchange_tagged(send, [sum(c) for c in send_counts], send_displs, recv,
                                                [sum(c) for c in recv_counts], recv_displs, row_bytes, plan.tags)
-        return TagChecked(request, plan)
+        return TagChecked(request, plan, self)
 
     def where(self) -> str:
         """This rank as messages name it: its world rank, and its rank here if it differs."""
@@ -166,12 +198,80 @@ class Engine:
         """Raise :class:`CommunicatorClosedError` (naming ``op``) if closed, or what the backend
         reports if it failed asynchronously (then the engine counts as aborted)."""
         if self.closed_as is not None:
-            raise CommunicatorClosedError(f"moecomm: cannot run {op}: the communicator is {self.closed_as}")
+            why = f" ({_first_line(self.noticed)})" if self.noticed is not None else ""
+            raise CommunicatorClosedError(f"moecomm: cannot run {op}: the communicator is {self.closed_as}{why}")
+        self.check_notices(op)
         try:
             self.backend.check_health()
         except Exception:  # the backend failed asynchronously (a watchdog timeout, a CUDA error) and aborted
             self.closed_as = "aborted"
             raise
+
+    # -- failure notices (backends with notices: MPI) ----------------------------------------
+
+    def _root(self) -> "Engine":
+        """The engine whose notice channel and fate this one shares: the top of its owned
+        hierarchy (a 2DH group's failure is its communicator's)."""
+        top = self
+        while top.parent is not None and top.parent.owns(top):
+            top = top.parent
+        return top
+
+    def fail(self, op: str, exc: BaseException, kind: str = "failed") -> BaseException:
+        """This rank's ``op`` failed with ``exc`` after the call became collective: where the
+        backend carries notices (MPI, more than one rank), tell every peer (``kind``:
+        ``"failed"``, its arguments were refused; ``"mismatch"``, it found ranks that
+        disagree), abort the communicator, and return ``exc`` with a note saying so (the
+        caller raises it). Elsewhere ``exc`` unchanged."""
+        root = self._root()
+        if not root.backend.notices or root.size <= 1 or root.noticed is not None:
+            return exc
+        text = _first_line(exc)
+        payload = f"{kind}|{self.seq % 32}|{op}|{type(exc).__name__}: {text}".encode("utf-8", "replace")
+        if root.closed_as != "closed":
+            root.backend.send_notice(payload)
+        root.noticed = self.noticed = exc
+        root.abort()
+        self.abort()
+        if isinstance(exc, CountMismatchError) and "aborted" in str(exc):
+            return exc
+        exc.add_note(f"moecomm: {op} failed on {root.where()}: the communicator was aborted and its "
+                     f"{root.size - 1} peer(s) told why")
+        return exc
+
+    def check_notices(self, op: str, request: Optional[Request] = None) -> None:
+        """Raise what a peer's failure notice says, once it has arrived: ``CountMismatchError``
+        (it found ranks that disagree) or :class:`PeerFailedError` (its call failed), naming
+        the peer and quoting its error; the communicator is aborted first. ``request`` (a wait
+        in progress): kept referenced, and given a moment to finish first, so that a rank that
+        finds the disagreement itself reports its own view of it."""
+        root = self._root()
+        got = root.backend.poll_notice()
+        if got is None:
+            return
+        if request is not None:
+            self.keep(request)
+            end = time.monotonic() + _NOTICE_GRACE_S
+            while time.monotonic() < end:  # raises this rank's own CountMismatchError if it has one
+                if request.test():
+                    break
+                os.sched_yield()
+        source, payload = got
+        kind, seq, their_op, text = (payload.decode("utf-8", "replace").split("|", 3) + ["?"] * 4)[:4]
+        here = root.where()
+        if kind == "mismatch":
+            err: BaseException = CountMismatchError(
+                f"moecomm: {op}: rank {source} found ranks that disagree in its {their_op} (exchange number {seq} "
+                f"mod 32) and aborted the communicator: {text} -- aborted on {here} too; no rows of that exchange "
+                f"or later may be used")
+        else:
+            err = PeerFailedError(
+                f"moecomm: {op}: rank {source} failed its {their_op} call (exchange number {seq} mod 32) and "
+                f"aborted the communicator: {text} -- aborted on {here} too")
+        root.noticed = self.noticed = err
+        root.abort()
+        self.abort()
+        raise err
 
     def close(self) -> None:
         """Collective on NCCL: release the peer transport, the owned sub-engines and the backend."""
@@ -495,6 +595,12 @@ class Engine:
         start = time.monotonic()
         deadline = start + limit
         test = request.test
+        if self._root().backend.notices and self.size > 1:
+            def test() -> bool:  # a peer's failure notice ends the wait at once
+                if request.test():
+                    return True
+                self.check_notices(op, request)
+                return False
         if self.backend.progress_on_test:
             if not poll_yielding(test, deadline):
                 self._time_out(request, op, limit)

@@ -107,15 +107,17 @@ class CheckedRequest(Request):
 class TagChecked(Request):
     """A tagged exchange (:meth:`moecomm.backends.base.Backend.exchange_tagged`): done once
     every message is, then raises :class:`CountMismatchError` if what arrived disagrees with
-    ``plan`` (:class:`moecomm.engine.tags.TagPlan`). Every rank sent and received one message per
-    peer whatever it found, so the communicator stays matched."""
+    ``plan`` (:class:`moecomm.engine.tags.TagPlan`). Only the ranks of a disagreeing pair see
+    it: with ``engine``, they tell every other rank and abort the communicator
+    (:meth:`moecomm.engine.engine.Engine.fail`), so that no rank goes on as if nothing happened."""
 
-    __slots__ = ("_inner", "_plan", "_done", "plan")
+    __slots__ = ("_inner", "_plan", "_done", "_engine", "plan")
 
-    def __init__(self, inner: Request, tag_plan: Any) -> None:
+    def __init__(self, inner: Request, tag_plan: Any, engine: Optional["Engine"] = None) -> None:
         self._inner = inner
         self._plan = tag_plan
         self._done = False
+        self._engine = engine
         self.plan = None
 
     def test(self) -> bool:
@@ -126,7 +128,10 @@ class TagChecked(Request):
         self._done = True
         issues = self._plan.issues(self._inner.arrived)
         if issues:
-            raise self._plan.error(issues)
+            error = self._plan.error(issues)
+            if self._engine is not None:  # the other ranks learn of it too (MPI: a notice; aborted)
+                error = self._engine.fail(self._plan.op, error, "mismatch")
+            raise error
         return True
 
 
