@@ -25,8 +25,10 @@ synchronisations; times are the slowest rank's, median (and 10th/90th percentile
 * **deepspeed**: ``deepspeed.moe.layer.MoE`` (capacity factor 1.0, a two-layer GELU expert)
   at each ``--ks``; methods ``native`` (DeepSpeed's sparse encode/decode and its exchange),
   ``tutel`` (``use_tutel=True`` on moecomm's kernels, DeepSpeed's exchange) and
-  ``tutel+moecomm`` (the kernels and moecomm's exchange). ``step_ms``: forward + backward of
-  the layer and its aux loss. Ratios: each / native.
+  ``tutel+moecomm`` (the kernels and moecomm's exchange) and ``moecomm-layer``
+  (``enable(layer="moecomm")``: the layer's dispatch, experts as one grouped FFN and combine on
+  moecomm, moecomm's exchange). ``step_ms``: forward + backward of the layer and its aux loss.
+  Ratios: each / native.
 * **torchtitan**: torchtitan's ``MoE`` (top ``--titan-k``), native and on moecomm
   (:mod:`bench.frameworks_torchtitan`).
 """
@@ -275,9 +277,10 @@ def bench_deepspeed(args: argparse.Namespace, device: torch.device, dtype: torch
     W, R = dist.get_world_size(), dist.get_rank()
     E, M, H, T = args.experts, args.model_dim, args.hidden, args.tokens
     results: dict = {}
-    modes = {"native": dict(use_tutel=False, kernels=False, exchange=False),
-             "tutel": dict(use_tutel=True, kernels=True, exchange=False),
-             "tutel+moecomm": dict(use_tutel=True, kernels=True, exchange=True)}
+    modes = {"native": dict(use_tutel=False, kernels=False, exchange=False, layer="deepspeed"),
+             "tutel": dict(use_tutel=True, kernels=True, exchange=False, layer="deepspeed"),
+             "tutel+moecomm": dict(use_tutel=True, kernels=True, exchange=True, layer="deepspeed"),
+             "moecomm-layer": dict(use_tutel=False, kernels=False, exchange=True, layer="moecomm")}
     for k in [int(v) for v in args.ks.split(",") if v.strip()]:
         layers = {}
         for name, m in modes.items():
@@ -304,12 +307,15 @@ def bench_deepspeed(args: argparse.Namespace, device: torch.device, dtype: torch
                 layer.zero_grad(set_to_none=True)
 
             def timed(clock: _Clock) -> dict:
-                if m["kernels"] or m["exchange"]:
-                    ds.enable(tutel_kernels=m["kernels"], exchange=m["exchange"])
+                if m["kernels"] or m["exchange"] or m["layer"] != "deepspeed":
+                    ds.enable(tutel_kernels=m["kernels"], exchange=m["exchange"], layer=m["layer"])
                 try:
                     return {"step_ms": clock.run(run)}
                 finally:
                     ds.disable()
+                    if m["layer"] != "deepspeed" and ds.layer_fallback_reason(layer.deepspeed_moe) is not None:
+                        raise RuntimeError(f"bench: {name} ran DeepSpeed's own layer: "
+                                           f"{ds.layer_fallback_reason(layer.deepspeed_moe)}")
 
             return timed
 

@@ -83,3 +83,24 @@ def test_deepspeed_moe(report):
     n, out = report
     _skipped_by_ranks(out, "deepspeed")
     assert "PASS deepspeed" in out, out[-3000:]
+
+
+def test_deepspeed_moecomm_layer(report):
+    """enable(layer="moecomm"): DeepSpeed's MoE layer with moecomm's dispatch, grouped experts and
+    combine equals DeepSpeed's own (float tolerance, tests/ranks/integrations_checks.py), and an
+    unsupported expert falls back with a reason."""
+    if _missing("deepspeed"):
+        pytest.skip("deepspeed is not installed: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
+    n, out = report
+    _skipped_by_ranks(out, "deepspeed")
+    assert "PASS deepspeed-layer" in out, out[-3000:]
+
+
+def test_deepspeed_moecomm_layer_one_rank():
+    """The same on one rank (ep_size 1: no exchange, every expert local)."""
+    if _missing("deepspeed"):
+        pytest.skip("deepspeed is not installed: DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
+    cmd, rc, out, err = launch_ranks(1, "tests.ranks.integrations_checks", "deepspeed-layer", timeout=600,
+                                     env={"DS_ACCELERATOR": "cpu", "MOECOMM_TIMEOUT": "120"})
+    _skipped_by_ranks(out, "deepspeed")
+    assert rc == 0 and "PASS deepspeed-layer" in out, f"{' '.join(cmd)} exited with {rc}\n{out[-3000:]}\n{err[-3000:]}"

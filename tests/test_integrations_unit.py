@@ -57,3 +57,13 @@ def test_deepspeed_group_none_is_the_world_group():
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layer", ["MoeComm", "tutel", None, 1])
+def test_deepspeed_enable_refuses_an_unknown_layer(layer):
+    """``enable(layer=)`` names the argument and the value, before importing DeepSpeed."""
+    from moecomm.integrations import deepspeed as ds
+
+    with pytest.raises(ValueError, match=rf"layer must be one of \('deepspeed', 'moecomm'\), got {layer!r}"):
+        ds.enable(layer=layer)
+    assert not ds.layer_enabled() and not ds.is_enabled()

@@ -20,7 +20,7 @@ How a round waits for the peers depends on whether the ranks' kernels run at the
 * not concurrent (ranks sharing a GPU without MPS, where the GPU time-slices between
   processes and a spinning kernel holds its slice, about 4.5 ms a round trip on an H200):
   the host waits for its copies, then an all-gather on the host channel tells every rank
-  that its peers' rows have landed (about 0.2 ms a round). No kernel ever spins on a peer;
+  that its peers' rows have landed (0.5-1 ms an exchange on an H200). No kernel ever spins on a peer;
   capture is refused. Rank 0 says once (logger ``moecomm``) that MPS makes it fast.
 
 Whether the ranks run concurrently is measured, not guessed: at creation the ranks time a
@@ -151,7 +151,7 @@ class PeerBackend(StreamOrdered, Backend):
             raise
         if not backend.concurrent and backend.rank == 0:
             _LOG.warning("moecomm: %d ranks share a GPU without MPS: the peer backend coordinates every exchange "
-                         "on the host (about 0.2 ms a round); start the MPS control daemon "
+                         "on the host (0.5-1 ms an exchange); start the MPS control daemon "
                          "(nvidia-cuda-mps-control -d) before the launch to make it GPU-driven and capturable",
                          ranks_per_gpu)
         return backend

@@ -4,7 +4,8 @@
   used by ``MoEAlltoAllTokenDispatcher`` for tokens, probabilities and the combine).
 * :mod:`moecomm.integrations.deepspeed`: DeepSpeed's ``sharded_moe._AllToAll`` and, with
   ``enable(tutel_kernels=True)``, its ``use_tutel=True`` path on moecomm's kernels
-  (:mod:`moecomm.moe.tutel_functional`).
+  (:mod:`moecomm.moe.tutel_functional`); with ``enable(layer="moecomm")``, ``MOELayer``'s
+  dispatch, experts (one grouped FFN) and combine on moecomm.
 * :mod:`moecomm.integrations.torchtitan`: torchtitan's ``AllToAllTokenDispatcher`` (its count,
   dispatch and combine exchanges, under either ``spmd_backend``).
 

@@ -305,41 +305,39 @@ def deepspeed_missing() -> str | None:
     return None
 
 
-def deepspeed_run(seed: int, k: int, use_tutel: bool, parallelism: bool = True):
+def deepspeed_run(seed: int, k: int, use_tutel: bool, parallelism: bool = True, expert=None,
+                  dtype: torch.dtype = torch.float32, H: int = 6, T: int = 16, local: int = 2):
     """One forward and backward of DeepSpeed's MoE layer; without ``parallelism`` its
-    ``set_deepspeed_parallelism()`` is not called (its expert group stays None: the world)."""
+    ``set_deepspeed_parallelism()`` is not called (its expert group stays None: the world).
+    ``expert``: a function of (H, seed) making the expert (default: Linear, GELU, Linear)."""
     from deepspeed.moe.layer import MoE
 
-    H, T, local = 6, 16, 2
     torch.manual_seed(seed)  # the same gate and expert weights on every rank
-    expert = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H))
+    expert = (torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.GELU(), torch.nn.Linear(2 * H, H))
+              if expert is None else expert(H, seed))
     layer = MoE(H, expert, num_experts=local * W, ep_size=W, k=k, capacity_factor=1.0, min_capacity=2,
-                use_tutel=use_tutel)
+                use_tutel=use_tutel).to(dtype)
     if parallelism:
         layer.set_deepspeed_parallelism()
     assert (layer.deepspeed_moe.ep_group is None) != parallelism
     assert layer.deepspeed_moe.use_tutel == use_tutel
     g = torch.Generator().manual_seed(100 * seed + R)
-    x = torch.randn(2, T // 2, H, generator=g, requires_grad=True)
+    x = torch.randn(2, T // 2, H, generator=g).to(dtype).requires_grad_(True)
     torch.manual_seed(7 + seed)  # the gates' random draws (gumbel, RTS) repeat in every mode
     out, l_aux, counts = layer(x)
-    r = torch.randn(out.shape, generator=g)
+    r = torch.randn(out.shape, generator=g).to(dtype)
     ((out * r).sum() + l_aux).backward()
-    return [out.detach(), l_aux.detach(), counts, x.grad] + [p.grad for p in layer.parameters()]
+    run = [out.detach(), l_aux.detach(), counts, x.grad] + [p.grad for p in layer.parameters()]
+    deepspeed_run.last_layer = layer  # for the fallback check
+    return run
 
 
 def check_deepspeed() -> None:
-    import deepspeed
     from deepspeed.moe import sharded_moe
 
     from moecomm.integrations import deepspeed as ds
 
-    # DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce op (minutes of compiling,
-    # used only by its all_reduce) when its comm backend is made; the MoE path does not use it
-    import importlib
-
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed()
     for k in (1, 2, 3):
         for seed in (k,):
             runs = {}
@@ -381,6 +379,117 @@ def check_deepspeed() -> None:
                                       f"differs from the native path beyond float tolerance")
 
 
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |a| (0 for equal tensors)."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / a.abs().max().clamp(min=1e-30)) if a.numel() else 0.0
+
+
+DS_LAYER_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+"""enable(layer="moecomm") vs DeepSpeed's own layer: the largest difference allowed, relative to
+the largest magnitude of each result (batched vs per-expert GEMMs, another order of the k sums).
+The gate's weight gradient is held to its own float32 error instead (:data:`DS_GATE_FACTOR`)."""
+
+DS_GATE_FACTOR = 4.0
+"""The gate's weight gradient sums softmax-Jacobian products that cancel: DeepSpeed's own float32
+result is ~1e-4 of its largest magnitude away from the float64 one (and its use_tutel path as far
+from its plain one). moecomm's may differ from DeepSpeed's by at most this many times that
+distance (or DS_LAYER_RTOL, if larger)."""
+
+
+def _gelu_tanh_expert(H, seed):
+    return torch.nn.Sequential(torch.nn.Linear(H, 3 * H, bias=False), torch.nn.GELU(approximate="tanh"),
+                               torch.nn.Linear(3 * H, H))
+
+
+def _relu_expert(H, seed):
+    return torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.ReLU(), torch.nn.Linear(2 * H, H, bias=False))
+
+
+class _OtherExpert(torch.nn.Module):
+    def __init__(self, H):
+        super().__init__()
+        self.fc = torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def check_deepspeed_layer() -> None:
+    """enable(layer="moecomm"): the layer's dispatch, experts and combine on moecomm, against
+    DeepSpeed's own layer (output, l_aux, exp_counts, the input's and every parameter's
+    gradient); unsupported experts fall back to DeepSpeed's path, bit for bit, with a reason."""
+    import logging
+
+    from moecomm.integrations import deepspeed as ds
+
+    worst, worst_gate = {}, 0.0
+    small, large = (8, 24, 3), (64, 512, 4)  # (model_dim, tokens per rank, local experts)
+    cases = [(1, False, None, torch.float32, small), (2, False, None, torch.float32, small),
+             (3, False, None, torch.float32, small), (2, True, None, torch.float32, small),
+             (1, True, _relu_expert, torch.float32, small), (3, False, _gelu_tanh_expert, torch.float32, small),
+             (2, False, None, torch.float64, small), (2, False, None, torch.float32, large)]
+    what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
+    for seed, (k, tutel, expert, dtype, (H, T, local)) in enumerate(cases):
+        kw = dict(expert=expert, dtype=dtype, H=H, T=T, local=local)
+        ds.enable(tutel_kernels=tutel, exchange=False)  # native: DeepSpeed's exchange, kernels as asked
+        try:
+            native = deepspeed_run(seed, k, tutel, **kw)
+            gate = [n for n, _ in deepspeed_run.last_layer.named_parameters()].index("deepspeed_moe.gate.wg.weight")
+            gate_tol = DS_LAYER_RTOL[dtype]
+            if dtype == torch.float32:  # DeepSpeed's own float32 error in the gate's weight gradient
+                ref = deepspeed_run(seed, k, tutel, **dict(kw, dtype=torch.float64))
+                gate_tol = max(gate_tol, DS_GATE_FACTOR * _max_rel(ref[4 + gate], native[4 + gate]))
+        finally:
+            ds.disable()
+        for name in MODES[1:]:
+            with mode(name, ds):
+                ds.enable(tutel_kernels=tutel, layer="moecomm")
+                collective_assert(ds.layer_enabled(), "layer_enabled")
+                got = deepspeed_run(seed, k, tutel, **kw)
+                moe = deepspeed_run.last_layer.deepspeed_moe
+                reason = ds.layer_fallback_reason(moe)
+                collective_assert(reason is None and hasattr(moe, "_moecomm_dispatcher"),
+                                  f"layer='moecomm' fell back: {reason}")
+            collective_assert(len(got) == len(native), "parameter count")
+            for i, (a, b, w) in enumerate(zip(native, got, what)):
+                collective_assert(b is not None and a.dtype == b.dtype and a.shape == b.shape, f"{w}: {b}")
+                if not a.is_floating_point():
+                    same(a, b, f"layer='moecomm' k={k} {w}")
+                    continue
+                rel = _max_rel(a, b)
+                if i == 4 + gate:
+                    tol, w = gate_tol, w + " (the gate's weight)"
+                    worst_gate = max(worst_gate, rel)
+                else:
+                    tol = DS_LAYER_RTOL[dtype]
+                    worst[dtype] = max(worst.get(dtype, 0.0), rel)
+                collective_assert(rel <= tol, f"layer='moecomm' k={k} tutel={tutel} {dtype} H={H} {w}: "
+                                  f"relative difference {rel:.3g} > {tol:.3g} ({name})")
+    collective_assert(not ds.layer_enabled(), "disable")
+    # an expert moecomm does not run: DeepSpeed's own path, the same bits, a reason, one log line
+    native = deepspeed_run(11, 2, False, expert=lambda H, s: _OtherExpert(H))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("moecomm").addHandler(handler)
+    ds.enable(layer="moecomm")
+    try:
+        got = deepspeed_run(11, 2, False, expert=lambda H, s: _OtherExpert(H))
+        layer = deepspeed_run.last_layer
+        layer(torch.randn(2, 3, 6))  # a second forward: no second log line
+    finally:
+        ds.disable()
+        logging.getLogger("moecomm").removeHandler(handler)
+    reason = ds.layer_fallback_reason(layer.deepspeed_moe)
+    collective_assert(reason is not None and "_OtherExpert" in reason, f"fallback reason {reason!r}")
+    collective_assert(len(records) == 1 and "_OtherExpert" in records[0].getMessage(), f"log lines {records}")
+    for a, b, w in zip(native, got, what):
+        same(a, b, f"layer='moecomm' fallback {w}")
+    say("deepspeed layer='moecomm' vs DeepSpeed's layer, max relative difference: "
+        + ", ".join(f"{d}: {v:.2e}" for d, v in worst.items()) + f"; the gate's weight gradient: {worst_gate:.2e}")
+
+
 def ds_group_dict():
     from deepspeed.utils import groups
 
@@ -392,10 +501,32 @@ def deepspeed_checks() -> list:
     if reason:
         say(f"SKIP deepspeed: {reason}")
         return []
-    return [check_deepspeed, lambda: say("PASS deepspeed")]
+    return [check_deepspeed, lambda: say("PASS deepspeed"), check_deepspeed_layer,
+            lambda: say("PASS deepspeed-layer")]
+
+
+def init_deepspeed() -> None:
+    import importlib
+
+    import deepspeed
+
+    # DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce op (minutes of compiling,
+    # used only by its all_reduce) when its comm backend is made; the MoE path does not use it
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
 
 
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["deepspeed-layer"]:  # one world size's run of the layer check alone
+        reason = deepspeed_missing()
+        if reason:
+            say(f"SKIP deepspeed: {reason}")
+            rank_main([])
+        else:
+            rank_main([init_deepspeed, check_deepspeed_layer, lambda: say("PASS deepspeed-layer")])
+        sys.exit(0)
     checks = [check_global_swap, check_group_mapping, lambda: say("PASS global-swap")]
     checks += deepspeed_checks()
     checks += megatron_checks()  # last: the most version-sensitive, a failure there ends the launch
