@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _spmd_backend(name: str, mesh: Any) -> Iterator[None]:
+def spmd_backend(name: str, mesh: Any) -> Iterator[None]:
+    """torchtitan's ``parallelism.spmd_backend`` set to ``name`` (one of :data:`SPMD_BACKENDS`)
+    on ``mesh`` for the block, the previous one restored after it."""
     from torchtitan.distributed import spmd_types as tt_spmd
     from torchtitan.distributed import utils
 
@@ -46,31 +48,44 @@ def _spmd_backend(name: str, mesh: Any) -> Iterator[None]:
         utils.set_spmd_backend(saved)
 
 
-def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mesh: Any) -> Any:
+def build_moe(experts: int, dim: int, hidden: int, top_k: int, seed: int, mesh: Any,
+              scale: Optional[float] = None, wire: bool = True) -> Any:
+    """torchtitan's MoE (softmax top-``top_k`` router, ``experts`` grouped SwiGLU experts of
+    ``dim`` x ``hidden``), the same weights on every rank (``seed``; each scaled by ``scale``, or
+    by ``1/sqrt(fan-in)`` when None), this rank's slice of the experts kept, the expert-parallel
+    ``mesh`` wired (``wire``; else the caller wires it, after moving the module): what
+    ``parallelize()`` leaves the experts as. On the CPU, in float32."""
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     W, R = dist.get_world_size(), dist.get_rank()
-    E, M, H, k = args.experts, args.model_dim, args.hidden, args.titan_k
-    local = E // W
+    local = experts // W
     cfg = MoE.Config(
-        num_experts=E,
+        num_experts=experts,
         routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=M, hidden_dim=H, num_experts=E),
-            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=E, top_k=k)),
-        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=M, out_features=E),
-                                            top_k=k, score_func="softmax"),
+            inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
+            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
+        router=TokenChoiceTopKRouter.Config(num_experts=experts,
+                                            gate=Linear.Config(in_features=dim, out_features=experts),
+                                            top_k=top_k, score_func="softmax"),
         load_balance_coeff=None)
     moe = cfg.build()
-    g = torch.Generator().manual_seed(args.seed)  # the same weights on every rank
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    experts = moe.routed_experts.inner_experts
+            p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if scale is None else scale))
+    inner = moe.routed_experts.inner_experts
     for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-        full = getattr(experts, name)
-        setattr(experts, name, torch.nn.Parameter(full.detach()[R * local:(R + 1) * local].clone()))
+        full = getattr(inner, name)
+        setattr(inner, name, torch.nn.Parameter(full.detach()[R * local:(R + 1) * local].clone()))
+    if wire:
+        moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    return moe
+
+
+def _build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mesh: Any) -> Any:
+    moe = build_moe(args.experts, args.model_dim, args.hidden, args.titan_k, args.seed, mesh, wire=False)
     moe = moe.to(device, dtype)
     moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
     return moe
@@ -99,7 +114,7 @@ def bench_torchtitan(args: argparse.Namespace, device: torch.device, dtype: torc
     backend = args.titan_spmd_backend or ("spmd_types" if device.type == "cuda" else "partial_dtensor")
     W, R = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device.type, (W,), mesh_dim_names=("ep",))
-    with _spmd_backend(backend, mesh):
+    with spmd_backend(backend, mesh):
         moe = _build(args, device, dtype, mesh)
         g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + R)
         x = torch.randn(1, args.tokens, args.model_dim, generator=g).to(device, dtype).requires_grad_(True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import torch
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -132,3 +133,44 @@ def test_nccl_on_a_shared_gpu_is_refused_with_the_gpu_ranks_and_remedy():
         _make_backend._gpu_backend("nccl", False, ["G0", "G1", "G0"], ["h"] * 3, 2)
     text = str(info.value)
     assert "ranks [0, 2]" in text and "G0" in text and "backend='peer'" in text and "host h" in text
+
+
+class _FakeHost:
+    """A host channel whose allreduce answers as if the other ranks passed ``others``."""
+
+    def __init__(self, others: list[list[int]]) -> None:
+        self.others, self.aborted = others, False
+
+    def allreduce(self, values, op, what=""):
+        assert op == "max"
+        return [max(col) for col in zip(values, *self.others)]
+
+    def abort(self):
+        self.aborted = True
+
+
+def _backend_with(others: list[list[int]]):
+    from types import SimpleNamespace
+
+    from moecomm.backends.peer import PeerBackend
+
+    b = object.__new__(PeerBackend)  # the agreement only: no GPU, no transport's rounds
+    b.rank, b.size, b._calls, b._aborted, b._host_failure, b.concurrent = 0, 2, 0, False, None, True
+    b._host = _FakeHost(others)
+    b._watchdog = SimpleNamespace(stop=lambda: None, failure=None)
+    b.transport = SimpleNamespace(capacity_rows=lambda row_bytes: 1 << 20)
+    return b
+
+
+@pytest.mark.parametrize("other, words", [
+    ([0, 2, -2, 16, -16], "different exchanges"),         # the peer is one exchange ahead
+    ([0, 1, -1, 32, -32], "rows differ in size (16 to 32 bytes"),
+])
+def test_ranks_in_different_exchanges_or_row_sizes_raise_before_any_row_moves(other, words):
+    from moecomm.errors import CountMismatchError
+
+    b = _backend_with([other])
+    x = torch.zeros(2, 4)
+    with pytest.raises(CountMismatchError, match=words.replace("(", r"\(")):
+        b.alltoallv(x, [1, 1], x, [1, 1], 16)
+    assert b._host.aborted and b._aborted

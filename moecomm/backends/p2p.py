@@ -46,6 +46,7 @@ import torch
 from ..errors import CountMismatchError
 from ..splits import split_offsets
 from . import _cudart
+from ._deadline import poll_yielding
 from ._p2p_limits import ROW_ALIGN
 from .base import DoneRequest, Request
 
@@ -271,13 +272,11 @@ class PeerTransport:
         """Block the host until ``stream`` has done what was issued on it, at most the timeout
         (then the backend is aborted and ``TimeoutError`` raised)."""
         _cudart.record(self._host_event, stream)
-        deadline = time.monotonic() + self._timeout_ns / 1e9
-        while not _cudart.query(self._host_event):
-            if time.monotonic() > deadline:
-                self._backend.abort()
-                raise TimeoutError(f"moecomm: {op} did not complete on the GPU within {self._timeout_ns / 1e9:g} s on "
-                                   f"rank {self.rank}; the communicator was aborted")
-            time.sleep(2e-6)
+        event = self._host_event
+        if not poll_yielding(lambda: _cudart.query(event), time.monotonic() + self._timeout_ns / 1e9):
+            self._backend.abort()
+            raise TimeoutError(f"moecomm: {op} did not complete on the GPU within {self._timeout_ns / 1e9:g} s on "
+                               f"rank {self.rank}; the communicator was aborted")
 
     def problem(self) -> Optional[BaseException]:
         """What the copy-engine wait kernel reported (checked once an exchange completes)."""

@@ -183,19 +183,20 @@ class PeerBackend(StreamOrdered, Backend):
         send_counts, recv_counts = list(send_counts), list(recv_counts)
         sd = split_offsets(send_counts) if send_displs is None else list(send_displs)
         rd = split_offsets(recv_counts) if recv_displs is None else list(recv_displs)
-        cap = t.capacity_rows(row_bytes)
+        cap = t.capacity_rows(row_bytes) if row_bytes else 1  # (rows of 0 bytes: nothing moves, any cap)
         self._calls += 1
         mine = rounds_needed(send_counts, recv_counts, me, cap)
-        # the call number travels too: two ranks in different exchanges never pair up
-        agreed = self._agree(self._host.allreduce, [mine, self._calls, -self._calls], "max",
+        # the call number and the row size travel too (largest and smallest of each): two ranks in
+        # different exchanges, or with rows of different sizes, never pair up
+        agreed = self._agree(self._host.allreduce, [mine, self._calls, -self._calls, row_bytes, -row_bytes], "max",
                              what="all_to_all_v (peer rounds)")
         rounds = agreed[0]
-        if agreed[1] != -agreed[2]:
+        if agreed[1] != -agreed[2] or agreed[3] != -agreed[4]:
             self.abort()
-            raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): the ranks are in different exchanges "
-                                     f"(rank {me} is in its exchange number {self._calls}, some rank in "
-                                     f"{agreed[1] if agreed[1] != self._calls else -agreed[2]}); the communicator "
-                                     f"was aborted")
+            what = (f"the ranks are in different exchanges (numbers {-agreed[2]} to {agreed[1]}; rank {me} is in "
+                    f"{self._calls})" if agreed[1] != -agreed[2] else
+                    f"the ranks' rows differ in size ({-agreed[4]} to {agreed[3]} bytes; rank {me}'s: {row_bytes})")
+            raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {what}; the communicator was aborted")
         if not self.concurrent and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moecomm: the peer backend cannot capture exchanges of ranks that share a GPU without "
                                "MPS (each round waits on the host); run the ranks under MPS")
@@ -207,7 +208,7 @@ class PeerBackend(StreamOrdered, Backend):
         problems: list[str] = []
         if send_counts[me] != recv_counts[me]:
             problems.append(f"rank {me} sends itself {send_counts[me]} rows but expects {recv_counts[me]}")
-        for r in range(rounds):
+        for r in range(rounds if row_bytes else 0):
             part = round_blocks(send_counts, sd, recv_counts, rd, me, cap, r)
             if self.concurrent:
                 t.issue_round(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs, row_bytes)
@@ -216,8 +217,8 @@ class PeerBackend(StreamOrdered, Backend):
                                              row_bytes, self._handshake)
                 if problem:
                     problems.append(problem)
-        if problems:  # every round was issued: the peers are not left waiting
-            request = self.end("all_to_all_v (peer memory)")
+        if problems:  # every round was issued (the peers are not left waiting) and is watched
+            self.end("all_to_all_v (peer memory)")
             raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {problems[0]}")
         return self.end("all_to_all_v (peer memory)", t.problem if self.concurrent and rounds else None)
 

@@ -88,25 +88,26 @@ def _token_count_exchange(self: Any, num_local_tokens_per_expert_E: torch.Tensor
     return received
 
 
+def _rows(self: Any, x: torch.Tensor, pg: Any, send: list[int], recv: list[int]) -> torch.Tensor:
+    """``send[p]`` rows of ``x`` to each rank of torchtitan's EP group, ``recv[p]`` back from each."""
+    from ..functional import all_to_all_v
+
+    return all_to_all_v(x, send, recv, comm=communicator_for_group(_group(self, pg)))[0]
+
+
 def _dispatch_token_exchange(self: Any, routed_input_ND: torch.Tensor, pg: Any,  # noqa: N803
                              output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
     if _tracing():
         return _original("_dispatch_token_exchange")(self, routed_input_ND, pg, output_splits, input_splits)
-    from ..functional import all_to_all_v
-
-    out, _ = all_to_all_v(routed_input_ND, input_splits, output_splits, comm=communicator_for_group(_group(self, pg)))
-    return out
+    return _rows(self, routed_input_ND, pg, input_splits, output_splits)
 
 
 def _combine_token_exchange(self: Any, routed_output_RD: torch.Tensor, pg: Any,  # noqa: N803
                             input_splits: list[int], output_splits: list[int]) -> torch.Tensor:
     if _tracing():
         return _original("_combine_token_exchange")(self, routed_output_RD, pg, input_splits, output_splits)
-    from ..functional import all_to_all_v
-
     # the reverse of the dispatch: send what was received (output_splits), get back input_splits
-    out, _ = all_to_all_v(routed_output_RD, output_splits, input_splits, comm=communicator_for_group(_group(self, pg)))
-    return out
+    return _rows(self, routed_output_RD, pg, output_splits, input_splits)
 
 
 _REPLACEMENTS: dict[str, Callable[..., Any]] = {

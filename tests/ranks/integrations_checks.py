@@ -22,6 +22,7 @@ import moecomm.distributed
 from moecomm.integrations import _groups, clear_group_cache, communicator_for_group
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
+from tests.ranks.integration_modes import MODES, integration_mode, same
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 init_gloo_over_mpi()
@@ -34,11 +35,6 @@ MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (
 def say(line: str) -> None:
     if R == 0:
         print(line, flush=True)
-
-
-def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
-    collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -176,24 +172,10 @@ def megatron_on_cpu():
         token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
-MODES = ("native", "moecomm-default", "moecomm-group")
 
 
-@contextlib.contextmanager
 def mode(name: str, integration):
-    """native: the framework's own exchange; moecomm-default: through moecomm, reusing the MPI
-    default communicator; moecomm-group: through a communicator made on the gloo group."""
-    clear_group_cache()
-    if name == "native":
-        yield
-        return
-    moecomm.set_default_communicator(MPI_COMM if name == "moecomm-default" else None)
-    integration.enable()
-    try:
-        yield
-    finally:
-        integration.disable()
-        moecomm.set_default_communicator(MPI_COMM)
+    return integration_mode(name, integration, MPI_COMM)
 
 
 def megatron_all_to_all_run(seed: int):

@@ -20,33 +20,25 @@ does. Where torchtitan cannot be imported the launch reports ``SKIP torchtitan: 
 
 from __future__ import annotations
 
-import contextlib
 
-import numpy as np
 import torch
 
 import moecomm
-from moecomm.integrations import _groups, clear_group_cache
+from moecomm.integrations import _groups
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
-from tests.ranks.data import as_bytes
+from tests.ranks.integration_modes import MODES, integration_mode, same
 
 init_gloo_over_mpi()
 import torch.distributed as dist  # noqa: E402
 
 W, R = dist.get_world_size(), dist.get_rank()
 MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (MPI rank == torch rank)
-MODES = ("native", "moecomm-default", "moecomm-group")
 BACKENDS = ("spmd_types", "partial_dtensor")
 
 
 def say(line: str) -> None:
     if R == 0:
         print(line, flush=True)
-
-
-def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
-    collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))
 
 
 def torchtitan_missing() -> str | None:
@@ -58,65 +50,24 @@ def torchtitan_missing() -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def spmd_backend(name: str, mesh):
-    from torchtitan.distributed import spmd_types as tt_spmd
-    from torchtitan.distributed import utils
+    from bench.frameworks_torchtitan import spmd_backend as backend
 
-    saved = utils.get_spmd_backend()
-    utils.set_spmd_backend(name)
-    tt_spmd.set_spmd_meshes(dense_mesh=mesh, sparse_mesh=mesh if name == "spmd_types" else None)
-    try:
-        yield
-    finally:
-        utils.set_spmd_backend(saved)
+    return backend(name, mesh)
 
 
-@contextlib.contextmanager
 def mode(name: str):
-    """native: torchtitan's own exchanges; moecomm-default: through moecomm, reusing the MPI
-    default communicator; moecomm-group: through a communicator made on the gloo group."""
+    """native: torchtitan's own exchanges; moecomm-default / moecomm-group: through moecomm."""
     from moecomm.integrations import torchtitan as tt
 
-    clear_group_cache()
-    if name == "native":
-        yield
-        return
-    moecomm.set_default_communicator(MPI_COMM if name == "moecomm-default" else None)
-    tt.enable()
-    try:
-        yield
-    finally:
-        tt.disable()
-        moecomm.set_default_communicator(MPI_COMM)
+    return integration_mode(name, tt, MPI_COMM)
 
 
 def build_moe(seed: int, dim: int, hidden: int, local: int, top_k: int, mesh):
     """torchtitan's MoE with ``local * W`` experts, this rank's expert slice, the EP mesh wired."""
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    from bench.frameworks_torchtitan import build_moe as build
 
-    E = local * W
-    cfg = MoE.Config(
-        num_experts=E,
-        routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=E),
-            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=E, top_k=top_k)),
-        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=dim, out_features=E),
-                                            top_k=top_k, score_func="softmax"),
-        load_balance_coeff=None)
-    moe = cfg.build()
-    g = torch.Generator().manual_seed(seed)  # the same weights on every rank
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    experts = moe.routed_experts.inner_experts
-    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-        full = getattr(experts, name)
-        setattr(experts, name, torch.nn.Parameter(full.detach()[R * local:(R + 1) * local].clone()))
-    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
-    return moe
+    return build(local * W, dim, hidden, top_k, seed, mesh, scale=0.3)
 
 
 def moe_run(seed: int, top_k: int, mesh, skewed: bool):
