@@ -26,8 +26,10 @@ class CountMismatchError(MoeCommError, ValueError):
 
 
 class PeerFailedError(MoeCommError):
-    """A peer's call of the same collective failed on that peer (its arguments were refused)
-    and it aborted the communicator: raised on the other ranks, quoting the peer's error,
-    as soon as its notice arrives (during a wait, or at the next call), instead of a timeout.
-    The communicator is aborted on every rank it reached.
+    """A peer raised in the collective call this rank waits for, or aborted the communicator,
+    and sent a failure notice saying why (MPI; see :mod:`moecomm.engine.notices`).
+
+    Raised by the wait as soon as the notice arrives, instead of a ``TimeoutError`` after the
+    timeout; the message names the peer and quotes its error. The communicator is aborted
+    here (as after a timeout), and the peers are told so.
     """

@@ -20,7 +20,7 @@ import torch
 
 from . import hierarchical, quant
 from .engine import tags as _tags
-from .engine.engine import Engine, agreed
+from .engine.engine import Engine
 from .collectives.topology import Topology
 from .errors import CountMismatchError
 from .splits import Splits
@@ -59,7 +59,7 @@ def _agree(engine: Engine, nonfinite: bool, dtype: torch.dtype, wire_dtype: torc
     table = engine.gather_ints([int(nonfinite), _CODES[dtype], _CODES[wire_dtype]], f"{op} (wire_dtype)")
     bad = [r for r, row in enumerate(table) if row[0]]
     if bad:
-        raise agreed(ValueError(f"moecomm: {op} (validate=True): on rank(s) {bad}, {problem}"))
+        raise ValueError(f"moecomm: {op} (validate=True): on rank(s) {bad}, {problem}")
     differ = [r for r, row in enumerate(table) if row[1:] != table[0][1:]]
     if differ:
         raise CountMismatchError(f"moecomm: {op} (validate=True): rank(s) {differ} passed another dtype or "

@@ -7,7 +7,6 @@ and every torch dtype (bfloat16, float8, bool) moves bit for bit.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import weakref
 from typing import Any, Optional, Sequence
@@ -19,9 +18,9 @@ from ._exit import note_abort
 from ..launch import mpi_wait
 from ..splits import split_offsets
 from ._deadline import call_before_deadline
-from .base import NOTICE_BYTES, Backend, Request
+from .base import NOTICE_BYTES, Backend, NoticeChannel, Request
 
-__all__ = ["MpiBackend", "MpiRequest", "TaggedRequest", "byte_view"]
+__all__ = ["MpiBackend", "MpiNoticeChannel", "MpiRequest", "TaggedRequest", "byte_view"]
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
@@ -30,24 +29,78 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
 
 
 _NOTICE_TAG = 1
-"""The tag of failure notices, on the backend's notice duplicate (nothing else travels there)."""
+"""The tag of failure notices, on the notice channel's duplicate (nothing else travels there)."""
 
 
-_POSTED: "weakref.WeakSet[MpiBackend]" = weakref.WeakSet()
+def _withdraw(posted: list) -> None:
+    """Cancel the notice receive held in ``posted`` (``[request or None, buffer]``), if any."""
+    req, posted[0] = posted[0], None
+    if req is not None:
+        req.Cancel()
+        req.Wait()
 
 
-def _withdraw_all() -> None:
-    for backend in list(_POSTED):
-        backend.withdraw_notices()
+class MpiNoticeChannel(NoticeChannel):
+    """Failure notices on a duplicate of the backend's communicator, so that they never match
+    a row receive (those take any tag): one receive from any rank of at most
+    :data:`NOTICE_BYTES` stays posted on it and is tested by every poll; a notice that arrives
+    is read and the receive posted again. Sends are small and leave eagerly; they stay
+    referenced until done. The posted receive is cancelled by :meth:`close`, and otherwise
+    when the channel is collected or the process exits (before mpi4py finalizes MPI), so that
+    MPI never finalizes under it."""
 
+    def __init__(self, comm: Any, timeout_s: float) -> None:
+        """Collective over ``comm``: duplicates it (``MPI_Comm_idup``, polled until
+        ``timeout_s``, then ``TimeoutError``) and posts the receive."""
+        from mpi4py import MPI
 
-def _withdraw_at_exit(backend: "MpiBackend") -> None:
-    """Cancel ``backend``'s posted notice receive when the process exits, before MPI is
-    finalized (the hook is registered after mpi4py's, so it runs first)."""
-    if not _POSTED and not getattr(_withdraw_all, "armed", False):
-        atexit.register(_withdraw_all)
-        _withdraw_all.armed = True  # type: ignore[attr-defined]
-    _POSTED.add(backend)
+        self._MPI = MPI
+        dup, req = comm.Idup()
+        mpi_wait(req, timeout_s=timeout_s, what="MPI_Comm_idup (moecomm failure notices)", rank=comm.Get_rank())
+        self._comm = dup
+        self._status = MPI.Status()
+        self._sends: list = []  # (request, buffer) of notices not yet known to have left
+        self._posted: list = [None, np.zeros(NOTICE_BYTES, dtype=np.uint8)]  # [receive, its buffer]
+        self._post()
+        self._finalizer = weakref.finalize(self, _withdraw, self._posted)
+
+    def _post(self) -> None:
+        MPI = self._MPI
+        self._posted[0] = self._comm.Irecv([self._posted[1], MPI.BYTE], source=MPI.ANY_SOURCE, tag=_NOTICE_TAG)
+
+    def send(self, payload: bytes) -> None:
+        if self._comm == self._MPI.COMM_NULL:
+            return
+        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+        data = np.frombuffer(bytes(payload[:NOTICE_BYTES]), dtype=np.uint8).copy()
+        rank, size = self._comm.Get_rank(), self._comm.Get_size()
+        for k in range(1, size):
+            dest = (rank + k) % size
+            self._sends.append((self._comm.Isend([data, self._MPI.BYTE], dest=dest, tag=_NOTICE_TAG), data))
+
+    def poll(self) -> Sequence[tuple[int, bytes]]:
+        req = self._posted[0]
+        if req is None or not req.Test(self._status):
+            return ()
+        got = []
+        while True:
+            n = self._status.Get_count(self._MPI.BYTE)
+            got.append((self._status.Get_source(), bytes(self._posted[1][:n])))
+            self._post()
+            if not self._posted[0].Test(self._status):
+                return got
+
+    def agree(self) -> Request:
+        return MpiRequest(self._comm.Ibarrier(), ())
+
+    def close(self) -> None:
+        """Cancel the posted receive; free the duplicate once every notice sent has left
+        (else it stays allocated: a send in flight still reads from it)."""
+        self._finalizer()
+        if self._comm != self._MPI.COMM_NULL and all(r.Test() for r, _ in self._sends):
+            self._sends.clear()
+            self._comm.Free()
+        self._comm = self._MPI.COMM_NULL
 
 
 class MpiRequest(Request):
@@ -115,7 +168,6 @@ class MpiBackend(Backend):
     supports_displacements = True
     mismatched_rows_complete = True
     tagged = True
-    notices = True
 
     def __init__(self, comm: Any, timeout_s: float, *, adopt: bool = False) -> None:
         """A backend over a duplicate of ``comm`` (made without blocking: ``MPI_Comm_idup``,
@@ -136,20 +188,7 @@ class MpiBackend(Backend):
         self.size = self._comm.Get_size()
         self.device = torch.device("cpu")
         self._row_types: dict[int, Any] = {}  # explicit cache: row_bytes -> committed datatype
-        # Failure notices travel on a duplicate of their own, so that they never match a row
-        # receive (those take any tag); one receive from any rank stays posted on it, polled
-        # by the engine's waits: nothing more moves while no rank fails.
-        self._notice_comm: Any = MPI.COMM_NULL
-        self._notice_buf = np.zeros(NOTICE_BYTES, dtype=np.uint8)
-        self._notice_recv: Any = None
-        self._notice_got: Optional[tuple[int, bytes]] = None
-        self._notice_sends: list = []
-        if self.size > 1:
-            dup, req = self._comm.Idup()
-            mpi_wait(req, timeout_s=self.timeout_s, what="MPI_Comm_idup (moecomm notices)", rank=self.rank)
-            self._notice_comm = dup
-            self._notice_recv = dup.Irecv([self._notice_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_NOTICE_TAG)
-            _withdraw_at_exit(self)
+        self._notices: Optional[MpiNoticeChannel] = None  # made by the first notice_channel()
 
     @property
     def mpi_comm(self) -> Any:
@@ -276,32 +315,12 @@ class MpiBackend(Backend):
         if self._failure is not None:
             raise self._failure
 
-    def send_notice(self, payload: bytes) -> None:
-        """Send ``payload`` (cut to :data:`NOTICE_BYTES`) to every other rank on the notice
-        duplicate; the sends stay referenced (small: they leave eagerly)."""
-        if self._notice_comm == self._MPI.COMM_NULL:
-            return
-        data = np.frombuffer(bytes(payload[:NOTICE_BYTES]), dtype=np.uint8).copy()
-        for k in range(1, self.size):
-            p = (self.rank + k) % self.size
-            self._notice_sends.append((self._notice_comm.Isend([data, self._MPI.BYTE], dest=p, tag=_NOTICE_TAG),
-                                       data))
-
-    def withdraw_notices(self) -> None:
-        """Cancel the posted notice receive if no notice came (at close, and at exit)."""
-        req, self._notice_recv = self._notice_recv, None
-        if req is not None:
-            req.Cancel()
-            req.Wait()
-
-    def poll_notice(self) -> Optional[tuple[int, bytes]]:
-        if self._notice_got is None and self._notice_recv is not None:
-            status = self._MPI.Status()
-            if self._notice_recv.Test(status):
-                self._notice_recv = None
-                n = status.Get_count(self._MPI.BYTE)
-                self._notice_got = (status.Get_source(), bytes(self._notice_buf[:n]))
-        return self._notice_got
+    def notice_channel(self) -> Optional[MpiNoticeChannel]:
+        """A :class:`MpiNoticeChannel` over this backend's communicator (None on one rank, or
+        once closed); made on the first call, which is collective."""
+        if self._notices is None and self.size > 1 and self._comm != self._MPI.COMM_NULL:
+            self._notices = MpiNoticeChannel(self._comm, self.timeout_s)
+        return self._notices
 
     def close(self) -> None:
         if self._failure is not None:  # a split still runs on the communicator: leave it allocated
@@ -313,16 +332,14 @@ class MpiBackend(Backend):
         if self._comm != self._MPI.COMM_NULL:
             self._comm.Free()
             self._comm = self._MPI.COMM_NULL
-        self.withdraw_notices()
-        if self._notice_comm != self._MPI.COMM_NULL and not self._notice_sends:
-            self._notice_comm.Free()
-        self._notice_comm = self._MPI.COMM_NULL
+        if self._notices is not None:
+            self._notices.close()
 
     def abort(self) -> None:
         note_abort()
         # MPI cannot cancel a collective in flight: the communicator is left allocated and
         # its buffers referenced (by the requests the caller abandoned), so that late peers
-        # never write into freed memory. The notice duplicate stays open: notices sent on it
-        # still leave, and one that arrives is still read (poll_notice).
+        # never write into freed memory. The notice channel stays open: notices still leave
+        # and arrive on it.
         self._comm = self._MPI.COMM_NULL
 

@@ -24,7 +24,7 @@ class Work:
     on the CPU it blocks until the data has arrived, at most ``timeout`` seconds.
     """
 
-    __slots__ = ("_engine", "_request", "_op", "_result", "_done")
+    __slots__ = ("_engine", "_request", "_op", "_result", "_done", "_at")
 
     def __init__(self, engine: "Engine", request: Request, op: str, result: Any) -> None:
         self._engine = engine
@@ -32,6 +32,9 @@ class Work:
         self._op = op
         self._result = result
         self._done = False
+        # where its wait stands among the collective calls (it heeds the peers' failure notices
+        # of that call and step: moecomm.engine.notices)
+        self._at = engine.wait_position()
 
     def is_completed(self) -> bool:
         """True once the data has arrived (never blocks)."""
@@ -43,9 +46,11 @@ class Work:
         Raises:
             TimeoutError: the data did not arrive within ``timeout`` (the communicator is aborted).
             CountMismatchError: a peer disagreed on the counts (see ``all_to_all_v``).
+            PeerFailedError: a peer failed this call, or aborted the communicator (MPI; it is
+                aborted here too).
         """
         if not self._done:
-            self._engine.complete(self._request, self._op, timeout)
+            self._engine.complete(self._request, self._op, timeout, self._at)
             self._done = True
         return self._result
 
@@ -53,9 +58,9 @@ class Work:
         """Block the host until the data has arrived, on any backend; then as :meth:`wait`.
 
         Raises:
-            TimeoutError, CountMismatchError: as :meth:`wait`.
+            TimeoutError, CountMismatchError, PeerFailedError: as :meth:`wait`.
         """
-        self._engine.wait_host(self._request, self._op, timeout)
+        self._engine.wait_host(self._request, self._op, timeout, self._at)
         return self.wait(timeout)
 
 
@@ -107,17 +112,15 @@ class CheckedRequest(Request):
 class TagChecked(Request):
     """A tagged exchange (:meth:`moecomm.backends.base.Backend.exchange_tagged`): done once
     every message is, then raises :class:`CountMismatchError` if what arrived disagrees with
-    ``plan`` (:class:`moecomm.engine.tags.TagPlan`). Only the ranks of a disagreeing pair see
-    it: with ``engine``, they tell every other rank and abort the communicator
-    (:meth:`moecomm.engine.engine.Engine.fail`), so that no rank goes on as if nothing happened."""
+    ``plan`` (:class:`moecomm.engine.tags.TagPlan`). Every rank sent and received one message per
+    peer whatever it found, so the communicator stays matched."""
 
-    __slots__ = ("_inner", "_plan", "_done", "_engine", "plan")
+    __slots__ = ("_inner", "_plan", "_done", "plan")
 
-    def __init__(self, inner: Request, tag_plan: Any, engine: Optional["Engine"] = None) -> None:
+    def __init__(self, inner: Request, tag_plan: Any) -> None:
         self._inner = inner
         self._plan = tag_plan
         self._done = False
-        self._engine = engine
         self.plan = None
 
     def test(self) -> bool:
@@ -128,10 +131,7 @@ class TagChecked(Request):
         self._done = True
         issues = self._plan.issues(self._inner.arrived)
         if issues:
-            error = self._plan.error(issues)
-            if self._engine is not None:  # the other ranks learn of it too (MPI: a notice; aborted)
-                error = self._engine.fail(self._plan.op, error, "mismatch")
-            raise error
+            raise self._plan.error(issues)
         return True
 
 
