@@ -81,8 +81,8 @@ class HostChannel:
     def allreduce(self, values: Sequence[int], op: str = "max", *, timeout: Optional[float] = None,
                   what: str = "allreduce", watch: Optional[Callable[[], None]] = None) -> list[int]:
         """Element-wise ``op`` ("max", "min" or "sum", in int64) of every rank's ``values``.
-        ``watch``: called between polls where the channel polls (MPI); what it raises ends
-        the wait (the collective is left in flight, its buffers referenced).
+        ``watch``: called now and then while the channel polls (MPI: every 64 polls); what it
+        raises ends the wait (the collective is left in flight, its buffers referenced).
 
         Raises:
             TypeError, ValueError: bad ``values`` or ``op`` (named), before anything is sent.
@@ -186,18 +186,15 @@ class MpiHostChannel(HostChannel):
               watch: Optional[Callable[[], None]] = None) -> None:
         if req.Test():
             return
-        test = req.Test
+        every = None
         if watch is not None:
-            def test() -> bool:
-                if req.Test():
-                    return True
+            def every() -> None:
                 try:
                     watch()
                 except BaseException:
                     self._abandoned.append((req, keep))
                     raise
-                return False
-        if not poll_yielding(test, time.monotonic() + timeout_s):
+        if not poll_yielding(req.Test, time.monotonic() + timeout_s, every):
             raise self._timed_out(req, keep, what, timeout_s)
 
     def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str,

@@ -604,23 +604,22 @@ class Engine:
         limit = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
         deadline = start + limit
-        test = request.test
+        watch = None
         if notices is not None:
             place = self.wait_position() if at is None else at
 
-            def test() -> bool:  # one test of the notice channel's posted receive per poll
-                if request.test():
-                    return True
+            def watch() -> None:  # one test of the notice channel's posted receive
                 notice = notices.check(*place)
                 if notice is not None:
                     self._give_up(request, op, place, notice)
-                return False
         if self.backend.progress_on_test:
-            if not poll_yielding(test, deadline):
+            if not poll_yielding(request.test, deadline, watch):  # watch: every 64 polls
                 self._time_out(request, op, limit)
         else:
             pause = 0.0
-            while not test():
+            while not request.test():
+                if watch is not None:
+                    watch()
                 now = time.monotonic()
                 if now > deadline:
                     self._time_out(request, op, limit)

@@ -188,31 +188,42 @@ def failure_kind(exc: BaseException, aborted: bool) -> Optional[str]:
 
 def collective(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator of a public collective method ``op`` of an object with an engine (``_engine``):
-    the method runs as :func:`run_collective` runs ``fn``."""
+    the method runs as :func:`run_collective` runs ``fn`` (the same lines, inlined: this is on
+    every call's path)."""
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             engine = self._engine
-            if engine.notices is None or engine.notices.depth:
+            notices = engine.notices
+            if notices is None or notices.depth:
                 return method(self, *args, **kwargs)
-            return run_collective(engine, op, functools.partial(method, self, *args, **kwargs))
+            notices.call += 1
+            notices.step = 0
+            notices.depth = 1
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                engine.tell_failure(op, notices.call, notices.step, exc)
+                raise
+            finally:
+                notices.depth = 0
         return call
     return wrap
 
 
-def run_collective(engine: "Engine", op: str, fn: Callable[[], Any]) -> Any:
-    """``fn()`` as the collective call ``op`` on ``engine``: where the engine has
+def run_collective(engine: "Engine", op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` as the collective call ``op`` on ``engine``: where the engine has
     :class:`Notices` and no call is in progress, the call takes the next call number, and an
     exception it raises is told to the peers (:meth:`moecomm.engine.engine.Engine.tell_failure`)
-    before it propagates. Inside another call, or without notices, just ``fn()``."""
+    before it propagates. Inside another call, or without notices, just ``fn(...)``."""
     notices = engine.notices
     if notices is None or notices.depth:
-        return fn()
+        return fn(*args, **kwargs)
     notices.call += 1
     notices.step = 0
     notices.depth = 1
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except Exception as exc:
         engine.tell_failure(op, notices.call, notices.step, exc)
         raise
