@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["add_arguments", "bench_torchtitan", "summary"]
+__all__ = ["add_arguments", "bench_torchtitan", "summary", "unsupported"]
 
 SPMD_BACKENDS = ("spmd_types", "partial_dtensor")
 
@@ -146,8 +146,19 @@ def bench_torchtitan(args: argparse.Namespace, device: torch.device, dtype: torc
             "methods": res, "ratio_moecomm_over_native": ratios}
 
 
+def unsupported() -> Optional[str]:
+    """Why torchtitan's own MoE cannot run under this torch (None: it can). torchtitan 0.3.0's
+    token dispatcher calls ``torch.compiler._is_non_strict_tracing``, which torch 2.11 lacks."""
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        return (f"torchtitan's token dispatcher needs torch.compiler._is_non_strict_tracing (torch >= 2.12); "
+                f"this torch is {torch.__version__}")
+    return None
+
+
 def summary(result: dict) -> str:
     """The line :mod:`bench.frameworks` prints for this section."""
+    if "skipped" in result:
+        return f"torchtitan MoE: skipped: {result['skipped']}"
     r = result["ratio_moecomm_over_native"]
     return (f"torchtitan MoE ({result['config']['spmd_backend']}): a2a (dispatch + combine) moecomm/native = "
             f"{r['a2a_ms']:.3f}, step = {r['step_ms']:.3f}")

@@ -6,7 +6,8 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build and faults run when named)
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, moe1, peercosts, sobuild, layer27,
+# frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
@@ -212,9 +213,35 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         step shared_a2a_2_nomps $L "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 \
           -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
       fi ;;
+    layer27)  # issue 27 (world size 1): every activation against ReLU, SwiGLU against torch's grouped-GEMM layer, the modern router
+      for act in relu swiglu geglu gelu silu; do
+        step "layer27_$act" 120 python3 -m bench.moe_layer --top-k 2 --activation $act --json "$RES/layer27_$act.json"
+      done
+      step layer27_relu_dropless 120 python3 -m bench.moe_layer --top-k 2 --dropless --json "$RES/layer27_relu_dropless.json"
+      step layer27_swiglu_dropless 180 python3 -m bench.moe_layer --top-k 2 --activation swiglu --dropless --reference \
+        --json "$RES/layer27_swiglu_dropless.json"
+      step layer27_modern 120 python3 -m bench.moe_layer --top-k 2 --router modern --json "$RES/layer27_modern.json" ;;
+    frameworks)  # issue 28 (world size 1): the wheels of ../shared/DEVICE.md carried in .fw/
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fw .fw/*.whl >> "$LOG" 2>&1
+      step frameworks_1 400 env PYTHONPATH=/tmp/fw:$PYTHONPATH torchrun --standalone --nproc-per-node 1 -m bench.frameworks \
+        --json "$RES/frameworks_1.json" ;;
+    decode)  # issue 30: LowLatencyBuffer, DeepSeek-V3's decode shape, ranks sharing GPU 0 under MPS
+      mps_on
+      for n in ${DECODE_RANKS:-1 2 4 8}; do
+        local M=(mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
+                 -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
+        step "decode_$n" 120 "${M[@]}" python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --json "$RES/decode_$n.json"
+        step "decode_fp8_$n" 120 "${M[@]}" python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --fp8 \
+          --json "$RES/decode_fp8_$n.json"
+      done
+      mps_off ;;
     moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
-    peercosts) mps_on; step peer_costs 60 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x CUDA_MPS_PIPE_DIRECTORY \
-        -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.peer_costs; mps_off ;;
+    peercosts) mps_on
+      for rows in 64 2048; do
+        step "peer_costs_$rows" 60 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x CUDA_VISIBLE_DEVICES=0 \
+          -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.peer_costs --rows $rows --profile 200
+      done
+      mps_off ;;
     sobuild)  # build every native extension in place and send the libraries back (carry them next time)
       step build_ext 400 env MAX_JOBS=16 python3 setup.py -q build_ext --inplace
       mkdir -p "$RES/so" && find moecomm moecomm_ext -name "*cpython-3*.so" -exec cp --parents {} "$RES/so" \; ;;

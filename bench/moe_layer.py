@@ -57,6 +57,14 @@ def _own_first(text: str) -> list:
     return [v if v == "auto" else v == "1" for v in values]
 
 
+ROUTERS = {
+    "softmax": lambda args: {},
+    "modern": lambda args: dict(score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2,
+                                shared_expert_size=args.hidden),
+}
+"""``--router``: the layer's routing options of each preset (a function of the arguments)."""
+
+
 def _ints(text: str) -> list:
     out = []
     for part in text.split(","):
@@ -87,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate", default="linear", choices=("linear", "cosine"))
     p.add_argument("--activation", default="relu",
                    help="expert activation: relu (the layer's default), gelu, silu, swiglu, geglu, ...")
+    p.add_argument("--router", default="softmax", choices=sorted(ROUTERS),
+                   help="softmax (the layer's default); modern: sigmoid scores, an expert bias (aux-loss-free "
+                        "balancing), 4 groups of which the best 2, and one shared SwiGLU expert of the experts' "
+                        "hidden size (DeepSeek-V3's routing); rows say 'router'")
     p.add_argument("--reference", action="store_true",
                    help="one rank: also time bench.torch_moe.TorchMoE (plain torch, torchtitan's way: argsort "
                         "permutation, torch._grouped_mm) with the same shapes and activation (rows impl "
@@ -137,7 +149,7 @@ class Bench:
                               activation=args.activation, parallel_mode=args.parallel_mode,
                               algorithm=args.algorithm, seed=args.seed, comm=comm, dtype=pdtype, device=dev,
                               inequivalent_tokens=not args.equal_tokens, cuda_graph=args.layer_cuda_graph,
-                              fused_step=not args.op_by_op)
+                              fused_step=not args.op_by_op, **ROUTERS[args.router](args))
         g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + comm.rank)
         self.x = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt).requires_grad_(True)
         self.gy = torch.randn(args.tokens, args.model_dim, generator=g).to(dev, dt)
@@ -274,7 +286,7 @@ def main(argv: Optional[list] = None) -> list:
         useful = per_row * args.tokens * k * args.model_dim * args.hidden
         sec = t["median_ms"] / 1e3
         peak = int(b.slowest([float(_peak_bytes(comm))])[0])
-        results.append({"impl": "moecomm", "activation": args.activation, "k": k, "overlap_degree": deg, "own_first": own if own == "auto" else int(own),
+        results.append({"impl": "moecomm", "activation": args.activation, "router": args.router, "k": k, "overlap_degree": deg, "own_first": own if own == "auto" else int(own),
                         "mode": mode, "dropless": args.dropless, "cuda_graph": args.layer_cuda_graph,
                         "fused_step": not args.op_by_op, "capacity": r.capacity, **t,
                         "tokens_per_s": args.tokens * comm.size / sec,

@@ -33,6 +33,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("-n", type=int, default=200)
     p.add_argument("--rows", type=int, default=64, help="rows of 2048 bf16 per peer")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile N calls of all_to_all_v (known counts) on rank 0 and print the top functions")
     args = p.parse_args()
     from mpi4py import MPI
 
@@ -65,6 +67,8 @@ def main() -> None:
     pieces = {
         "sync alone": none,
         "host allreduce (3 ints)": lambda: host.allreduce([1, 2, 3], "max"),
+        "host allgather (a record)": lambda: host.allgather(list(range(13 + 3 * W))),
+        "export the output (IPC)": lambda: t.export_output(out),
         "empty GPU round": round_only,
         "backend.alltoallv known": lambda: backend.alltoallv(x, send, out, send, 4096).join(),
         "all_to_all_v known": lambda: comm.all_to_all_v(x, send, send),
@@ -79,6 +83,20 @@ def main() -> None:
         print(f"# peer backend, {W} ranks, concurrent={backend.concurrent}, {args.rows} rows of 4 KiB per peer")
         for name, us in rows:
             print(f"{name:>30} {us:9.1f} us (with sync + barrier)")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        for _ in range(args.profile):
+            device_sync()
+            if comm.rank == 0:
+                prof.enable()
+            comm.all_to_all_v(x, send, send)
+            if comm.rank == 0:
+                prof.disable()
+        if comm.rank == 0:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     comm.close()
 
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from moecomm.backends import _select as _make_backend
 from moecomm.backends.peer import default_arena_bytes, shared_gpus
-from moecomm.backends.peer_rounds import round_blocks, rounds_needed
+from moecomm.backends.peer_rounds import (SHARED_INTS, agreement_record, direct_destinations, disagreement,
+                                          is_direct, most_rounds, round_blocks, rounds_needed)
 
 
 @st.composite
@@ -136,14 +137,13 @@ def test_nccl_on_a_shared_gpu_is_refused_with_the_gpu_ranks_and_remedy():
 
 
 class _FakeHost:
-    """A host channel whose allreduce answers as if the other ranks passed ``others``."""
+    """A host channel whose allgather answers as if the other ranks sent ``others``."""
 
     def __init__(self, others: list[list[int]]) -> None:
         self.others, self.aborted = others, False
 
-    def allreduce(self, values, op, what=""):
-        assert op == "max"
-        return [max(col) for col in zip(values, *self.others)]
+    def allgather(self, values, what=""):
+        return [list(values), *self.others]
 
     def abort(self):
         self.aborted = True
@@ -158,19 +158,106 @@ def _backend_with(others: list[list[int]]):
     b.rank, b.size, b._calls, b._aborted, b._host_failure, b.concurrent = 0, 2, 0, False, None, True
     b._host = _FakeHost(others)
     b._watchdog = SimpleNamespace(stop=lambda: None, failure=None)
-    b.transport = SimpleNamespace(capacity_rows=lambda row_bytes: 1 << 20)
+    b.transport = SimpleNamespace(capacity_rows=lambda row_bytes: 1 << 20, region_bytes=1 << 30)
+    b.begin = lambda *tensors: 0  # (the own block's copy is issued on "stream 0" before the agreement)
     return b
 
 
-@pytest.mark.parametrize("other, words", [
-    ([0, 2, -2, 16, -16], "different exchanges"),         # the peer is one exchange ahead
-    ([0, 1, -1, 32, -32], "rows differ in size (16 to 32 bytes"),
+def _record(call, row_bytes, send, recv):
+    return agreement_record(call, row_bytes, 0, 0, [0] * SHARED_INTS, send, recv, [0, recv[0]])
+
+
+@pytest.mark.parametrize("other, words, aborted", [
+    (_record(2, 16, [1, 1], [1, 1]), "different exchanges", True),         # the peer is one exchange ahead
+    (_record(1, 32, [1, 1], [1, 1]), "rows differ in size (16 to 32 bytes", True),
+    (_record(1, 16, [2, 1], [1, 1]), "rank 0 expected 1 rows from rank 1, but rank 1 sent 2", False),
 ])
-def test_ranks_in_different_exchanges_or_row_sizes_raise_before_any_row_moves(other, words):
+def test_ranks_that_disagree_raise_before_any_row_moves(other, words, aborted, monkeypatch):
+    from types import SimpleNamespace
+
+    from moecomm.backends import peer
     from moecomm.errors import CountMismatchError
 
+    copies = []
+    monkeypatch.setattr(peer, "_cudart", SimpleNamespace(D2D=0, copy_async=lambda *args: copies.append(args)))
     b = _backend_with([other])
     x = torch.zeros(2, 4)
     with pytest.raises(CountMismatchError, match=words.replace("(", r"\(")):
         b.alltoallv(x, [1, 1], x, [1, 1], 16)
-    assert b._host.aborted and b._aborted
+    assert b._host.aborted is aborted and b._aborted is aborted
+    assert len(copies) == 1 and copies[0][2] == 16  # the own block only: no peer's row moved
+
+
+@st.composite
+def direct_exchanges(draw):
+    world = draw(st.integers(1, 7))
+    counts = draw(st.lists(st.lists(st.integers(0, 9) | st.just(0), min_size=world, max_size=world),
+                           min_size=world, max_size=world))
+    flags = draw(st.lists(st.sampled_from([0, 1]), min_size=world, max_size=world))
+    gaps = draw(st.lists(st.integers(0, 3), min_size=world * world, max_size=world * world))
+    return world, counts, flags, gaps
+
+
+@settings(max_examples=300, deadline=None)
+@given(direct_exchanges())
+def test_direct_destinations_put_every_block_where_its_receiver_expects_it(case):
+    """Outputs laid out in one flat "device memory" (each rank's output at an address of its
+    own, mapped at another address in every other rank, with gaps between blocks): the
+    blocks each sender writes at the addresses of direct_destinations land exactly where the
+    receiver's displacements say, and nothing lands elsewhere."""
+    world, C, flags, gaps = case
+    row_bytes = 8
+    memory = {}  # address (bytes, multiple of row_bytes) -> (src, dst, i)
+    outputs = {}  # rank -> (address of its output in its own process, recv displs, recv counts)
+    at = 1 << 20
+    for r in range(world):
+        recv = [C[p][r] for p in range(world)]
+        rd, length = _displs(recv, gaps[world * r: world * (r + 1)])
+        outputs[r] = (at + 4096 * r, rd, recv)  # the offset of the output in its allocation: 4096 * r
+    table = []
+    for r in range(world):
+        recv = outputs[r][2]
+        shared = [r + 1, 7, 0, 0, 0, 0, 0, 0, 4096 * r] if flags[r] else [0] * SHARED_INTS
+        table.append(agreement_record(5, row_bytes, 1, flags[r], shared, C[r], recv, outputs[r][1]))
+    for me in range(world):
+        assert disagreement(table, me) is None
+    mapped = {}
+
+    def map_output(peer, shared):  # the peer's allocation, seen from rank `me` at an address of its own
+        assert list(shared[:8]) == [peer + 1, 7, 0, 0, 0, 0, 0, 0]
+        mapped[(me, peer)] = (me + 1) * (1 << 32) + peer * (1 << 24)
+        return mapped[(me, peer)] + shared[8]
+
+    for me in range(world):
+        dst = direct_destinations(table, me, row_bytes, map_output)
+        for p in range(world):
+            if p == me or not flags[p] or not C[me][p]:
+                assert dst[p] == 0
+                continue
+            assert is_direct(table)
+            for i in range(C[me][p]):  # translate back into the receiver's own addresses
+                addr = dst[p] - mapped[(me, p)] + at + i * row_bytes
+                assert addr not in memory
+                memory[addr] = (me, p, i)
+    for r in range(world):
+        if not flags[r]:
+            continue
+        base, rd, recv = outputs[r]
+        for s in range(world):
+            if s == r:
+                continue
+            for i in range(recv[s]):
+                assert memory.pop(base + (rd[s] + i) * row_bytes) == (s, r, i)
+    assert not memory, "rows written outside the receivers' blocks"
+
+
+def test_exchange_is_direct_only_if_someone_shares_and_nobody_cannot():
+    def table(*flags):
+        return [agreement_record(1, 8, 1, f, [0] * SHARED_INTS, [0] * len(flags), [0] * len(flags),
+                                 [0] * len(flags)) for f in flags]
+
+    assert is_direct(table(1, 0, 1)) and is_direct(table(1))
+    assert not is_direct(table(0, 0)) and not is_direct(table(1, -1)) and not is_direct(table(-1, 0))
+    assert most_rounds([agreement_record(1, 8, r, 0, [0] * SHARED_INTS, [0], [0], [0]) for r in (2, 5, 0)]) == 5
+    with pytest.raises(ValueError, match="9 ints"):
+        agreement_record(1, 8, 1, 0, [0] * 8, [0], [0], [0])

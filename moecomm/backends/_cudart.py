@@ -9,10 +9,11 @@ wherever the NCCL backend can run; this module is imported only by that backend.
 from __future__ import annotations
 
 import torch
+from cuda.bindings import driver as _drv
 from cuda.bindings import runtime as _rt
 
 __all__ = ["current_stream", "new_event", "destroy_event", "record", "wait", "query", "copy_async",
-           "set_device", "relax_capture_mode", "H2D", "D2H", "D2D"]
+           "set_device", "relax_capture_mode", "allocation_base", "H2D", "D2H", "D2D"]
 
 _SUCCESS = _rt.cudaError_t.cudaSuccess
 _NOT_READY = _rt.cudaError_t.cudaErrorNotReady
@@ -81,3 +82,15 @@ def query(event: object) -> bool:
 def copy_async(dst: int, src: int, nbytes: int, kind: object, stream: int) -> None:
     """``cudaMemcpyAsync`` between raw pointers (host memory must be pinned to stay asynchronous)."""
     _check(_rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
+
+
+def allocation_base(ptr: int) -> int:
+    """The start of the device allocation that holds ``ptr`` (``cuMemGetAddressRange``).
+
+    Raises:
+        RuntimeError: ``ptr`` is not in a device allocation of this context.
+    """
+    result = _drv.cuMemGetAddressRange(ptr)
+    if result[0] != _drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"moecomm: CUDA cuMemGetAddressRange failed: {result[0].name}")
+    return int(result[1])

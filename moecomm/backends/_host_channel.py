@@ -40,6 +40,9 @@ def int_list(values: Any, name: str) -> list[int]:
     ints in int64's range; ``TypeError``/``ValueError`` naming ``name`` otherwise."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not isinstance(values, np.ndarray):
         raise TypeError(f"{name} must be a sequence of ints (a list or tuple), got {type(values).__name__}")
+    if type(values) is list and values and all(type(v) is int for v in values) \
+            and _INT64_MIN <= min(values) and max(values) <= _INT64_MAX:
+        return values  # (the hot path: the backends' own records, already plain ints)
     out: list[int] = []
     for i, v in enumerate(values):
         if isinstance(v, (bool, np.bool_)):

@@ -38,6 +38,7 @@ needs the host between its two kernels and cannot be captured.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
@@ -54,10 +55,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..engine.engine import Engine
     from .nccl import NcclBackend
 
-__all__ = ["PeerTransport", "ROW_ALIGN"]
+__all__ = ["PeerTransport", "ROW_ALIGN", "MAPPED_PER_PEER"]
 
 
 _HEADER_BYTES = 64
+
+MAPPED_PER_PEER = 16
+"""Peers' output allocations a direct exchange keeps mapped, per peer (:meth:`PeerTransport.map_output`)."""
 
 
 def _copy_blocks(nbytes: int, world: int, block_bytes: int, max_blocks: int) -> int:
@@ -151,6 +155,8 @@ class PeerTransport:
         self._join = self._ext.new_event(dev.index)
         self._order = self._ext.new_event(dev.index)  # the counts-on-the-GPU path: after the backend's stream
         self._host_event = _cudart.new_event()  # the host-coordinated rounds wait on it
+        self._mapped: "OrderedDict[tuple, int]" = OrderedDict()  # (peer, IPC handle) -> its allocation, mapped here
+        self._pinned: set = set()
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
         engine.barrier()  # every rank has mapped every arena before any exchange writes to one
@@ -222,24 +228,86 @@ class PeerTransport:
         ready = capture != self._ce_capture if capture else self._ce_captured
         self._ce_captured = self._ce_captured or bool(capture)
         self._ce_capture = capture
+        self._ce_exchange(stream, x, send, send_displs, out, recv, recv_displs, row_bytes,
+                          1 + self._ce_half if ready else -1, (), True)
+
+    def issue_direct(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Sequence[int],
+                     out: torch.Tensor, recv: Sequence[int], recv_displs: Sequence[int], row_bytes: int,
+                     peer_dst: Sequence[int], copy_out: bool) -> None:
+        """Enqueue one direct exchange on ``stream`` (concurrent ranks): after a ready kernel
+        (every peer's stream has reached this exchange), the block for rank ``p`` goes whole to
+        ``peer_dst[p]`` (an address in ``p``'s output, :meth:`map_output`), or, where that is 0,
+        into ``p``'s region as in :meth:`issue_round` (it must fit one); then the headers, and
+        the copy out of this rank's regions unless ``copy_out`` is False (every peer wrote
+        straight into ``out``). The own block is not part of it (0 rows)."""
+        self._ce_half ^= 1
+        self._ce_captured = self._ce_captured or bool(self._ext.capture_id(stream))
+        self._ce_exchange(stream, x, send, send_displs, out, recv, recv_displs, row_bytes, 0, peer_dst, copy_out)
+
+    def _ce_exchange(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
+                     out: torch.Tensor, recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int,
+                     ready_slot: int, peer_dst: Sequence[int], copy_out: bool) -> None:
         self._ext.ce_exchange(self._device, stream, self._aux.cuda_stream, self._fork, self._join, x.data_ptr(),
                               out.data_ptr(), row_bytes, send, () if send_displs is None else send_displs, recv,
                               () if recv_displs is None else recv_displs,
                               self._base_list,
-                              self._ptrs[0], me, self._ce_state.data_ptr(), self._ce_half, ready, self.region_bytes,
-                              self.ce_data_off, self.ce_header_off, self.ce_ack_off, self._status_t.data_ptr(),
-                              self._timeout_ns)
+                              self._ptrs[0], self.rank, self._ce_state.data_ptr(), self._ce_half, ready_slot,
+                              self.region_bytes, self.ce_data_off, self.ce_header_off, self.ce_ack_off,
+                              self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out)
+
+    def export_output(self, out: torch.Tensor) -> Optional[list[int]]:
+        """What a peer needs to write into ``out`` (:meth:`map_output`): the IPC handle of the
+        allocation ``out`` lies in (8 int64) and ``out``'s byte offset in it. None where the
+        memory cannot be shared that way (not from ``cudaMalloc``: torch's expandable
+        segments, say): then the exchange goes through the arenas."""
+        ptr = out.data_ptr()
+        try:
+            base = _cudart.allocation_base(ptr)
+            handle = self._ext.ipc_handle(base)
+        except RuntimeError:
+            return None
+        return [*np.frombuffer(handle, dtype=np.int64).tolist(), ptr - base]
+
+    def map_output(self, peer: int, shared: Sequence[int]) -> int:
+        """The address in this process of the output rank ``peer`` exported (``shared``, from
+        its :meth:`export_output`). Each allocation is mapped through IPC once and kept:
+        torch's caching allocator hands the same segments out again, so a steady loop maps
+        nothing after its first steps. At most :data:`MAPPED_PER_PEER` per peer stay mapped
+        (least recently used unmapped first, after the device is idle); the ones a CUDA
+        graph captured stay for the transport's life."""
+        key = (peer, tuple(shared[:8]))
+        base = self._mapped.get(key)
+        if base is None:
+            base = self._map(key)
+        else:
+            self._mapped.move_to_end(key)
+        if torch.cuda.is_current_stream_capturing():
+            self._pinned.add(key)
+        return base + int(shared[8])
+
+    def _map(self, key: tuple) -> int:
+        peer = key[0]
+        mine = [k for k in self._mapped if k[0] == peer and k not in self._pinned]
+        if len(mine) >= MAPPED_PER_PEER and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(self._backend.device)  # no copy still writes through the mapping closed here
+            self._ext.ipc_close(self._mapped.pop(mine[0]))
+        base = self._ext.ipc_open(self._device, np.array(key[1], dtype=np.int64).tobytes())
+        self._mapped[key] = base
+        return base
 
     def issue_round_host(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Sequence[int],
                          out: torch.Tensor, recv: Sequence[int], recv_displs: Sequence[int], row_bytes: int,
-                         handshake: Callable[[list[int]], list[list[int]]]) -> Optional[str]:
+                         handshake: Callable[[list[int]], list[list[int]]], peer_dst: Sequence[int] = (),
+                         copy_out: bool = True) -> Optional[str]:
         """One known-counts round coordinated by the host, for ranks that share a GPU without
         MPS (a kernel spinning on a peer would hold the GPU's time slice): copies into the
         peers' regions, the host waits for them (at most the timeout), ``handshake`` (an
         all-gather of this rank's counts on the host) tells every rank that its peers' rows
         have landed, then copies out of this rank's regions. Blocks the host. The own block
         is not part of a round (0 rows). Returns what disagreed (None: nothing): then only
-        the rows both sides agree on are copied out.
+        the rows both sides agree on are copied out. ``peer_dst``, ``copy_out``: a direct
+        exchange, as in :meth:`issue_direct` (the ranks that receive straight into their
+        output synced their stream before they shared it: nothing waits on the GPU).
 
         Why two buffer halves suffice: a rank writes half h again two rounds later, after
         the handshake of the round between, which every peer joined only after its stream
@@ -250,9 +318,11 @@ class PeerTransport:
         cap = self.capacity_rows(row_bytes)
         xp, op = x.data_ptr(), out.data_ptr()
         for p in range(W):
-            rows = min(send[p], cap)
+            direct = bool(peer_dst) and peer_dst[p] != 0
+            rows = send[p] if direct else min(send[p], cap)
             if p != me and rows > 0:
-                region = self._base_list[p] + self.ce_data_off + (half * W + me) * self.region_bytes
+                region = peer_dst[p] if direct else \
+                    self._base_list[p] + self.ce_data_off + (half * W + me) * self.region_bytes
                 _cudart.copy_async(region, xp + send_displs[p] * row_bytes, rows * row_bytes, _cudart.D2D, stream)
         self.wait_stream(stream, "all_to_all_v (peer memory, copies to the peers)")
         table = handshake(list(send))
@@ -263,7 +333,7 @@ class PeerTransport:
                 problem = (f"rank {me} expected {recv[p]} rows from rank {p} in this round, but rank {p} sent "
                            f"{sent} (the ranks' splits disagree)")
             rows = min(recv[p], sent, cap)
-            if p != me and rows > 0:
+            if p != me and rows > 0 and copy_out:
                 region = self._base + self.ce_data_off + (half * W + p) * self.region_bytes
                 _cudart.copy_async(op + recv_displs[p] * row_bytes, region, rows * row_bytes, _cudart.D2D, stream)
         return problem
@@ -330,7 +400,7 @@ class PeerTransport:
 
     def _release(self) -> None:
         self._destroy_events()
-        for ptr in self._opened:
+        for ptr in [*self._opened, *getattr(self, "_mapped", {}).values()]:
             self._ext.ipc_close(ptr)
         self._opened = []
         if self._base:
@@ -344,9 +414,10 @@ class PeerTransport:
         if not self._base:
             return
         torch.cuda.synchronize(self._backend.device)
-        for ptr in self._opened:
+        for ptr in [*self._opened, *self._mapped.values()]:
             self._ext.ipc_close(ptr)
         self._opened = []
+        self._mapped.clear()
         engine.barrier()
         self._ext.free(self._base)
         self._base = 0

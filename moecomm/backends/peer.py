@@ -41,14 +41,15 @@ from ..errors import CommunicatorClosedError, CountMismatchError
 from ..splits import split_offsets
 from ._stream import StreamOrdered
 from .base import Backend, DoneRequest, Request
-from .peer_rounds import round_blocks, rounds_needed
+from .peer_rounds import (SHARED_INTS, agreement_record, direct_destinations, disagreement, is_direct, most_rounds,
+                          round_blocks, rounds_needed)
 
 try:
     from . import _cudart
 except Exception:  # noqa: BLE001 - no CUDA runtime bindings: then no peer backend (create raises)
     _cudart = None
 
-__all__ = ["PeerBackend", "DEFAULT_REGION_BYTES", "CONCURRENT_ROUND_S", "default_arena_bytes", "shared_gpus"]
+__all__ = ["PeerBackend", "DEFAULT_REGION_BYTES", "DIRECT_MIN_BYTES", "CONCURRENT_ROUND_S", "default_arena_bytes", "shared_gpus"]
 
 _LOG = logging.getLogger("moecomm")
 
@@ -60,8 +61,15 @@ that the ranks of one GPU together take at most a quarter of its free memory."""
 CONCURRENT_ROUND_S = 1e-3
 """A probe round trip below this on every rank: the ranks' kernels run concurrently."""
 
+DIRECT_MIN_BYTES = 1 << 20
+"""A block between two ranks of at least this many bytes (or a region's capacity) makes the
+exchange direct: rows go straight into the receiver's output, crossing the GPU's memory once
+(through an arena they cross it twice), for one more wait on the GPU (every peer's stream
+has reached the exchange)."""
+
 _PROBE_ROUNDS = 5
 _MIN_REGION_BYTES = 1 << 20
+_NOT_SHARED = [0] * SHARED_INTS
 
 
 class _Setup:
@@ -185,42 +193,62 @@ class PeerBackend(StreamOrdered, Backend):
         rd = split_offsets(recv_counts) if recv_displs is None else list(recv_displs)
         cap = t.capacity_rows(row_bytes) if row_bytes else 1  # (rows of 0 bytes: nothing moves, any cap)
         self._calls += 1
-        mine = rounds_needed(send_counts, recv_counts, me, cap)
-        # the call number and the row size travel too (largest and smallest of each): two ranks in
-        # different exchanges, or with rows of different sizes, never pair up
-        agreed = self._agree(self._host.allreduce, [mine, self._calls, -self._calls, row_bytes, -row_bytes], "max",
-                             what="all_to_all_v (peer rounds)")
-        rounds = agreed[0]
-        if agreed[1] != -agreed[2] or agreed[3] != -agreed[4]:
-            self.abort()
-            what = (f"the ranks are in different exchanges (numbers {-agreed[2]} to {agreed[1]}; rank {me} is in "
-                    f"{self._calls})" if agreed[1] != -agreed[2] else
-                    f"the ranks' rows differ in size ({-agreed[4]} to {agreed[3]} bytes; rank {me}'s: {row_bytes})")
-            raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {what}; the communicator was aborted")
         if not self.concurrent and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("moecomm: the peer backend cannot capture exchanges of ranks that share a GPU without "
                                "MPS (each round waits on the host); run the ranks under MPS")
         h = self.begin(send, recv)
         own = min(send_counts[me], recv_counts[me])
-        if own and row_bytes:
+        if own and row_bytes:  # issued first: the GPU copies it while the ranks agree on the rest
             _cudart.copy_async(recv.data_ptr() + rd[me] * row_bytes, send.data_ptr() + sd[me] * row_bytes,
                                own * row_bytes, _cudart.D2D, h)
-        problems: list[str] = []
-        if send_counts[me] != recv_counts[me]:
-            problems.append(f"rank {me} sends itself {send_counts[me]} rows but expects {recv_counts[me]}")
-        for r in range(rounds if row_bytes else 0):
+        flag, shared = self._share_output(recv, recv_counts, row_bytes)
+        record = agreement_record(self._calls, row_bytes, rounds_needed(send_counts, recv_counts, me, cap), flag,
+                                  shared, send_counts, recv_counts, rd)
+        table = self._agree(self._host.allgather, record, what="all_to_all_v (peer memory)")
+        found = disagreement(table, me)
+        if found is not None:
+            out_of_step, what = found
+            if out_of_step:
+                self.abort()
+            raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {what}"
+                                     + ("; the communicator was aborted" if out_of_step else ""))
+        if row_bytes and is_direct(table):  # one round (see _share_output)
+            dst = direct_destinations(table, me, row_bytes, t.map_output)
+            part = round_blocks(send_counts, sd, recv_counts, rd, me, max(send_counts + recv_counts + [1]), 0)
+            copy_out = table[me][3] != 1
+            if self.concurrent:
+                t.issue_direct(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs, row_bytes,
+                               dst, copy_out)
+            else:
+                t.issue_round_host(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs,
+                                   row_bytes, self._handshake, dst, copy_out)
+            return self.end("all_to_all_v (peer memory)", t.problem if self.concurrent else None)
+        rounds = most_rounds(table) if row_bytes else 0
+        for r in range(rounds):
             part = round_blocks(send_counts, sd, recv_counts, rd, me, cap, r)
             if self.concurrent:
                 t.issue_round(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs, row_bytes)
             else:
-                problem = t.issue_round_host(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs,
-                                             row_bytes, self._handshake)
-                if problem:
-                    problems.append(problem)
-        if problems:  # every round was issued (the peers are not left waiting) and is watched
-            self.end("all_to_all_v (peer memory)")
-            raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {problems[0]}")
+                t.issue_round_host(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs,
+                                   row_bytes, self._handshake)
         return self.end("all_to_all_v (peer memory)", t.problem if self.concurrent and rounds else None)
+
+    def _share_output(self, recv: torch.Tensor, recv_counts: list[int], row_bytes: int) -> tuple[int, list[int]]:
+        """Whether the peers write their rows straight into ``recv`` (this rank's output):
+        (1, where it lies) where some peer's block is at least :data:`DIRECT_MIN_BYTES` (or
+        fills a region) and ``recv`` can be shared; (0, zeros) where every block is smaller
+        (through the arena, in one round); (-1, zeros) where it cannot be shared (then every
+        rank goes through the arenas, in rounds). An exchange is direct when some rank says
+        1 and none -1: one round, each block into its receiver's output or, for receivers
+        that said 0, into their regions (where it fits). Ranks that share a GPU without MPS
+        sync their stream before they say 1, so that no earlier work still uses ``recv``."""
+        largest = max((n for p, n in enumerate(recv_counts) if p != self.rank), default=0) * row_bytes
+        if largest < min(DIRECT_MIN_BYTES, self.transport.region_bytes):
+            return 0, _NOT_SHARED
+        if not self.concurrent:
+            self.transport.wait_stream(self._stream, "all_to_all_v (peer memory, before a direct exchange)")
+        shared = self.transport.export_output(recv)
+        return (-1, _NOT_SHARED) if shared is None else (1, shared)
 
     def _handshake(self, sent: list[int]) -> list[list[int]]:
         return self._agree(self._host.allgather, sent, what="all_to_all_v (peer memory, host round)")

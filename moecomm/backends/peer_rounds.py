@@ -8,15 +8,26 @@ waits for every peer's), so every rank must run the same number of rounds: each 
 the rounds its own blocks need (:func:`rounds_needed`) and the ranks agree on the largest.
 The rank's own block never enters a round: it is one device-local copy.
 
+Before any row moves the ranks all-gather one *record* each (:func:`agreement_record`):
+the call number, the row size, the rounds, whether the peers may write straight into its
+output (and where it lies), its counts and displacements. Every rank checks the same table
+(:func:`disagreement`) and reads from it where its rows go (:func:`direct_destinations`).
+
 Pure Python on host integers, importable without CUDA (tested on the CPU against a
 reference exchange).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
-__all__ = ["Round", "rounds_needed", "round_blocks"]
+__all__ = ["Round", "rounds_needed", "round_blocks", "SHARED_INTS", "agreement_record", "disagreement",
+           "is_direct", "most_rounds", "direct_destinations"]
+
+SHARED_INTS = 9
+"""Where a rank's output lies, for peers to map: an IPC handle (8 int64) and a byte offset."""
+
+_HEAD = 4  # call number, row bytes, rounds, share flag
 
 
 class Round(NamedTuple):
@@ -53,3 +64,67 @@ def round_blocks(send: Sequence[int], send_displs: Sequence[int], recv: Sequence
     s, sd = part(send, send_displs)
     rv, rd = part(recv, recv_displs)
     return Round(s, sd, rv, rd)
+
+
+def agreement_record(call: int, row_bytes: int, rounds: int, flag: int, shared: Sequence[int],
+                     send: Sequence[int], recv: Sequence[int], recv_displs: Sequence[int]) -> list[int]:
+    """This rank's record: ``flag`` 1 (its output is ``shared``), 0 (its blocks from peers
+    are small: they go through its regions), -1 (it cannot share its output: every rank
+    then goes through the arenas, in rounds); ``shared``: :data:`SHARED_INTS` ints (zeros
+    unless ``flag`` is 1)."""
+    if len(shared) != SHARED_INTS:
+        raise ValueError(f"shared must hold {SHARED_INTS} ints, got {len(shared)}")
+    return [call, row_bytes, rounds, flag, *shared, *send, *recv, *recv_displs]
+
+
+def disagreement(table: Sequence[Sequence[int]], me: int) -> Optional[tuple[bool, str]]:
+    """What the ranks' records disagree about, the same on every rank, or None: (True, what)
+    where the ranks are out of step (different call numbers or row sizes: the communicator
+    must be aborted), (False, what) where a sender and a receiver count a block differently
+    (nothing has moved). This rank's own disagreements are named first."""
+    W = len(table)
+    calls = [row[0] for row in table]
+    sizes = [row[1] for row in table]
+    if min(calls) != max(calls):
+        return True, (f"the ranks are in different exchanges (numbers {min(calls)} to {max(calls)}; rank {me} is in "
+                      f"{table[me][0]})")
+    if min(sizes) != max(sizes):
+        return True, (f"the ranks' rows differ in size ({min(sizes)} to {max(sizes)} bytes; rank {me}'s: "
+                      f"{table[me][1]})")
+    sent_at, expect_at = _HEAD + SHARED_INTS, _HEAD + SHARED_INTS + W
+    for r in [me, *range(W)]:
+        for s in range(W):
+            sent, expected = table[s][sent_at + r], table[r][expect_at + s]
+            if sent != expected:
+                return False, (f"rank {r} expected {expected} rows from rank {s}, but rank {s} sent {sent} (the "
+                               f"ranks' splits disagree; found before any row moved)")
+    return None
+
+
+def is_direct(table: Sequence[Sequence[int]]) -> bool:
+    """One direct round: some rank shares its output and none said it cannot."""
+    flags = [row[3] for row in table]
+    return max(flags) == 1 and min(flags) >= 0
+
+
+def most_rounds(table: Sequence[Sequence[int]]) -> int:
+    """The rounds of an exchange through the arenas: the most any rank needs."""
+    return max(row[2] for row in table)
+
+
+def direct_destinations(table: Sequence[Sequence[int]], me: int, row_bytes: int,
+                        map_output: Callable[[int, Sequence[int]], int]) -> list[int]:
+    """Of a direct exchange: per peer, the address (in this process) where this rank's block
+    goes in the peer's output, ``map_output(peer, shared)`` (the peer's output mapped here)
+    plus the peer's displacement for this rank's rows; 0 where the block goes through the
+    peer's regions (it did not share its output), is empty, or is the rank's own."""
+    W = len(table)
+    shared_at, sent_at, displ_at = _HEAD, _HEAD + SHARED_INTS, _HEAD + SHARED_INTS + 2 * W
+    out = []
+    for p in range(W):
+        row = table[p]
+        if p == me or row[3] != 1 or not table[me][sent_at + p]:
+            out.append(0)
+        else:
+            out.append(map_output(p, row[shared_at:shared_at + SHARED_INTS]) + row[displ_at + me] * row_bytes)
+    return out

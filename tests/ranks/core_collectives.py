@@ -289,6 +289,22 @@ def check_peer_memory_mismatch() -> None:
     sent = m.copy()
     sent[0, 1] += 1  # rank 0 sends one row more to rank 1 than rank 1 expects
     x = input_for(77, R, sent, (4,), torch.float32).to(DEV)
+    if BACKEND == "peer":  # its records travel before the rows: every rank raises at the call, the
+        try:               # communicator stays usable
+            peer.all_to_all_v(x, sent[R].tolist(), m[:, R].tolist())
+            got = None
+        except Exception as exc:  # noqa: BLE001
+            got = exc
+        ok = isinstance(got, moecomm.CountMismatchError) and f"rank 1 expected {m[0, 1]} rows from rank 0, but " \
+            f"rank 0 sent {m[0, 1] + 1}" in str(got) and not peer.closed
+        collective_assert(ok, f"count mismatch through the peer backend: rank {R} got {got!r}")
+        y = input_for(77, R, m, (4,), torch.float32).to(DEV)  # and the next call works
+        out, _ = peer.all_to_all_v(y, m[R].tolist(), m[:, R].tolist())
+        collective_assert(np.array_equal(as_bytes(out), expected_bytes(77, R, m, (4,), torch.float32)),
+                          "the call after a mismatch")
+        peer.close()
+        world_barrier()
+        return
     peer.all_to_all_v(x, sent[R].tolist(), m[:, R].tolist())
     torch.cuda.synchronize(DEV)
     time.sleep(0.5)  # the watchdog looks every 50 ms

@@ -222,14 +222,17 @@ struct RankCounts {
 // counts-on-the-GPU protocol above holds unchanged.
 
 // One block; thread p publishes this rank's ack into rank p's arena, then waits for rank
-// p's ack in this one's. A timeout is reported as code 1 in status[3p] (host memory).
+// p's ack in this one's to reach state[need_slot]: 1 + q, the last exchange that used half q
+// (see above), or 0, every exchange before this one (direct exchanges: the peer's stream has
+// reached this exchange, so nothing it issued earlier still uses the output the rows are
+// written into). A timeout is reported as code 1 in status[3p] (host memory).
 __global__ void ce_ready_kernel(const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
-                                int parity, int64_t ack_off, const int64_t* __restrict__ state,
+                                int need_slot, int64_t ack_off, const int64_t* __restrict__ state,
                                 volatile int64_t* status, uint64_t timeout_ns) {
   const int p = threadIdx.x;
   if (p >= world || p == me) return;
   const int64_t done_here = state[0];
-  const int64_t need = state[1 + parity];
+  const int64_t need = state[need_slot];
   volatile int64_t* out = reinterpret_cast<volatile int64_t*>(reinterpret_cast<char*>(peer_bases[p]) + ack_off +
                                                                int64_t(me) * 64);
   __threadfence_system();
@@ -347,19 +350,27 @@ std::vector<int64_t> back_to_back(const std::vector<int64_t>& counts) {
 }
 
 // The known-counts exchange (see the top of this file). Counts and displacements are in
-// rows (displacements empty: blocks back to back); the headers carry the whole counts (the receiver checks them), but rows beyond a
-// region's capacity per pair are left to the caller. Enqueued
-// on `stream`, the rank's own block on `aux_stream` (joined back into `stream`).
+// rows (displacements empty: blocks back to back); the headers carry the whole counts (the
+// receiver checks them), but rows beyond a region's capacity per pair are left to the
+// caller. Enqueued on `stream`, the rank's own block on `aux_stream` (joined back into
+// `stream`). `ready_slot`: the ready kernel's state slot (-1: none). Direct exchanges:
+// `peer_dst[p]` (not 0) is where this rank's rows go in rank p's output (its allocation
+// mapped through IPC): the block goes there whole, no region between; `copy_out` false where
+// this rank's own output was written that way (nothing to copy out of its regions). They
+// need ready_slot 0: a peer's output may be memory that work it issued before the exchange
+// still uses, until its stream reaches the exchange.
 void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64_t fork_event, uint64_t join_event,
                  uint64_t x, uint64_t out, int64_t row_bytes, const std::vector<int64_t>& send_counts,
                  const std::vector<int64_t>& send_displs, const std::vector<int64_t>& recv_counts,
                  const std::vector<int64_t>& recv_displs, const std::vector<uint64_t>& bases, uint64_t bases_device,
-                 int me, uint64_t state, int parity, bool ready, int64_t region_bytes, int64_t data_off,
-                 int64_t hdr_off, int64_t ack_off, uint64_t status, uint64_t timeout_ns) {
+                 int me, uint64_t state, int parity, int ready_slot, int64_t region_bytes, int64_t data_off,
+                 int64_t hdr_off, int64_t ack_off, uint64_t status, uint64_t timeout_ns,
+                 const std::vector<uint64_t>& peer_dst, bool copy_out) {
   const int world = static_cast<int>(bases.size());
   if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || recv_counts.size() != size_t(world) ||
       (!send_displs.empty() && send_displs.size() != size_t(world)) ||
-      (!recv_displs.empty() && recv_displs.size() != size_t(world)) || row_bytes <= 0) {
+      (!recv_displs.empty() && recv_displs.size() != size_t(world)) || row_bytes <= 0 ||
+      (!peer_dst.empty() && peer_dst.size() != size_t(world)) || ready_slot > 2) {
     throw std::invalid_argument("moecomm p2p: ce_exchange got inconsistent arguments");
   }
   const std::vector<int64_t> send_at = send_displs.empty() ? back_to_back(send_counts) : send_displs;
@@ -384,17 +395,19 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
     if (beside) check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(join_event), aux), "cudaEventRecord");
   }
   const int threads = 32 * ((world + 31) / 32);
-  if (ready) {  // the caller knows whether the exchange before this one (on the device) used the other half
+  if (ready_slot >= 0) {  // the caller knows whether the exchange before this one (on the device) used the other half
     ce_ready_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device),
-                                              reinterpret_cast<const char*>(bases[me]), me, world, parity, ack_off,
+                                              reinterpret_cast<const char*>(bases[me]), me, world, ready_slot, ack_off,
                                               reinterpret_cast<const int64_t*>(state),
                                               reinterpret_cast<volatile int64_t*>(status), timeout_ns);
     check(cudaGetLastError(), "ready kernel launch");
   }
   for (int p = 0; p < world; ++p) {
-    const int64_t rows = std::min(send_counts[p], cap);
+    const bool direct = !peer_dst.empty() && peer_dst[p] != 0;  // straight into rank p's output, whole
+    const int64_t rows = direct ? send_counts[p] : std::min(send_counts[p], cap);
     if (p != me && rows > 0) {
-      char* region = reinterpret_cast<char*>(bases[p]) + data_off + (int64_t(parity) * world + me) * region_bytes;
+      char* region = direct ? reinterpret_cast<char*>(peer_dst[p])
+                            : reinterpret_cast<char*>(bases[p]) + data_off + (int64_t(parity) * world + me) * region_bytes;
       check(cudaMemcpyAsync(region, src + send_at[p] * row_bytes, size_t(rows * row_bytes),
                             cudaMemcpyDeviceToDevice, stream),
             "cudaMemcpyAsync (to a peer)");
@@ -405,7 +418,7 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
       hdr_off, reinterpret_cast<int64_t*>(state), pack_counts(send_counts), pack_counts(recv_counts),
       reinterpret_cast<volatile int64_t*>(status), timeout_ns);
   check(cudaGetLastError(), "signal/wait kernel launch");
-  for (int p = 0; p < world; ++p) {
+  for (int p = 0; p < world && copy_out; ++p) {
     const int64_t rows = std::min(recv_counts[p], cap);
     if (p == me || rows <= 0) continue;
     const char* region =
