@@ -196,8 +196,8 @@ class Communicator(OtherCollectives):
             PeerFailedError: (MPI) a peer raised in this call before taking its part, or
                 aborted the communicator: raised as soon as its failure notice arrives, naming
                 it and quoting its error; the communicator is aborted here too (see
-                :mod:`moecomm.engine.notices`). A rank that raised while its peers waited for it
-                aborts too (a note on its error says so); ranks that all raise alike do not.
+                :mod:`moecomm.engine.notices`). Also raised by the next call of a rank that
+                raised while its peers waited for it (ranks that all raised alike go on).
         """
         warn_if_graph_lost(input, "all_to_all_v")
         if wire_dtype is not None:

@@ -59,7 +59,7 @@ class MpiNoticeChannel(NoticeChannel):
         mpi_wait(req, timeout_s=timeout_s, what="MPI_Comm_idup (moecomm failure notices)", rank=comm.Get_rank())
         self._comm = dup
         self._status = MPI.Status()
-        self._sends: list = []  # (request, buffer) of notices not yet known to have left
+        self._sends: list = []  # (request, buffer) of notices (and barriers) not yet known to be done
         self._posted: list = [None, np.zeros(NOTICE_BYTES, dtype=np.uint8)]  # [receive, its buffer]
         self._post()
         self._finalizer = weakref.finalize(self, _withdraw, self._posted)
@@ -91,11 +91,13 @@ class MpiNoticeChannel(NoticeChannel):
                 return got
 
     def agree(self) -> Request:
-        return MpiRequest(self._comm.Ibarrier(), ())
+        req = self._comm.Ibarrier()
+        self._sends.append((req, None))  # (close frees the duplicate only once it is done)
+        return MpiRequest(req, ())
 
     def close(self) -> None:
-        """Cancel the posted receive; free the duplicate once every notice sent has left
-        (else it stays allocated: a send in flight still reads from it)."""
+        """Cancel the posted receive; free the duplicate once every notice sent has left and
+        every barrier is done (else it stays allocated: they still use it)."""
         self._finalizer()
         if self._comm != self._MPI.COMM_NULL and all(r.Test() for r, _ in self._sends):
             self._sends.clear()

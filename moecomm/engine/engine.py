@@ -22,7 +22,7 @@ import torch
 from ..backends._deadline import poll_yielding
 from ..backends._host_channel import OPS, HostChannel
 from ..backends.base import Backend, Request
-from ..errors import CommunicatorClosedError, CountMismatchError
+from ..errors import CommunicatorClosedError, CountMismatchError, PeerFailedError
 from ..pool import StagingPool
 from ..splits import Splits, normalize_splits
 from .dtypes import DTYPE_CODES, SUPPORTED_DTYPES
@@ -199,37 +199,55 @@ class Engine:
     def tell_failure(self, op: str, call: int, steps: int, exc: BaseException) -> None:
         """This rank's collective call ``call`` (``op``) raised ``exc`` after ``steps`` steps:
         where there are notices and :func:`moecomm.engine.notices.failure_kind` says so, tell
-        the peers, then (the engine not aborted) meet the ranks that failed the call alike at
-        the channel's barrier. A peer that gave up waiting for this rank instead (it aborted,
-        and said so), or a barrier that outlives the timeout, aborts the engine, and ``exc``
-        gets a note saying so; else the engine is left as it is."""
+        the peers, and (the engine not aborted) start the meeting of the ranks that failed the
+        call, which the next call settles (:meth:`settle_failure`). The engine is left as it is."""
         notices = self.notices
         kind = failure_kind(exc, self.closed_as == "aborted")
         if kind is None or notices is None or self.closed_as == "closed":
             return
         try:
             notices.tell(kind, call, steps, op, self.where(), describe(exc))
-            if kind == "aborted":
-                return
-            meeting = notices.channel.agree()
-            seen: list[Optional[Notice]] = [None]
-
-            def met() -> bool:
-                if meeting.test():
-                    return True
-                seen[0] = notices.peer_aborted()
-                return seen[0] is not None
-            if poll_yielding(met, time.monotonic() + self.timeout) and seen[0] is None:
-                return  # every rank failed this call: nothing is wrong between them
-            self.keep(meeting)
-            why = cause(seen[0]) if seen[0] is not None else f"not every rank failed it within {self.timeout:g} s"
+            if kind == "failed":
+                notices.meeting = (call, notices.channel.agree())
         except Exception as send_error:  # noqa: BLE001 - exc is the error to report
             exc.add_note(f"moecomm: {op}: this failure could not be told to the peers ({send_error!r})")
+
+    def settle_failure(self, op: str) -> None:
+        """Before the call ``op`` after one that failed on this rank (its meeting pending):
+        wait until every rank that failed that call has met, then go on (they all failed it:
+        nothing is wrong between them); or until a peer's notice says it gave up waiting for
+        this rank: then abort and raise :class:`moecomm.PeerFailedError` quoting it, so that
+        this call never pairs with messages the peers left behind.
+
+        Raises:
+            PeerFailedError: a peer gave up on the failed call (the communicator is aborted).
+            TimeoutError: neither within the timeout: some rank neither failed that call nor
+                gave up on it (the communicator is aborted).
+        """
+        notices = self.notices
+        call, meeting = notices.meeting
+        notices.meeting = None
+        if self.closed_as is not None:
+            return  # (check_open names it)
+        seen: list[Optional[Notice]] = [None]
+
+        def met() -> bool:
+            if meeting.test():
+                return True
+            seen[0] = notices.peer_aborted()
+            return seen[0] is not None
+        if poll_yielding(met, time.monotonic() + self.timeout) and seen[0] is None:
             return
-        self._top().abort()
+        self.keep(meeting)
+        top = self._top()
+        top.abort()
         self.abort()
-        exc.add_note(f"moecomm: {op} failed on {self.where()} while a peer waited for it ({why}): the communicator "
-                     f"was aborted")
+        if seen[0] is not None:
+            raise PeerFailedError(f"moecomm: {op}: this rank failed its call {call}, which a peer waited for: "
+                                  f"{cause(seen[0])} -- the communicator was aborted on {top.where()}")
+        raise TimeoutError(f"moecomm: {op}: this rank failed its call {call}, and within {self.timeout:g} s not every "
+                           f"rank either failed that call too or gave up waiting for it, on {top.where()}; the "
+                           f"communicator was aborted")
 
     def _give_up(self, request: Optional[Any], op: str, at: tuple[int, Optional[int]], notice: Notice) -> None:
         """End a wait at ``at`` on a peer's ``notice``: keep ``request`` referenced, abort (the

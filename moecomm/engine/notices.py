@@ -24,12 +24,14 @@ channel's posted receive once per poll, and gives up on
 Giving up raises :class:`moecomm.PeerFailedError` naming the peer and quoting its error,
 aborts the communicator (as a timeout does) and tells the peers (``aborted``).
 
-The rank that failed cannot tell whether its peers failed alike (then nothing is wrong between
-the ranks) or wait for it: before it raises, it joins a barrier of the ranks that failed that
-call (:meth:`moecomm.backends.base.NoticeChannel.agree`). Where every rank failed the call,
-the barrier completes, the communicator stays as it was and the next call works. Where a peer
-waited for it, that peer gave up and said so: the rank aborts its communicator too (its error
-says so), so that its next call never pairs with messages the peers left behind.
+The rank that failed raises its error at once, its communicator as it was. It cannot tell yet
+whether its peers failed alike (then nothing is wrong between the ranks) or wait for it: it
+starts a barrier of the ranks that failed that call
+(:meth:`moecomm.backends.base.NoticeChannel.agree`), which its next call settles before
+anything else. Where every rank failed the call, the barrier completes and the call goes on.
+Where a peer waited for it, that peer gave up and said so: the call raises
+:class:`moecomm.PeerFailedError` and aborts the communicator, so that it never pairs with
+messages the peers left behind.
 """
 
 from __future__ import annotations
@@ -109,16 +111,19 @@ class Notices:
 
     ``call``: the number of the collective call in progress (or of the last one); ``depth``:
     how many :func:`run_collective` calls are in progress (a call inside another takes no
-    number); ``step``: the host waits the call in progress has completed.
+    number); ``step``: the host waits the call in progress has completed; ``meeting``: the
+    number of the last call, where it failed on this rank, and the barrier of the ranks that
+    failed it (:meth:`moecomm.engine.engine.Engine.settle_failure`), else None.
     """
 
-    __slots__ = ("channel", "call", "depth", "step", "_failed", "_aborted")
+    __slots__ = ("channel", "call", "depth", "step", "meeting", "_failed", "_aborted")
 
     def __init__(self, channel: NoticeChannel) -> None:
         self.channel = channel
         self.call = 0
         self.depth = 0
         self.step = 0
+        self.meeting: Optional[tuple[int, Any]] = None
         self._failed: dict[int, Notice] = {}  # call -> the "failed" notice of fewest steps (recent calls)
         self._aborted: Optional[Notice] = None  # the "aborted" notice of the earliest call and step
 
@@ -197,6 +202,8 @@ def collective(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             notices = engine.notices
             if notices is None or notices.depth:
                 return method(self, *args, **kwargs)
+            if notices.meeting is not None:
+                engine.settle_failure(op)
             notices.call += 1
             notices.step = 0
             notices.depth = 1
@@ -215,10 +222,14 @@ def run_collective(engine: "Engine", op: str, fn: Callable[..., Any], *args: Any
     """``fn(*args, **kwargs)`` as the collective call ``op`` on ``engine``: where the engine has
     :class:`Notices` and no call is in progress, the call takes the next call number, and an
     exception it raises is told to the peers (:meth:`moecomm.engine.engine.Engine.tell_failure`)
-    before it propagates. Inside another call, or without notices, just ``fn(...)``."""
+    before it propagates; a call after one that failed here first settles that failure
+    (:meth:`moecomm.engine.engine.Engine.settle_failure`). Inside another call, or without
+    notices, just ``fn(...)``."""
     notices = engine.notices
     if notices is None or notices.depth:
         return fn(*args, **kwargs)
+    if notices.meeting is not None:
+        engine.settle_failure(op)
     notices.call += 1
     notices.step = 0
     notices.depth = 1
