@@ -11,7 +11,7 @@ Quick start::
 
 from ._version import __version__
 from .communicator import SUPPORTED_DTYPES, Communicator, Work
-from .errors import CommunicatorClosedError, CountMismatchError, MoeCommError
+from .errors import CommunicatorClosedError, CountMismatchError, MoeCommError, PeerFailedError
 from .init import BACKENDS, default_communicator, init, set_default_communicator
 from .layout import Layout
 from .low_latency import LowLatencyBuffer
@@ -32,4 +32,5 @@ __all__ = [
     "MoeCommError",
     "CommunicatorClosedError",
     "CountMismatchError",
+    "PeerFailedError",
 ]

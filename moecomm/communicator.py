@@ -17,6 +17,7 @@ from . import hierarchical, overlap, wire
 from .collectives import flat as _flat
 from .engine.dtypes import SUPPORTED_DTYPES
 from .engine.engine import Engine, warn_if_graph_lost
+from .engine.notices import collective
 from .collectives.small import OtherCollectives
 from .engine.requests import Work
 from .collectives.topology import Topology
@@ -141,6 +142,7 @@ class Communicator(OtherCollectives):
 
     # -- the variable-length all-to-all -----------------------------------------------------
 
+    @collective("all_to_all_v")
     def all_to_all_v(
         self,
         input: torch.Tensor,
@@ -191,6 +193,11 @@ class Communicator(OtherCollectives):
                 :mod:`moecomm.engine.tags`); on NCCL and gloo, with ``recv_splits`` given, only with
                 ``validate=True`` (before anything moves).
             TimeoutError: a wait outlived the communicator's timeout (it is aborted).
+            PeerFailedError: (MPI) a peer raised in this call before taking its part, or
+                aborted the communicator: raised as soon as its failure notice arrives, naming
+                it and quoting its error; the communicator is aborted here too (see
+                :mod:`moecomm.engine.notices`). Also raised by the next call of a rank that
+                raised while its peers waited for it (ranks that all raised alike go on).
         """
         warn_if_graph_lost(input, "all_to_all_v")
         if wire_dtype is not None:
@@ -201,6 +208,7 @@ class Communicator(OtherCollectives):
                                                                 recv_splits, algorithm)
         return self._engine.finish(request, "all_to_all_v", (out, recv), async_op)
 
+    @collective("all_to_all_v_packed")
     def all_to_all_v_packed(
         self,
         packed: torch.Tensor,
@@ -239,7 +247,7 @@ class Communicator(OtherCollectives):
                 not a tuple of non-negative ints, ``dtype`` or ``wire_dtype`` not one of the
                 above, bad splits or ``algorithm``, before anything is sent; with
                 ``validate=True`` also packed rows holding non-finite values (on every rank).
-            CountMismatchError, TimeoutError: as :meth:`all_to_all_v`.
+            CountMismatchError, TimeoutError, PeerFailedError: as :meth:`all_to_all_v`.
         """
         op = "all_to_all_v_packed"
         self._engine.check_open(op)
@@ -252,6 +260,7 @@ class Communicator(OtherCollectives):
 
     # -- all-to-all overlapped with compute -------------------------------------------------
 
+    @collective("scatter_compute_gather")
     def scatter_compute_gather(
         self,
         input: torch.Tensor,
@@ -283,6 +292,7 @@ class Communicator(OtherCollectives):
         Raises:
             TypeError, ValueError, CountMismatchError, TimeoutError: see
                 :func:`moecomm.overlap.scatter_compute_gather`.
+            PeerFailedError: as :meth:`all_to_all_v` (also where ``fn`` raised on a peer).
         """
         return overlap.scatter_compute_gather(self, input, send_splits, fn, degree=degree, recv_splits=recv_splits,
                                       algorithm=algorithm, own_first=own_first, own_split=own_split,
@@ -290,6 +300,7 @@ class Communicator(OtherCollectives):
 
     # -- torch.distributed-compatible all-to-all --------------------------------------------
 
+    @collective("all_to_all_single")
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -307,6 +318,7 @@ class Communicator(OtherCollectives):
             TypeError, ValueError: bad tensors or split sizes, named (``output`` when its size
                 cannot hold what ``input`` sends this rank itself), before anything is sent.
             CountMismatchError: as :meth:`all_to_all_v` (a peer disagrees on a block's size).
+            TimeoutError, PeerFailedError: as :meth:`all_to_all_v`.
         """
         op = "all_to_all_single"
         self._engine.check_open(op)
@@ -332,6 +344,7 @@ class Communicator(OtherCollectives):
         request = _flat.start_all_to_all_single(self._engine, op, x, send, y, recv)
         return self._engine.finish(request, op, True if async_op else None, async_op)
 
+    @collective("all_to_all")
     def all_to_all(
         self,
         output_tensor_list: Sequence[torch.Tensor],
@@ -345,6 +358,7 @@ class Communicator(OtherCollectives):
             TypeError, ValueError: bad lists or tensors, named, before anything is sent.
             CountMismatchError: a slot's size (in bytes) differs from what its peer sends,
                 or a peer sends another dtype; on both ranks of the pair.
+            TimeoutError, PeerFailedError: as :meth:`all_to_all_v`.
         """
         op = "all_to_all"
         self._engine.check_open(op)
@@ -392,6 +406,7 @@ class Communicator(OtherCollectives):
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self._engine.backend.watch_stream(op, limit, None if self._engine.peer is None else self._engine.peer.problem)
 
+    @collective("split")
     def split(self, color: Optional[int], key: int = 0) -> Optional["Communicator"]:
         """Collective: a sub-communicator of the ranks that pass the same ``color``.
 
@@ -401,6 +416,7 @@ class Communicator(OtherCollectives):
         Raises:
             TypeError, ValueError: a bad ``color`` or ``key``, before anything is sent.
             TimeoutError: a rank did not join within the timeout (the communicator is aborted).
+            PeerFailedError: as :meth:`all_to_all_v` (a peer refused its ``color``, say).
         """
         self._engine.check_open("split")
         if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):

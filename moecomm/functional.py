@@ -9,6 +9,7 @@ import torch
 from . import hierarchical, wire
 from .engine import tags as _tags
 from .communicator import Communicator
+from .engine.notices import run_collective
 from .init import default_communicator
 from .quant import WIRE_DTYPES, check_grad_wire_dtype
 from .splits import Splits, normalize_splits
@@ -39,7 +40,8 @@ class _AllToAllV(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):  # type: ignore[override]
         # What arrived goes back where it came from; both sides' counts are known already.
-        grad_input = _send_back(ctx.comm, grad_output, ctx.recv, ctx.send, "flat", ctx.grad_wire_dtype, ctx.plan)
+        grad_input = run_collective(ctx.comm.engine, "all_to_all_v backward", lambda: _send_back(
+            ctx.comm, grad_output, ctx.recv, ctx.send, "flat", ctx.grad_wire_dtype, ctx.plan))
         return grad_input, None, None, None, None, None, None, None
 
 
@@ -100,15 +102,20 @@ def all_to_all_v(
             None or one of :data:`moecomm.quant.GRAD_WIRE_DTYPES` (checked before the forward
             exchange).
         CountMismatchError: ranks disagree on counts, dtype or row shape.
+        TimeoutError, PeerFailedError: as :meth:`Communicator.all_to_all_v` (its backward too).
     """
     if comm is not None and not isinstance(comm, Communicator):
         raise TypeError(f"comm must be a moecomm.Communicator or None (the default communicator), "
                         f"got {comm!r} ({type(comm).__name__})")
     comm = default_communicator() if comm is None else comm
-    check_grad_wire_dtype(grad_wire_dtype)
-    counts: list[list[int]] = []
-    output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm, wire_dtype, grad_wire_dtype)
-    return output, counts[0]
+
+    def call() -> tuple[torch.Tensor, list[int]]:
+        check_grad_wire_dtype(grad_wire_dtype)
+        counts: list[list[int]] = []
+        output = _AllToAllV.apply(input, comm, send_splits, recv_splits, counts, algorithm, wire_dtype,
+                                  grad_wire_dtype)
+        return output, counts[0]
+    return run_collective(comm.engine, "all_to_all_v", call)
 
 
 def all_to_all_v_backward(
@@ -130,13 +137,16 @@ def all_to_all_v_backward(
         TypeError: ``comm`` is not a Communicator (or None).
         TypeError, ValueError: ``grad_wire_dtype`` not None or one of
             :data:`moecomm.quant.GRAD_WIRE_DTYPES`; otherwise as :meth:`Communicator.all_to_all_v`.
-        CountMismatchError, TimeoutError: as :meth:`Communicator.all_to_all_v`.
+        CountMismatchError, TimeoutError, PeerFailedError: as :meth:`Communicator.all_to_all_v`.
     """
     if comm is not None and not isinstance(comm, Communicator):
         raise TypeError(f"comm must be a moecomm.Communicator or None (the default communicator), "
                         f"got {comm!r} ({type(comm).__name__})")
     comm = default_communicator() if comm is None else comm
-    check_grad_wire_dtype(grad_wire_dtype)
-    send = normalize_splits(send_splits, "send_splits", comm.size)
-    recv = normalize_splits(recv_splits, "recv_splits", comm.size)
-    return _send_back(comm, grad_output, recv, send, algorithm, grad_wire_dtype, None)
+
+    def call() -> torch.Tensor:
+        check_grad_wire_dtype(grad_wire_dtype)
+        send = normalize_splits(send_splits, "send_splits", comm.size)
+        recv = normalize_splits(recv_splits, "recv_splits", comm.size)
+        return _send_back(comm, grad_output, recv, send, algorithm, grad_wire_dtype, None)
+    return run_collective(comm.engine, "all_to_all_v_backward", call)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 __all__ = ["call_before_deadline"]
 
@@ -43,14 +43,17 @@ def call_before_deadline(fn: Callable[[], Any], timeout_s: float, what: str, ran
     return box["result"]
 
 
-def poll_yielding(test: Callable[[], bool], deadline: float) -> bool:
+def poll_yielding(test: Callable[[], bool], deadline: float, every: Optional[Callable[[], None]] = None) -> bool:
     """Call ``test`` until it returns True (then True) or ``time.monotonic()`` passes
     ``deadline`` (then False), yielding the core between calls and looking at the clock every
-    64 calls: MPI moves messages only while a request is polled, as ``MPI_Wait`` would."""
+    64 calls: MPI moves messages only while a request is polled, as ``MPI_Wait`` would.
+    ``every``: called at each look at the clock (what it raises ends the wait)."""
     while True:
         for _ in range(64):
             if test():
                 return True
             os.sched_yield()
+        if every is not None:
+            every()
         if time.monotonic() > deadline:
             return False

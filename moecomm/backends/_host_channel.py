@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime
 import operator
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -82,8 +82,10 @@ class HostChannel:
         self._abandoned: list = []  # requests in flight after a timeout, with their buffers
 
     def allreduce(self, values: Sequence[int], op: str = "max", *, timeout: Optional[float] = None,
-                  what: str = "allreduce") -> list[int]:
+                  what: str = "allreduce", watch: Optional[Callable[[], None]] = None) -> list[int]:
         """Element-wise ``op`` ("max", "min" or "sum", in int64) of every rank's ``values``.
+        ``watch``: called now and then while the channel polls (MPI: every 64 polls); what it
+        raises ends the wait (the collective is left in flight, its buffers referenced).
 
         Raises:
             TypeError, ValueError: bad ``values`` or ``op`` (named), before anything is sent.
@@ -95,11 +97,12 @@ class HostChannel:
         self._check_usable(what)
         if self.size == 1 or not vals:
             return vals
-        return self._allreduce(vals, op, self._limit(timeout), what)
+        return self._allreduce(vals, op, self._limit(timeout), what, watch)
 
     def allgather(self, values: Sequence[int], *, timeout: Optional[float] = None,
-                  what: str = "allgather") -> list[list[int]]:
-        """Every rank's ``values`` (the same length on every rank), in rank order.
+                  what: str = "allgather", watch: Optional[Callable[[], None]] = None) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on every rank), in rank order; ``watch``:
+        as in :meth:`allreduce`.
 
         Raises:
             TypeError, ValueError: bad ``values`` (named), before anything is sent.
@@ -112,7 +115,7 @@ class HostChannel:
             return [vals]
         if not vals:
             return [[] for _ in range(self.size)]
-        return self._allgather(vals, self._limit(timeout), what)
+        return self._allgather(vals, self._limit(timeout), what, watch)
 
     def split(self, color: Optional[int], key: int, *, timeout: Optional[float] = None) -> Optional["HostChannel"]:
         """Collective: a channel over the ranks that pass ``color`` (None: none), ordered by
@@ -131,10 +134,12 @@ class HostChannel:
 
     # -- for the implementations ---------------------------------------------------------
 
-    def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str) -> list[int]:
+    def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str,
+                   watch: Optional[Callable[[], None]] = None) -> list[int]:
         raise NotImplementedError
 
-    def _allgather(self, values: list[int], timeout_s: float, what: str) -> list[list[int]]:
+    def _allgather(self, values: list[int], timeout_s: float, what: str,
+                   watch: Optional[Callable[[], None]] = None) -> list[list[int]]:
         raise NotImplementedError
 
     def _limit(self, timeout: Optional[float]) -> float:
@@ -180,26 +185,37 @@ class MpiHostChannel(HostChannel):
     def mpi_comm(self) -> Any:
         return self._comm
 
-    def _poll(self, req: Any, keep: Any, what: str, timeout_s: float) -> None:
+    def _poll(self, req: Any, keep: Any, what: str, timeout_s: float,
+              watch: Optional[Callable[[], None]] = None) -> None:
         if req.Test():
             return
-        if not poll_yielding(req.Test, time.monotonic() + timeout_s):
+        every = None
+        if watch is not None:
+            def every() -> None:
+                try:
+                    watch()
+                except BaseException:
+                    self._abandoned.append((req, keep))
+                    raise
+        if not poll_yielding(req.Test, time.monotonic() + timeout_s, every):
             raise self._timed_out(req, keep, what, timeout_s)
 
-    def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str) -> list[int]:
+    def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str,
+                   watch: Optional[Callable[[], None]] = None) -> list[int]:
         MPI = self._MPI
         buf = np.array(values, dtype=np.int64)
         mop = {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op]
         req = self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], mop)
-        self._poll(req, buf, what, timeout_s)
+        self._poll(req, buf, what, timeout_s, watch)
         return buf.tolist()
 
-    def _allgather(self, values: list[int], timeout_s: float, what: str) -> list[list[int]]:
+    def _allgather(self, values: list[int], timeout_s: float, what: str,
+                   watch: Optional[Callable[[], None]] = None) -> list[list[int]]:
         MPI = self._MPI
         mine = np.array(values, dtype=np.int64)
         table = np.empty((self.size, len(values)), dtype=np.int64)
         req = self._comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
-        self._poll(req, (mine, table), what, timeout_s)
+        self._poll(req, (mine, table), what, timeout_s, watch)
         return table.tolist()
 
     def split(self, color: Optional[int], key: int, *, timeout: Optional[float] = None) -> Optional["HostChannel"]:
@@ -264,7 +280,8 @@ class GlooHostChannel(HostChannel):
                 raise  # the work failed (a peer went away): gloo's own error
             raise self._timed_out(work, keep, what, timeout_s) from None
 
-    def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str) -> list[int]:
+    def _allreduce(self, values: list[int], op: str, timeout_s: float, what: str,
+                   watch: Optional[Callable[[], None]] = None) -> list[int]:  # (a gloo wait cannot be polled)
         import torch
 
         from .torch_dist import _OPS, _all_reduce
@@ -274,7 +291,8 @@ class GlooHostChannel(HostChannel):
         self._wait(work, t, what, timeout_s)
         return t.tolist()
 
-    def _allgather(self, values: list[int], timeout_s: float, what: str) -> list[list[int]]:
+    def _allgather(self, values: list[int], timeout_s: float, what: str,
+                   watch: Optional[Callable[[], None]] = None) -> list[list[int]]:
         import torch
 
         from .torch_dist import _all_gather_single

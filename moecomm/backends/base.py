@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Request", "DoneRequest", "Backend", "REDUCE_OPS", "reduce_op_name"]
+__all__ = ["Request", "DoneRequest", "NoticeChannel", "Backend", "REDUCE_OPS", "NOTICE_BYTES", "reduce_op_name"]
 
 REDUCE_OPS = ("sum", "max", "min", "prod")
 
@@ -29,6 +29,39 @@ def reduce_op_name(op: Any) -> str:
         if op == k:
             return v
     raise ValueError(f"op must be one of {REDUCE_OPS} or a torch.distributed.ReduceOp, got {op!r}")
+
+
+NOTICE_BYTES = 1024
+"""The longest failure notice a :class:`NoticeChannel` carries, in bytes (longer ones are cut)."""
+
+
+class NoticeChannel(abc.ABC):
+    """A side channel of one communicator's ranks for short failure notices
+    (:mod:`moecomm.engine.notices`): a rank whose collective call failed tells its peers why,
+    so that a peer waiting for it raises that instead of timing out. Nothing travels on it
+    while no rank fails; it stays open after the backend is aborted (notices still leave and
+    arrive), and is released by the backend's ``close``."""
+
+    reader: Any = None
+    """What keeps the notices that arrive (:class:`moecomm.engine.notices.Notices`): set by the
+    first engine made over the backend, shared by every engine over it, so that they count
+    their calls together and none reads a notice meant for another."""
+
+    @abc.abstractmethod
+    def send(self, payload: bytes) -> None:
+        """Send ``payload`` (cut to :data:`NOTICE_BYTES`) to every other rank; never blocks."""
+
+    @abc.abstractmethod
+    def poll(self) -> Sequence[tuple[int, bytes]]:
+        """The notices that arrived since the last poll, ``(source rank, payload)`` in order
+        of arrival; empty when none did (the common case: one test of a posted receive).
+        Never blocks."""
+
+    @abc.abstractmethod
+    def agree(self) -> "Request":
+        """Start a barrier of the channel's ranks (non-blocking; collective among those that
+        call it): the ranks that failed the same call meet there, to learn that none of them
+        is waiting for another."""
 
 
 class Request(abc.ABC):
@@ -163,6 +196,12 @@ class Backend(abc.ABC):
 
     def check_health(self) -> None:
         """Raise if the backend has failed asynchronously (a watchdog timeout, say)."""
+
+    def notice_channel(self) -> Optional[NoticeChannel]:
+        """The backend's :class:`NoticeChannel`, or None where it has none (the default: NCCL,
+        gloo, the peer backend, one rank). Collective the first time it is asked for (MPI:
+        a duplicate communicator is made); later calls return the same channel."""
+        return None
 
     def watch_stream(self, op: str, timeout_s: float,
                      problem: Optional[Callable[[], Optional[BaseException]]] = None) -> None:

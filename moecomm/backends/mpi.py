@@ -8,6 +8,7 @@ and every torch dtype (bfloat16, float8, bool) moves bit for bit.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -17,14 +18,91 @@ from ._exit import note_abort
 from ..launch import mpi_wait
 from ..splits import split_offsets
 from ._deadline import call_before_deadline
-from .base import Backend, Request
+from .base import NOTICE_BYTES, Backend, NoticeChannel, Request
 
-__all__ = ["MpiBackend", "MpiRequest", "TaggedRequest", "byte_view"]
+__all__ = ["MpiBackend", "MpiNoticeChannel", "MpiRequest", "TaggedRequest", "byte_view"]
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
     """A writable uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
     return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+_NOTICE_TAG = 1
+"""The tag of failure notices, on the notice channel's duplicate (nothing else travels there)."""
+
+
+def _withdraw(posted: list) -> None:
+    """Cancel the notice receive held in ``posted`` (``[request or None, buffer]``), if any."""
+    req, posted[0] = posted[0], None
+    if req is not None:
+        req.Cancel()
+        req.Wait()
+
+
+class MpiNoticeChannel(NoticeChannel):
+    """Failure notices on a duplicate of the backend's communicator, so that they never match
+    a row receive (those take any tag): one receive from any rank of at most
+    :data:`NOTICE_BYTES` stays posted on it and is tested by every poll; a notice that arrives
+    is read and the receive posted again. Sends are small and leave eagerly; they stay
+    referenced until done. The posted receive is cancelled by :meth:`close`, and otherwise
+    when the channel is collected or the process exits (before mpi4py finalizes MPI), so that
+    MPI never finalizes under it."""
+
+    def __init__(self, comm: Any, timeout_s: float) -> None:
+        """Collective over ``comm``: duplicates it (``MPI_Comm_idup``, polled until
+        ``timeout_s``, then ``TimeoutError``) and posts the receive."""
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        dup, req = comm.Idup()
+        mpi_wait(req, timeout_s=timeout_s, what="MPI_Comm_idup (moecomm failure notices)", rank=comm.Get_rank())
+        self._comm = dup
+        self._status = MPI.Status()
+        self._sends: list = []  # (request, buffer) of notices (and barriers) not yet known to be done
+        self._posted: list = [None, np.zeros(NOTICE_BYTES, dtype=np.uint8)]  # [receive, its buffer]
+        self._post()
+        self._finalizer = weakref.finalize(self, _withdraw, self._posted)
+
+    def _post(self) -> None:
+        MPI = self._MPI
+        self._posted[0] = self._comm.Irecv([self._posted[1], MPI.BYTE], source=MPI.ANY_SOURCE, tag=_NOTICE_TAG)
+
+    def send(self, payload: bytes) -> None:
+        if self._comm == self._MPI.COMM_NULL:
+            return
+        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+        data = np.frombuffer(bytes(payload[:NOTICE_BYTES]), dtype=np.uint8).copy()
+        rank, size = self._comm.Get_rank(), self._comm.Get_size()
+        for k in range(1, size):
+            dest = (rank + k) % size
+            self._sends.append((self._comm.Isend([data, self._MPI.BYTE], dest=dest, tag=_NOTICE_TAG), data))
+
+    def poll(self) -> Sequence[tuple[int, bytes]]:
+        req = self._posted[0]
+        if req is None or not req.Test(self._status):
+            return ()
+        got = []
+        while True:
+            n = self._status.Get_count(self._MPI.BYTE)
+            got.append((self._status.Get_source(), bytes(self._posted[1][:n])))
+            self._post()
+            if not self._posted[0].Test(self._status):
+                return got
+
+    def agree(self) -> Request:
+        req = self._comm.Ibarrier()
+        self._sends.append((req, None))  # (close frees the duplicate only once it is done)
+        return MpiRequest(req, ())
+
+    def close(self) -> None:
+        """Cancel the posted receive; free the duplicate once every notice sent has left and
+        every barrier is done (else it stays allocated: they still use it)."""
+        self._finalizer()
+        if self._comm != self._MPI.COMM_NULL and all(r.Test() for r, _ in self._sends):
+            self._sends.clear()
+            self._comm.Free()
+        self._comm = self._MPI.COMM_NULL
 
 
 class MpiRequest(Request):
@@ -112,6 +190,7 @@ class MpiBackend(Backend):
         self.size = self._comm.Get_size()
         self.device = torch.device("cpu")
         self._row_types: dict[int, Any] = {}  # explicit cache: row_bytes -> committed datatype
+        self._notices: Optional[MpiNoticeChannel] = None  # made by the first notice_channel()
 
     @property
     def mpi_comm(self) -> Any:
@@ -238,6 +317,13 @@ class MpiBackend(Backend):
         if self._failure is not None:
             raise self._failure
 
+    def notice_channel(self) -> Optional[MpiNoticeChannel]:
+        """A :class:`MpiNoticeChannel` over this backend's communicator (None on one rank, or
+        once closed); made on the first call, which is collective."""
+        if self._notices is None and self.size > 1 and self._comm != self._MPI.COMM_NULL:
+            self._notices = MpiNoticeChannel(self._comm, self.timeout_s)
+        return self._notices
+
     def close(self) -> None:
         if self._failure is not None:  # a split still runs on the communicator: leave it allocated
             self.abort()
@@ -248,11 +334,14 @@ class MpiBackend(Backend):
         if self._comm != self._MPI.COMM_NULL:
             self._comm.Free()
             self._comm = self._MPI.COMM_NULL
+        if self._notices is not None:
+            self._notices.close()
 
     def abort(self) -> None:
         note_abort()
         # MPI cannot cancel a collective in flight: the communicator is left allocated and
         # its buffers referenced (by the requests the caller abandoned), so that late peers
-        # never write into freed memory.
+        # never write into freed memory. The notice channel stays open: notices still leave
+        # and arrive on it.
         self._comm = self._MPI.COMM_NULL
 

@@ -163,8 +163,8 @@ def settle(engine: Engine, records: Optional[tuple]) -> None:
     MPI never writes into freed memory; past the timeout they are kept referenced."""
     if records is None:
         return
-    try:
-        engine.wait_host(records[0], "count records (of a call that failed)", None)
+    try:  # (at: a wait of the failure's, not a step of the call: moecomm.engine.notices)
+        engine.wait_host(records[0], "count records (of a call that failed)", None, engine.wait_position())
     except BaseException:  # noqa: BLE001 - the caller's error is the one to report
         engine.keep(records)
 

@@ -11,6 +11,7 @@ import torch
 
 from ..engine.dtypes import DTYPE_CODES, float8_dtypes
 from ..engine.engine import Engine
+from ..engine.notices import collective
 from ..backends._host_channel import int_list
 from ..engine.requests import Work
 from ..backends.base import DoneRequest, Request, reduce_op_name
@@ -28,6 +29,7 @@ class OtherCollectives:
     size: int
     backend: str
 
+    @collective("all_gather_v")
     def all_gather_v(self, input: torch.Tensor, *, async_op: bool = False) -> Union[tuple[torch.Tensor, list[int]], Work]:
         """Concatenate every rank's ``input`` (``[N_r, *row_shape]``, ``N_r`` may differ) in rank order.
 
@@ -38,6 +40,8 @@ class OtherCollectives:
             TypeError, ValueError: a bad ``input``, before anything is sent.
             CountMismatchError: ranks pass different dtypes or row shapes (on every rank).
             TimeoutError: a wait outlived the timeout (the communicator is aborted).
+            PeerFailedError: (MPI) a peer raised in this call, or aborted the communicator (see
+                :meth:`moecomm.Communicator.all_to_all_v`).
         """
         op = "all_gather_v"
         self._engine.check_open(op)
@@ -59,12 +63,14 @@ class OtherCollectives:
             request = self._engine.backend.allgatherv(x, out, counts, row_bytes)
         return self._engine.finish(request, op, (out, counts), async_op)
 
+    @collective("allreduce")
     def allreduce(self, tensor: torch.Tensor, op: Any = "sum", async_op: bool = False) -> Optional[Work]:
         """In-place reduction over all ranks (``op``: "sum", "max", "min", "prod" or a
         ``torch.distributed.ReduceOp``). float16/bfloat16 are reduced in float32 on MPI.
 
         Raises:
-            TypeError, ValueError: a bad ``tensor`` (complex, FP8) or ``op``; TimeoutError: as :meth:`barrier`.
+            TypeError, ValueError: a bad ``tensor`` (complex, FP8) or ``op``; TimeoutError, PeerFailedError:
+                as :meth:`barrier`.
         """
         name = "allreduce"
         self._engine.check_open(name)
@@ -79,6 +85,7 @@ class OtherCollectives:
         then = (lambda: t.copy_(work_tensor)) if work_tensor is not t else None
         return self._engine.finish(request, name, True if async_op else None, async_op, then=then)
 
+    @collective("allreduce_ints")
     def allreduce_ints(self, values: Sequence[int], op: str = "max") -> list[int]:
         """Element-wise ``op`` over all ranks of a short list of host integers (token counts,
         sizes, flags), returned as a list of Python ints; every rank passes the same number
@@ -101,6 +108,7 @@ class OtherCollectives:
             CountMismatchError: the ranks passed different numbers of values (on every rank).
             TimeoutError: some rank did not call it within ``timeout`` (the communicator is aborted).
             CommunicatorClosedError: the communicator is closed or aborted.
+            PeerFailedError: as :meth:`barrier`.
         """
         return self._engine.allreduce_ints(int_list(values, "values"), op, "allreduce_ints")  # it checks op
 
@@ -111,11 +119,12 @@ class OtherCollectives:
         host = self._engine.host
         return None if host is None else host.kind
 
+    @collective("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """In-place broadcast of ``tensor`` from rank ``src``.
 
         Raises:
-            TypeError, ValueError: a bad ``tensor`` or ``src``; TimeoutError: as :meth:`barrier`.
+            TypeError, ValueError: a bad ``tensor`` or ``src``; TimeoutError, PeerFailedError: as :meth:`barrier`.
         """
         name = "broadcast"
         self._engine.check_open(name)
@@ -125,10 +134,13 @@ class OtherCollectives:
         request = self._engine.backend.broadcast(t, src)
         return self._engine.finish(request, name, True if async_op else None, async_op)
 
+    @collective("barrier")
     def barrier(self) -> None:
         """Return once every rank has entered the barrier.
 
         Raises:
             TimeoutError: not every rank entered within ``timeout`` (the communicator is aborted).
+            PeerFailedError: (MPI) a peer raised in this call, or aborted the communicator (see
+                :meth:`moecomm.Communicator.all_to_all_v`).
         """
         self._engine.barrier()

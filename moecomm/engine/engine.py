@@ -22,10 +22,11 @@ import torch
 from ..backends._deadline import poll_yielding
 from ..backends._host_channel import OPS, HostChannel
 from ..backends.base import Backend, Request
-from ..errors import CommunicatorClosedError, CountMismatchError
+from ..errors import CommunicatorClosedError, CountMismatchError, PeerFailedError
 from ..pool import StagingPool
 from ..splits import Splits, normalize_splits
 from .dtypes import DTYPE_CODES, SUPPORTED_DTYPES
+from .notices import Notice, Notices, cause, describe, failure_kind, peer_failed_error
 from .requests import TagChecked, ThenRequest, Work
 from .tags import TagPlan
 
@@ -60,12 +61,16 @@ class Engine:
     (:class:`moecomm.backends._host_channel.HostChannel`) of the short integer agreements, closed and
     aborted with the engine (None: they go through the backend, on its device); ``copy_engine_min_bytes``:
     see :data:`COPY_ENGINE_MIN_BYTES`. Sub-engines made by :meth:`split` with ``owned=True``
-    (the hierarchy groups) are closed and aborted with this one.
+    (the hierarchy groups) are closed and aborted with this one, and share its failure notices.
+
+    ``notices``: the failure notices (:mod:`moecomm.engine.notices`) to share; None: those of
+    the backend's own notice channel where it has one (MPI, two or more ranks; asking for it
+    is collective the first time), shared by every engine made over the backend.
     """
 
     def __init__(self, backend: Backend, pool: StagingPool, *, timeout: float, validate: bool,
                  peer: Any = None, host: Optional[HostChannel] = None,
-                 copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES) -> None:
+                 copy_engine_min_bytes: int = COPY_ENGINE_MIN_BYTES, notices: Optional[Notices] = None) -> None:
         self.backend = backend
         self.host = host
         self.pool = pool
@@ -84,6 +89,13 @@ class Engine:
         self.world_ranks: Optional[list[int]] = None  # a sub-engine's members' ranks in its parent
         self.parent: Optional[Engine] = None
         self.closed_as: Optional[str] = None  # "closed" or "aborted"
+        if notices is None and backend.size > 1:
+            channel = backend.notice_channel()
+            if channel is not None:
+                if channel.reader is None:
+                    channel.reader = Notices(channel)
+                notices = channel.reader
+        self.notices = notices
         self._abandoned: list = []
         self._counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._owned: list[Engine] = []
@@ -173,6 +185,100 @@ class Engine:
             self.closed_as = "aborted"
             raise
 
+    # -- failure notices (moecomm.engine.notices) ------------------------------------------------
+
+    def wait_position(self) -> Optional[tuple[int, Optional[int]]]:
+        """Where a wait issued now stands: (the collective call, the steps it completed), the
+        step None outside any call; None without failure notices (see
+        :mod:`moecomm.engine.notices`)."""
+        notices = self.notices
+        if notices is None:
+            return None
+        return notices.call, (notices.step if notices.depth else None)
+
+    def tell_failure(self, op: str, call: int, steps: int, exc: BaseException) -> None:
+        """This rank's collective call ``call`` (``op``) raised ``exc`` after ``steps`` steps:
+        where there are notices and :func:`moecomm.engine.notices.failure_kind` says so, tell
+        the peers, and (the engine not aborted) start the meeting of the ranks that failed the
+        call, which the next call settles (:meth:`settle_failure`). The engine is left as it is."""
+        notices = self.notices
+        kind = failure_kind(exc, self.closed_as == "aborted")
+        if kind is None or notices is None or self.closed_as == "closed":
+            return
+        try:
+            notices.tell(kind, call, steps, op, self.where(), describe(exc))
+            if kind == "failed":
+                notices.meeting = (call, notices.channel.agree())
+        except Exception as send_error:  # noqa: BLE001 - exc is the error to report
+            exc.add_note(f"moecomm: {op}: this failure could not be told to the peers ({send_error!r})")
+
+    def settle_failure(self, op: str) -> None:
+        """Before the call ``op`` after one that failed on this rank (its meeting pending):
+        wait until every rank that failed that call has met, then go on (they all failed it:
+        nothing is wrong between them); or until a peer's notice says it gave up waiting for
+        this rank: then abort and raise :class:`moecomm.PeerFailedError` quoting it, so that
+        this call never pairs with messages the peers left behind.
+
+        Raises:
+            PeerFailedError: a peer gave up on the failed call (the communicator is aborted).
+            TimeoutError: neither within the timeout: some rank neither failed that call nor
+                gave up on it (the communicator is aborted).
+        """
+        notices = self.notices
+        call, meeting = notices.meeting
+        notices.meeting = None
+        if self.closed_as is not None:
+            return  # (check_open names it)
+        seen: list[Optional[Notice]] = [None]
+
+        def met() -> bool:
+            if meeting.test():
+                return True
+            seen[0] = notices.peer_aborted()
+            return seen[0] is not None
+        if poll_yielding(met, time.monotonic() + self.timeout) and seen[0] is None:
+            return
+        self.keep(meeting)
+        top = self._top()
+        top.abort()
+        self.abort()
+        if seen[0] is not None:
+            raise PeerFailedError(f"moecomm: {op}: this rank failed its call {call}, which a peer waited for: "
+                                  f"{cause(seen[0])} -- the communicator was aborted on {top.where()}")
+        raise TimeoutError(f"moecomm: {op}: this rank failed its call {call}, and within {self.timeout:g} s not every "
+                           f"rank either failed that call too or gave up waiting for it, on {top.where()}; the "
+                           f"communicator was aborted")
+
+    def _give_up(self, request: Optional[Any], op: str, at: tuple[int, Optional[int]], notice: Notice) -> None:
+        """End a wait at ``at`` on a peer's ``notice``: keep ``request`` referenced, abort (the
+        hierarchy's top too, as a timeout does), tell the peers, raise
+        :class:`moecomm.PeerFailedError`."""
+        if request is not None:
+            self.keep(request)
+        top = self._top()
+        top.abort()
+        self.abort()
+        error = peer_failed_error(notice, op, top.where())
+        try:  # the cause travels on: a peer that reads this notice first still learns it
+            self.notices.tell("aborted", at[0], at[1] or 0, op, top.where(), f"{type(error).__name__}: {cause(notice)}")
+        except Exception as send_error:  # noqa: BLE001 - the peer's failure is the error to report
+            error.add_note(f"moecomm: the peers could not be told of this abort ({send_error!r})")
+        raise error
+
+    def _watch(self, op: str, at: Optional[tuple[int, Optional[int]]]) -> Optional[Callable[[], None]]:
+        """For a wait at ``at`` (:meth:`wait_position`) outside :meth:`wait_host` (the host
+        channel's): a function that raises as :meth:`wait_host` does on a peer's notice; None
+        without notices."""
+        notices = self.notices
+        if notices is None or at is None:
+            return None
+
+        def watch() -> None:
+            notice = notices.check(*at)
+            if notice is not None:
+                self._give_up(None, op, at, notice)
+        return watch
+
     def close(self) -> None:
         """Collective on NCCL: release the peer transport, the owned sub-engines and the backend."""
         if self.closed_as is None:
@@ -214,7 +320,8 @@ class Engine:
         if color is None:
             return None, []
         members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
-        sub = Engine(sub_backend, self.pool, timeout=self.timeout, validate=self.validate, host=sub_host)
+        sub = Engine(sub_backend, self.pool, timeout=self.timeout, validate=self.validate, host=sub_host,
+                     notices=self.notices if owned else None)
         sub.world_ranks, sub.parent = members, self
         sub.row_tags = self.row_tags
         if owned:
@@ -365,7 +472,8 @@ class Engine:
         if self.size == 1:
             return [[int(v) for v in values]]
         if self.host is not None:
-            return self._on_host(lambda: self.host.allgather(values, timeout=self.timeout, what=what))
+            return self._on_host(lambda watch: self.host.allgather(values, timeout=self.timeout, what=what,
+                                                                   watch=watch), what)
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         table = torch.empty(self.size * n, dtype=torch.int64, device=self.device)
         self.wait_host(self.backend.allgather(mine, table), what, None)
@@ -380,7 +488,8 @@ class Engine:
         if self.size == 1:
             return [int(v) for v in values]
         if self.host is not None:
-            return self._on_host(lambda: self.host.allreduce(values, op, timeout=self.timeout, what=what))
+            return self._on_host(lambda watch: self.host.allreduce(values, op, timeout=self.timeout, what=what,
+                                                                   watch=watch), what)
         if self.capturing():
             raise RuntimeError(f"moecomm: {what} returns host ints, which a CUDA graph capture cannot give: this "
                                f"communicator has no host channel (see the README, \"Host agreements\")")
@@ -417,14 +526,19 @@ class Engine:
             result += self.reduce_ints(values[_FRAME:], op, what)
         return result
 
-    def _on_host(self, call: Callable[[], Any]) -> Any:
-        """``call()`` on the host channel; its timeout aborts the engine (a collective is left
-        in flight on some rank)."""
+    def _on_host(self, call: Callable[[Optional[Callable[[], None]]], Any], what: str) -> Any:
+        """``call(watch)`` on the host channel, as a step of the call in progress: ``watch``
+        ends it on a peer's failure notice (:meth:`wait_host`'s rule). Its timeout aborts the
+        engine (a collective is left in flight on some rank)."""
+        notices = self.notices
         try:
-            return call()
+            result = call(self._watch(what, self.wait_position()))
         except TimeoutError as exc:
             self.abort()
             raise TimeoutError(f"{exc}; the communicator was aborted") from None
+        if notices is not None and notices.depth:
+            notices.step += 1
+        return result
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (at most ``timeout`` seconds)."""
@@ -473,54 +587,84 @@ class Engine:
         self.complete(request, op, None)
         return result
 
-    def complete(self, request: Request, op: str, timeout: Optional[float]) -> None:
+    def complete(self, request: Request, op: str, timeout: Optional[float],
+                 at: Optional[tuple[int, Optional[int]]] = None) -> None:
         """Make the results usable: on a GPU order the current stream (a ``timeout`` given
-        puts the work under the backend's watchdog with it), else wait on the host."""
+        puts the work under the backend's watchdog with it), else wait on the host
+        (:meth:`wait_host`, ``at`` as there)."""
         if self.backend.stream_ordered:
             request.join()
             if timeout is not None and not self.capturing():
                 self.backend.watch_stream(op, float(timeout))
         else:
-            self.wait_host(request, op, timeout)
+            self.wait_host(request, op, timeout, at)
 
-    def wait_host(self, request: Request, op: str, timeout: Optional[float]) -> None:
+    def wait_host(self, request: Request, op: str, timeout: Optional[float],
+                  at: Optional[tuple[int, Optional[int]]] = None) -> None:
         """Block the host until ``request`` completes, at most ``timeout`` seconds (default: the
-        engine's); past it, the engine is aborted and ``TimeoutError`` raised naming ``op``."""
+        engine's); past it, the engine is aborted and ``TimeoutError`` raised naming ``op``.
+
+        With failure notices (:mod:`moecomm.engine.notices`), a peer's notice that it failed
+        the call this wait belongs to before reaching it, or aborted, ends the wait at once:
+        the engine is aborted and :class:`moecomm.PeerFailedError` raised quoting the peer's
+        error. ``at``: the wait's place (:meth:`wait_position`) where it is not the next step
+        of the call in progress (an ``async_op`` call's ``wait()``); without it, the wait is
+        that step and counts as done when it returns."""
         if self.capturing():  # nothing captured runs before the replay: the wait could only time out
             raise RuntimeError(f"moecomm: {op} waits on the host, which a CUDA graph capture cannot include "
                                f"(collectives in a capture need their counts known on the host: pass recv_splits)")
+        notices = self.notices
+        step = at is None and notices is not None and notices.depth > 0  # the call's next step
         if request.test():
+            if step:
+                notices.step += 1
             return
         limit = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
         deadline = start + limit
-        test = request.test
+        watch = None
+        if notices is not None:
+            place = self.wait_position() if at is None else at
+
+            def watch() -> None:  # one test of the notice channel's posted receive
+                notice = notices.check(*place)
+                if notice is not None:
+                    self._give_up(request, op, place, notice)
         if self.backend.progress_on_test:
-            if not poll_yielding(test, deadline):
+            if not poll_yielding(request.test, deadline, watch):  # watch: every 64 polls
                 self._time_out(request, op, limit)
-            return
-        pause = 0.0
-        while not test():
-            now = time.monotonic()
-            if now > deadline:
-                self._time_out(request, op, limit)
-            self.check_open(op)
-            # Other backends progress on their own: yield for 5 ms, then sleep up to 1 ms.
-            if now - start < 5e-3:
-                os.sched_yield()
-            else:
-                pause = min(1e-3, pause * 2 if pause else 5e-5)
-                time.sleep(pause)
+        else:
+            pause = 0.0
+            while not request.test():
+                if watch is not None:
+                    watch()
+                now = time.monotonic()
+                if now > deadline:
+                    self._time_out(request, op, limit)
+                self.check_open(op)
+                # Other backends progress on their own: yield for 5 ms, then sleep up to 1 ms.
+                if now - start < 5e-3:
+                    os.sched_yield()
+                else:
+                    pause = min(1e-3, pause * 2 if pause else 5e-5)
+                    time.sleep(pause)
+        if step:
+            notices.step += 1
 
     def owns(self, sub: "Engine") -> bool:
         """Whether ``sub`` is one of the sub-engines closed and aborted with this one."""
         return any(e is sub for e in self._owned)
 
-    def _time_out(self, request: Request, op: str, limit: float) -> None:
-        self.keep(request)
+    def _top(self) -> "Engine":
+        """The engine whose fate this one shares: the top of the hierarchy that owns it."""
         top = self
         while top.parent is not None and top.parent.owns(top):
             top = top.parent
+        return top
+
+    def _time_out(self, request: Request, op: str, limit: float) -> None:
+        self.keep(request)
+        top = self._top()
         top.abort()  # a hierarchy group's timeout leaves its communicator unusable too
         self.abort()
         raise TimeoutError(

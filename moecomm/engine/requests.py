@@ -24,7 +24,7 @@ class Work:
     on the CPU it blocks until the data has arrived, at most ``timeout`` seconds.
     """
 
-    __slots__ = ("_engine", "_request", "_op", "_result", "_done")
+    __slots__ = ("_engine", "_request", "_op", "_result", "_done", "_at")
 
     def __init__(self, engine: "Engine", request: Request, op: str, result: Any) -> None:
         self._engine = engine
@@ -32,6 +32,9 @@ class Work:
         self._op = op
         self._result = result
         self._done = False
+        # where its wait stands among the collective calls (it heeds the peers' failure notices
+        # of that call and step: moecomm.engine.notices)
+        self._at = engine.wait_position()
 
     def is_completed(self) -> bool:
         """True once the data has arrived (never blocks)."""
@@ -43,9 +46,11 @@ class Work:
         Raises:
             TimeoutError: the data did not arrive within ``timeout`` (the communicator is aborted).
             CountMismatchError: a peer disagreed on the counts (see ``all_to_all_v``).
+            PeerFailedError: a peer failed this call, or aborted the communicator (MPI; it is
+                aborted here too).
         """
         if not self._done:
-            self._engine.complete(self._request, self._op, timeout)
+            self._engine.complete(self._request, self._op, timeout, self._at)
             self._done = True
         return self._result
 
@@ -53,9 +58,9 @@ class Work:
         """Block the host until the data has arrived, on any backend; then as :meth:`wait`.
 
         Raises:
-            TimeoutError, CountMismatchError: as :meth:`wait`.
+            TimeoutError, CountMismatchError, PeerFailedError: as :meth:`wait`.
         """
-        self._engine.wait_host(self._request, self._op, timeout)
+        self._engine.wait_host(self._request, self._op, timeout, self._at)
         return self.wait(timeout)
 
 

@@ -3,8 +3,9 @@
 A case passes when the job ends within ``timeout + 10 s`` of the phase's start (the exit hook
 of :mod:`moecomm.backends._exit` aborts a job whose peers never come), and every rank other than the
 victim either finished the phase (it did not need the victim after the fault) or raised a
-named error within ``2 * timeout + 2 s``: ``TimeoutError`` saying what did not complete, or
-``RuntimeError`` naming the victim's rank; and at least one of them raised.
+named error within ``2 * timeout + 2 s``: ``TimeoutError`` saying what did not complete,
+``RuntimeError`` naming the victim's rank, or ``PeerFailedError`` quoting the victim's failure
+(the victim's failure notice, MPI: see moecomm.engine.notices); and at least one of them raised.
 
 ``python -m tests.faults [--ranks 2,3,4] [--phases ...] [--kinds ...] [--subset] [--jobs N] [--timeout S]
 [--launcher "mpirun --allow-run-as-root"]``
@@ -127,8 +128,10 @@ def judge(case: Case, timeout_s: float, rc, end: float, lines: dict) -> list[str
             problems.append(f"{case.name}: rank {r}: unreadable result {line!r}")
             continue
         after, kind, msg = float(m.group(1)), m.group(2), m.group(3)
+        victim_told = f"rank {case.victim} failed its call" in msg or f"rank {case.victim} aborted" in msg
         named = ((kind == "TimeoutError" and "did not complete within" in msg and msg.startswith("moecomm"))
-                 or (kind == "RuntimeError" and f"failed on rank {case.victim}" in msg))
+                 or (kind == "RuntimeError" and f"failed on rank {case.victim}" in msg)
+                 or (kind == "PeerFailedError" and victim_told))
         if not named:
             problems.append(f"{case.name}: rank {r} raised {kind}: {msg} (not a named timeout or failure)")
         if after > 2 * timeout_s + 2:

@@ -470,7 +470,8 @@ def check_bad_arguments() -> None:
 
 
 def check_fn_errors() -> None:
-    """fn raising on one rank mid-pipeline: that rank re-raises (communicator aborted), peers time out."""
+    """fn raising on one rank mid-pipeline: that rank re-raises (communicator aborted); peers time
+    out, or on MPI raise PeerFailedError quoting its error at once (its failure notice)."""
     from moecomm import CommunicatorClosedError
 
     timeout = 2.0
@@ -504,6 +505,10 @@ def check_fn_errors() -> None:
         took = time.monotonic() - t0
         if R == bad:
             ok = isinstance(got, Boom) and c.closed and took < timeout
+        elif c.backend == "mpi":  # told by rank bad's failure notice, well before the timeout
+            told = isinstance(got, moecomm.PeerFailedError) and f"rank {bad} aborted" in str(got) and \
+                f"Boom: stage {stage}" in str(got)
+            ok = W == 1 or (told and c.closed and took < timeout)
         else:
             ok = W == 1 or (isinstance(got, TimeoutError) and c.closed and took < timeout * 3 + 5)
         collective_assert(ok, f"degree {degree}: rank {R} got {got!r} after {took:.1f} s, closed={c.closed}")
