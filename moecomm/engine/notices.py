@@ -193,32 +193,16 @@ def failure_kind(exc: BaseException, aborted: bool) -> Optional[str]:
 
 def collective(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator of a public collective method ``op`` of an object with an engine (``_engine``):
-    the method runs as :func:`run_collective` runs ``fn`` (the same lines, inlined: this is on
-    every call's path)."""
+    the method runs as :func:`run_collective` runs ``fn``."""
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            engine = self._engine
-            notices = engine.notices
-            if notices is None or notices.depth:
-                return method(self, *args, **kwargs)
-            if notices.meeting is not None:
-                engine.settle_failure(op)
-            notices.call += 1
-            notices.step = 0
-            notices.depth = 1
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as exc:
-                engine.tell_failure(op, notices.call, notices.step, exc)
-                raise
-            finally:
-                notices.depth = 0
+            return run_collective(self._engine, op, method, self, *args, **kwargs)
         return call
     return wrap
 
 
-def run_collective(engine: "Engine", op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def run_collective(engine: "Engine", op: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` as the collective call ``op`` on ``engine``: where the engine has
     :class:`Notices` and no call is in progress, the call takes the next call number, and an
     exception it raises is told to the peers (:meth:`moecomm.engine.engine.Engine.tell_failure`)
