@@ -42,7 +42,7 @@ def int_list(values: Any, name: str) -> list[int]:
         raise TypeError(f"{name} must be a sequence of ints (a list or tuple), got {type(values).__name__}")
     if type(values) is list and values and all(type(v) is int for v in values) \
             and _INT64_MIN <= min(values) and max(values) <= _INT64_MAX:
-        return values  # (the hot path: the backends' own records, already plain ints)
+        return list(values)  # (the hot path: the backends' own records, already plain ints; a copy, as below)
     out: list[int] = []
     for i, v in enumerate(values):
         if isinstance(v, (bool, np.bool_)):

@@ -4,7 +4,7 @@ moecomm through the default (MPI) communicator or through one made on the torch 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -40,3 +40,21 @@ def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """Collective: ``a`` and ``b`` hold the same bytes, shape and dtype on every rank."""
     ok = a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(as_bytes(a), as_bytes(b)))
     collective_assert(ok, f"{what} differs" + ("" if a.shape == b.shape else f": {tuple(a.shape)} vs {tuple(b.shape)}"))
+
+
+def say(line: str) -> None:
+    """Print ``line`` once (rank 0 of torch.distributed's world)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def checks_if_installed(framework: str, missing: Callable[[], Optional[str]], checks: list) -> list:
+    """``checks`` where ``missing()`` finds nothing absent, else none (and one line saying
+    ``SKIP framework`` and why)."""
+    reason = missing()
+    if reason:
+        say(f"SKIP {framework}: {reason}")
+        return []
+    return checks

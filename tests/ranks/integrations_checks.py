@@ -22,7 +22,7 @@ import moecomm.distributed
 from moecomm.integrations import _groups, clear_group_cache, communicator_for_group
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
 from tests.ranks.data import as_bytes, count_matrix, expected_bytes, input_for
-from tests.ranks.integration_modes import MODES, integration_mode, same
+from tests.ranks.integration_modes import MODES, checks_if_installed, integration_mode, same, say
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 init_gloo_over_mpi()
@@ -30,11 +30,6 @@ import torch.distributed as dist  # noqa: E402
 
 W, R = dist.get_world_size(), dist.get_rank()
 MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (MPI rank == torch rank)
-
-
-def say(line: str) -> None:
-    if R == 0:
-        print(line, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -266,11 +261,8 @@ def check_megatron_dispatcher() -> None:
 
 
 def megatron_checks() -> list:
-    reason = megatron_missing()
-    if reason:
-        say(f"SKIP megatron: {reason}")
-        return []
-    return [check_megatron_all_to_all, check_megatron_dispatcher, lambda: say("PASS megatron")]
+    return checks_if_installed("megatron", megatron_missing,
+                               [check_megatron_all_to_all, check_megatron_dispatcher, lambda: say("PASS megatron")])
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,12 +471,9 @@ def ds_group_dict():
 
 
 def deepspeed_checks() -> list:
-    reason = deepspeed_missing()
-    if reason:
-        say(f"SKIP deepspeed: {reason}")
-        return []
-    return [check_deepspeed, lambda: say("PASS deepspeed"), check_deepspeed_layer,
-            lambda: say("PASS deepspeed-layer")]
+    return checks_if_installed("deepspeed", deepspeed_missing,
+                               [check_deepspeed, lambda: say("PASS deepspeed"), check_deepspeed_layer,
+                                lambda: say("PASS deepspeed-layer")])
 
 
 def init_deepspeed() -> None:

@@ -26,7 +26,7 @@ import torch
 import moecomm
 from moecomm.integrations import _groups
 from tests.mpi_util import collective_assert, init_gloo_over_mpi, rank_main
-from tests.ranks.integration_modes import MODES, integration_mode, same
+from tests.ranks.integration_modes import MODES, checks_if_installed, integration_mode, same, say
 
 init_gloo_over_mpi()
 import torch.distributed as dist  # noqa: E402
@@ -34,11 +34,6 @@ import torch.distributed as dist  # noqa: E402
 W, R = dist.get_world_size(), dist.get_rank()
 MPI_COMM = moecomm.init(backend="mpi", timeout=60)  # the default communicator (MPI rank == torch rank)
 BACKENDS = ("spmd_types", "partial_dtensor")
-
-
-def say(line: str) -> None:
-    if R == 0:
-        print(line, flush=True)
 
 
 def torchtitan_missing() -> str | None:
@@ -130,11 +125,8 @@ def check_enable_disable() -> None:
 
 
 def torchtitan_checks() -> list:
-    reason = torchtitan_missing()
-    if reason:
-        say(f"SKIP torchtitan: {reason}")
-        return []
-    return [check_enable_disable, check_torchtitan_moe, lambda: say("PASS torchtitan")]
+    return checks_if_installed("torchtitan", torchtitan_missing,
+                               [check_enable_disable, check_torchtitan_moe, lambda: say("PASS torchtitan")])
 
 
 if __name__ == "__main__":
