@@ -224,7 +224,12 @@ class PeerBackend(StreamOrdered, Backend):
             raise CountMismatchError(f"moecomm: all_to_all_v (peer memory): {what}"
                                      + ("; the communicator was aborted" if out_of_step else ""))
         if row_bytes and is_direct(table):  # one round (see _share_output)
-            dst = direct_destinations(table, me, row_bytes, t.map_output)
+            try:
+                dst = direct_destinations(table, me, row_bytes, t.map_output)
+            except RuntimeError as exc:  # a peer's output cannot be mapped here: its peers would wait in vain
+                self.abort()
+                raise RuntimeError(f"moecomm: all_to_all_v (peer memory): rank {me} cannot map a peer's output "
+                                   f"through CUDA IPC ({exc}); the communicator was aborted") from exc
             part = round_blocks(send_counts, sd, recv_counts, rd, me, max(send_counts + recv_counts + [1]), 0)
             copy_out = table[me][3] != 1
             if self.concurrent:
