@@ -60,8 +60,11 @@ __all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER"]
 
 _HEADER_BYTES = 64
 
-INLINE_BYTES = 1 << 20
-"""On the peer backend, what the counts-on-the-GPU round carries per pair at most (the rest: :meth:`PeerTransport.finish`)."""
+INLINE_BYTES = 8 << 20
+"""On the peer backend, the largest block the counts-on-the-GPU round carries (a larger one
+goes whole in a second, direct exchange: :meth:`PeerTransport.finish`). Inline, rows cross the
+GPU's memory twice (into the arena, out of it) but need no host agreement, which costs more
+than a second crossing of a few MiB."""
 
 MAPPED_PER_PEER = 16
 """Peers' output allocations a direct exchange keeps mapped, per peer (:meth:`PeerTransport.map_output`)."""
@@ -115,9 +118,9 @@ class PeerTransport:
         self.data_off = _round_up(5 * W * _HEADER_BYTES, 4096)
         self.region_bytes = (arena_bytes - self.data_off) // (4 * W) // 256 * 256
         self.ce_data_off = self.data_off + 2 * W * self.region_bytes
-        # the counts-on-the-GPU round carries at most this much per pair; the rest follows in a second,
-        # known-counts exchange, which the peer backend makes direct for large blocks (one crossing of
-        # the GPU's memory instead of two) and runs anyway (every rank joins it, rows or not)
+        # the counts-on-the-GPU round carries blocks of at most this much; larger ones follow whole in a
+        # second, known-counts exchange, which the peer backend makes direct (one crossing of the GPU's
+        # memory instead of two) and runs where some rank's header says it has such a block
         self.inline_bytes = min(self.region_bytes, INLINE_BYTES) if self.collective else self.region_bytes
         if self.region_bytes < 256:
             raise ValueError(f"p2p_bytes={arena_bytes} leaves no room for rows: it needs at least "
@@ -145,7 +148,8 @@ class PeerTransport:
         self._done = torch.zeros(W, dtype=torch.int32, device=dev)
         self._result = torch.zeros(2 * W + 1, dtype=torch.int64, device=dev)
         # pinned, so mapped for the kernel: [received W][sent W][timed out][seq of the exchange written]
-        self._host = torch.zeros(2 * W + 2, dtype=torch.int64, pin_memory=True)
+        # [per source: dtype code, row-shape code, row bytes, overflows]
+        self._host = torch.zeros(6 * W + 2, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
         self._seq = 0  # counts-on-the-GPU exchanges: counted on the host (buffer half: seq % 2)
         # copy-engine exchanges: counted on the GPU ([done, last of half 0, last of half 1]); halves alternate
@@ -180,22 +184,27 @@ class PeerTransport:
         """Rows of ``row_bytes`` one source can put in one region."""
         return self.region_bytes // row_bytes
 
-    def start(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int) -> Request:
+    def start(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int, codes: tuple[int, int] = (0, 0)) -> Request:
         """Enqueue the exchange on the caller's current stream (ordered after the backend's
         stream): one kernel sends the rows and counts, waits for the peers' and writes the
         counts into host memory; one native call.
 
         ``x``: contiguous, 16-byte aligned rows grouped by destination; ``counts``:
-        contiguous int64 ``[size]`` on the device. When the request completes,
-        :meth:`counts` holds (sent, received, timed out). The wait kernel gives up after
-        the communicator's timeout, so the request always completes.
+        contiguous int64 ``[size]`` on the device; ``codes``: this rank's dtype and
+        row-shape codes (:func:`moecomm.engine.peer_check.row_codes`), which travel in the
+        headers. A block of at most :attr:`inline_bytes` travels in this round, a larger one
+        whole in :meth:`finish`'s exchange. When the request completes, :meth:`counts` holds
+        (sent, received, timed out) and :meth:`senders` what each source said of itself.
+        The wait kernel gives up after the communicator's timeout, so the request always
+        completes.
         """
         b = self._backend
         self._seq += 1
         bases, done, result, host = self._ptrs
         b.check_health()
         self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b.stream.cuda_stream, self._order,
-                                      x.data_ptr(), counts.data_ptr(), row_bytes, bases, self._base, self.rank,
+                                      x.data_ptr(), counts.data_ptr(), row_bytes, codes[0], codes[1], bases,
+                                      self._base, self.rank,
                                       self.size, self._seq, self._seq % 2, self.inline_bytes, self.data_off,
                                       self.header_off, done, self._blocks(x.numel() * x.element_size()), result, host,
                                       self._timeout_ns)
@@ -376,35 +385,54 @@ class PeerTransport:
         W = self.size
         return values[W:2 * W], values[:W], bool(values[2 * W])
 
-    def finish(self, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], row_bytes: int) -> Request:
+    def senders(self) -> list[tuple[int, int, int, bool]]:
+        """Per source, what its header of the exchange :meth:`start` issued last said of it:
+        (dtype code, row-shape code, row bytes, whether any of its blocks overflowed the
+        inline capacity). Every rank reads every rank's header, so all see the same table."""
+        W = self.size
+        v = self._host_np[2 * W + 2:6 * W + 2].tolist()
+        return [(v[4 * p], v[4 * p + 1], v[4 * p + 2], bool(v[4 * p + 3])) for p in range(W)]
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], row_bytes: int,
+               overflows: bool = True) -> Request:
         """Copy the rows out of this rank's arena into ``out`` (one kernel on the caller's
         current stream, which must already be ordered after :meth:`start`'s request; it
-        reads the counts on the device), then send the rows beyond a region's capacity
-        through NCCL. Returns the request of that remainder (done at once when there is none)."""
+        reads the counts on the device), then send the blocks larger than
+        :attr:`inline_bytes` whole through the backend (NCCL, or the peer backend's
+        known-counts exchange, which every rank joins where ``overflows``: some rank's header
+        said so). Returns the request of that remainder (done at once when there is none)."""
         if out.numel():
             self._ext.launch_copy_out(self._device, self._base, self.data_off, self._seq % 2, self.size,
                                       self.inline_bytes, row_bytes, self._ptrs[2], out.data_ptr(),
                                       self._blocks(out.numel() * out.element_size()),
                                       _cudart.current_stream(self._device))
-        rest = self._overflow(x, send, None, out, recv, None, row_bytes, None, self.inline_bytes // row_bytes)
+        if self.collective and not overflows:
+            return DoneRequest()
+        rest = self._overflow(x, send, None, out, recv, None, row_bytes, None, self.inline_bytes // row_bytes,
+                              whole=True)
         return DoneRequest() if rest is None else rest
 
     def _overflow(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
                   out: torch.Tensor, recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int,
-                  skip: Optional[int], cap: int) -> Optional[Request]:
-        """The rows beyond ``cap`` per pair (rank ``skip`` left out), through the backend (NCCL,
-        or the peer backend's known-counts exchange) on its stream, from and into the places
-        right after what the arenas carried; None when every pair fit (never on the peer
-        backend: every rank joins its exchanges)."""
+                  skip: Optional[int], cap: int, whole: bool = False) -> Optional[Request]:
+        """What the arenas did not carry (rank ``skip`` left out), through the backend (NCCL,
+        or the peer backend's known-counts exchange) on its stream: the rows beyond ``cap``
+        per pair, from and into the places right after what the arenas carried, or with
+        ``whole`` every block larger than ``cap``, whole. None when every pair fit (never on
+        the peer backend: every rank joins its exchanges)."""
         if max(send) <= cap and max(recv) <= cap and not self.collective:
             return None
         send_displs = split_offsets(send) if send_displs is None else send_displs
         recv_displs = split_offsets(recv) if recv_displs is None else recv_displs
-        extra_send = [0 if p == skip else max(0, n - cap) for p, n in enumerate(send)]
-        extra_recv = [0 if p == skip else max(0, n - cap) for p, n in enumerate(recv)]
+
+        def carried(n: int) -> int:  # what the arenas carried of a block of n rows
+            return (n if n <= cap else 0) if whole else min(n, cap)
+
+        extra_send = [0 if p == skip else n - carried(n) for p, n in enumerate(send)]
+        extra_recv = [0 if p == skip else n - carried(n) for p, n in enumerate(recv)]
         return self._backend.alltoallv(x, extra_send, out, extra_recv, row_bytes,
-                                       [d + min(n, cap) for d, n in zip(send_displs, send)],
-                                       [d + min(n, cap) for d, n in zip(recv_displs, recv)])
+                                       [d + carried(n) for d, n in zip(send_displs, send)],
+                                       [d + carried(n) for d, n in zip(recv_displs, recv)])
 
     def _release(self) -> None:
         self._destroy_events()

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..engine.peer_check import PeerCheck
+from ..engine.peer_check import PeerCheck, row_codes
+from ..errors import CountMismatchError
 from ..engine.requests import CheckedRequest, RaiseAfter
 from ..backends._p2p_limits import ROW_ALIGN as PEER_ROW_ALIGN
 from ..backends.base import DoneRequest, Request
@@ -193,19 +194,40 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
     c = counts.to(device=engine.device, dtype=torch.int64).contiguous()  # the kernels read them on this GPU
     if x.data_ptr() % PEER_ROW_ALIGN:
         x = x.clone()  # the kernels move 16-byte vectors
-    request = engine.peer.start(x, c, row_bytes)
+    codes = row_codes(x.dtype, x.shape[1:])
+    request = engine.peer.start(x, c, row_bytes, codes)
     engine.wait_host(request, f"{op} (peer memory)", None)
     send, recv, timed_out = engine.peer.counts()
     if timed_out:
         engine.abort()
         raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
                            f"{engine.timeout:g} s on rank {engine.rank}; the communicator was aborted")
+    senders = engine.peer.senders()
+    mismatch = _header_mismatch(engine.rank, senders, codes, row_bytes, x.dtype)
+    if mismatch is not None:  # every rank read every header: all raise, none is left waiting
+        raise CountMismatchError(f"moecomm: {op} (peer memory): {mismatch}; nothing was returned")
     problem = check_exchanged_counts(engine, send, recv, x.shape[0], "the rows")
     if engine.validate:
         engine.cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
     out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     request.join()  # (the kernels ran on the caller's stream: nothing to order)
-    return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes)
+    overflows = any(s[3] for s in senders)
+    return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes, overflows)
+
+
+def _header_mismatch(me: int, senders: list[tuple[int, int, int, bool]], codes: tuple[int, int], row_bytes: int,
+                     dtype: torch.dtype) -> Optional[str]:
+    """What the peers' headers of a counts-on-the-GPU exchange say that disagrees with this
+    rank's rows (dtype, row shape), or None."""
+    for p, (dtype_code, shape_code, their_bytes, _) in enumerate(senders):
+        if p == me or (dtype_code, shape_code) == codes:
+            continue
+        if dtype_code != codes[0]:
+            return (f"rank {p} sent rows of another dtype than rank {me}'s {dtype} "
+                    f"(rows of {their_bytes} bytes against {row_bytes}): every rank must pass the same dtype")
+        return (f"rank {p} sent rows of another shape than rank {me} (rows of {their_bytes} bytes against "
+                f"{row_bytes}): every rank must pass the same row shape")
+    return None
 
 
 def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],

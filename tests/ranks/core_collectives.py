@@ -279,6 +279,49 @@ def check_peer_memory() -> None:
     check_peer_memory_mismatch()
 
 
+def check_peer_gpu_counts() -> None:
+    """The peer backend, counts on the GPU: blocks that fit the inline capacity travel in the
+    kernel's round, larger ones whole in the exchange that follows (run only where some rank
+    has one); both equal the reference over many calls. A rank whose rows have another dtype
+    or row shape of the same size is named on every rank (CountMismatchError), and the
+    communicator stays usable."""
+    if BACKEND != "peer":
+        return
+    from moecomm.backends.p2p import INLINE_BYTES
+
+    # regions of 1 KiB, so that inline means at most 64 rows of 16 bytes: mixed rounds
+    arena = 4096 + 4 * W * 1024
+    peer = make_comm(timeout=30, p2p_bytes=arena, set_default=False)
+    collective_assert(peer._engine.peer.inline_bytes == min(1024, INLINE_BYTES), "inline capacity")
+    for i in range(10):
+        seed = 900 + i
+        m = count_matrix(seed, W, (3, 40, 90)[i % 3], 0.3)
+        for dtype, shape in ((torch.bfloat16, (8,)), (torch.float32, (4, 2))):
+            x = input_for(seed, R, m, shape, dtype).to(DEV)
+            out, recv = peer.all_to_all_v(x, torch.tensor(m[R], device=DEV))
+            collective_assert(recv == m[:, R].tolist(), f"peer gpu counts call {i}: counts {recv}")
+            same = np.array_equal(as_bytes(out), expected_bytes(seed, R, m, shape, dtype))
+            collective_assert(same, f"peer gpu counts call {i} {dtype}{shape} (max {m.max()} rows): data")
+    if W > 1:
+        m = count_matrix(950, W, 20, 0.0) + 1
+        for odd, even, what in (((torch.float32, (4,)), (torch.bfloat16, (8,)), "dtype"),
+                                ((torch.float32, (4, 2)), (torch.float32, (8,)), "shape")):
+            dtype, shape = odd if R == W - 1 else even
+            x = input_for(950, R, m, shape, dtype).to(DEV)
+            try:
+                peer.all_to_all_v(x, torch.tensor(m[R], device=DEV))
+                got = None
+            except Exception as exc:  # noqa: BLE001
+                got = exc
+            ok = isinstance(got, moecomm.CountMismatchError) and f"another {what}" in str(got) and not peer.closed
+            collective_assert(ok, f"peer gpu counts, {what} on rank {W - 1} differs: rank {R} got {got!r}")
+        x = input_for(951, R, m, (8,), torch.bfloat16).to(DEV)
+        out, _ = peer.all_to_all_v(x, torch.tensor(m[R], device=DEV))
+        collective_assert(np.array_equal(as_bytes(out), expected_bytes(951, R, m, (8,), torch.bfloat16)),
+                          "the call after a mismatch")
+    peer.close()
+
+
 def check_peer_memory_mismatch() -> None:
     """Copy engines: a rank sending another count than its peer expects is named by the peer
     (CountMismatchError at its next call, the communicator aborted), not silently truncated."""
@@ -425,7 +468,7 @@ def check_torch_dropin() -> None:
 if __name__ == "__main__":
     ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
-               check_max_ctas, check_peer_memory, check_cuda_graph, check_torch_dropin]
+               check_max_ctas, check_peer_memory, check_peer_gpu_counts, check_cuda_graph, check_torch_dropin]
     if ONLY and ONLY.startswith("-"):
         ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
     elif ONLY:

@@ -6,7 +6,9 @@
 //   [0, 2 * W * 64)                          counts-on-the-GPU headers: parity x source
 //   [2 * W * 64, 4 * W * 64)                 copy-engine headers: half x source
 //   [4 * W * 64, 5 * W * 64)                 copy-engine acks: source
-//   each header is 64 bytes: int64 count, then int64 sequence number; an ack one int64
+//   each header is 64 bytes: int64 count, then int64 sequence number (counts on the GPU: then
+//   the sender's dtype code, row-shape code, row bytes and whether any of its blocks
+//   overflows the inline capacity); an ack one int64
 //   [data_off, data_off + 2 * W * region)    counts-on-the-GPU data regions: parity x source
 //   [.. + 2 * W * region, .. + 4 * W * region)  copy-engine data regions: half x source
 //
@@ -96,20 +98,34 @@ __device__ __forceinline__ void copy_vectors(uint4* dst, const uint4* src, int64
   for (; i < n; i += stride) dst[i] = src[i];
 }
 
+// A block of `count` rows travels inline (in the kernel's round) when it fits `cap` rows
+// whole; a larger one goes whole in the exchange that follows (moecomm/backends/p2p.py).
+__device__ __forceinline__ int64_t inline_rows(int64_t count, int64_t cap) {
+  return count >= 0 && count <= cap ? count : 0;
+}
+
+// What the sender tells every receiver beside its count (header words 2-5): its dtype and
+// row-shape codes and row bytes (a receiver names any disagreement), and whether any of its
+// blocks overflows the inline capacity (then every rank joins the exchange that follows).
+struct SenderInfo {
+  int64_t dtype_code, shape_code, row_bytes;
+};
+
 // Block b (< W * blocks_per_peer) of the send role: group p = b / blocks_per_peer copies
 // this rank's rows for rank p into p's region, and the group's last block writes the header.
 __device__ void send_rows(int block, const uint4* __restrict__ x, const int64_t* __restrict__ counts,
-                          int64_t row_bytes, const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq,
+                          SenderInfo info, const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq,
                           int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off, unsigned int* done,
                           int blocks_per_peer) {
+  const int64_t row_bytes = info.row_bytes;
   const int p = block / blocks_per_peer;
   const int b = block % blocks_per_peer;
   int64_t offset = 0;
   for (int q = 0; q < p; ++q) offset += counts[q];
   const int64_t count = counts[p];
   const int64_t cap = region_bytes / row_bytes;
-  int64_t rows = count < cap ? count : cap;
-  if (rows < 0 || offset < 0) rows = 0;  // bad counts: the host rejects them after the exchange
+  int64_t rows = inline_rows(count, cap);
+  if (offset < 0) rows = 0;  // bad counts: the host rejects them after the exchange
   const int64_t vectors = rows * row_bytes / 16;
   char* base = reinterpret_cast<char*>(peer_bases[p]);
   uint4* dst = reinterpret_cast<uint4*>(base + data_off + (int64_t(parity) * world + me) * region_bytes);
@@ -124,7 +140,13 @@ __device__ void send_rows(int block, const uint4* __restrict__ x, const int64_t*
       __threadfence_system();
       volatile int64_t* hdr =
           reinterpret_cast<volatile int64_t*>(base + hdr_off + (int64_t(parity) * world + me) * 64);
+      int64_t overflows = 0;
+      for (int q = 0; q < world; ++q) overflows |= counts[q] > cap;
       hdr[0] = count;
+      hdr[2] = info.dtype_code;
+      hdr[3] = info.shape_code;
+      hdr[4] = row_bytes;
+      hdr[5] = overflows;
       __threadfence_system();
       hdr[1] = seq;
     }
@@ -133,7 +155,8 @@ __device__ void send_rows(int block, const uint4* __restrict__ x, const int64_t*
 
 // The wait role (one block): thread p waits for rank p's header of exchange `seq`.
 // out (device) and host (mapped host memory) get [0:W] = counts received, [W:2W] = this
-// rank's own counts, [2W] = 1 on timeout; then host[2W + 1] = seq tells the host it is all there.
+// rank's own counts, [2W] = 1 on timeout; host[2W + 2 + 4p : 2W + 6 + 4p] = rank p's header
+// words 2-5; then host[2W + 1] = seq tells the host it is all there.
 __device__ void wait_headers(const char* my_base, int64_t hdr_off, int parity, int world, int64_t seq,
                              const int64_t* __restrict__ counts, int64_t* out, volatile int64_t* host,
                              uint64_t timeout_ns) {
@@ -151,6 +174,7 @@ __device__ void wait_headers(const char* my_base, int64_t hdr_off, int parity, i
       const int64_t got = hdr[0];
       out[p] = got;
       host[p] = got;
+      for (int j = 0; j < 4; ++j) host[2 * world + 2 + 4 * p + j] = hdr[2 + j];
     }
     out[world + p] = counts[p];
     host[world + p] = counts[p];
@@ -166,13 +190,13 @@ __device__ void wait_headers(const char* my_base, int64_t hdr_off, int parity, i
 
 // Grid: W * blocks_per_peer + 1 blocks: the send role, then one block waiting. The waiting
 // block only waits on the peers' progress, never on this grid's other blocks.
-__global__ void send_wait_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ counts, int64_t row_bytes,
+__global__ void send_wait_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ counts, SenderInfo info,
                                  const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
                                  int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
                                  unsigned int* done, int blocks_per_peer, int64_t* out, volatile int64_t* host,
                                  uint64_t timeout_ns) {
   if (blockIdx.x < world * blocks_per_peer) {
-    send_rows(blockIdx.x, x, counts, row_bytes, peer_bases, me, world, seq, parity, region_bytes, data_off, hdr_off,
+    send_rows(blockIdx.x, x, counts, info, peer_bases, me, world, seq, parity, region_bytes, data_off, hdr_off,
               done, blocks_per_peer);
   } else {
     wait_headers(my_base, hdr_off, parity, world, seq, counts, out, host, timeout_ns);
@@ -180,7 +204,7 @@ __global__ void send_wait_kernel(const uint4* __restrict__ x, const int64_t* __r
 }
 
 // Grid: W * blocks_per_source blocks; group p copies the rows rank p left in this rank's
-// region (parity, p), at most a region's capacity, to their place in `out` (sources in rank
+// region (parity, p), its block where it traveled inline, to their place in `out` (sources in rank
 // order). `received` holds the counts (the wait kernel's output).
 __global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parity, int world, int64_t region_bytes,
                                 int64_t row_bytes, const int64_t* __restrict__ received, uint4* out,
@@ -191,7 +215,7 @@ __global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parit
   for (int q = 0; q < p; ++q) offset += received[q];
   const int64_t cap = region_bytes / row_bytes;
   const int64_t count = received[p];
-  const int64_t rows = count < cap ? count : cap;
+  const int64_t rows = inline_rows(count, cap);
   const int64_t vectors = rows * row_bytes / 16;
   const uint4* src = reinterpret_cast<const uint4*>(my_base + data_off + (int64_t(parity) * world + p) * region_bytes);
   uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(out) + offset * row_bytes);
@@ -435,7 +459,8 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
 // overwrites), then one kernel that sends and waits, and writes the counts to `host`
 // (mapped host memory) with host[2W + 1] = seq last.
 void gpu_counts_exchange(int device, uint64_t stream_handle, uint64_t backend_stream, uint64_t order_event,
-                         uint64_t x, uint64_t counts, int64_t row_bytes, uint64_t peer_bases, uint64_t my_base, int me,
+                         uint64_t x, uint64_t counts, int64_t row_bytes, int64_t dtype_code, int64_t shape_code,
+                         uint64_t peer_bases, uint64_t my_base, int me,
                          int world, int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
                          uint64_t done, int blocks_per_peer, uint64_t result, uint64_t host, uint64_t timeout_ns) {
   DeviceGuard guard(device);
@@ -444,8 +469,8 @@ void gpu_counts_exchange(int device, uint64_t stream_handle, uint64_t backend_st
         "cudaEventRecord");
   check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(order_event), 0), "cudaStreamWaitEvent");
   send_wait_kernel<<<world * blocks_per_peer + 1, 512, 0, stream>>>(
-      reinterpret_cast<const uint4*>(x), reinterpret_cast<const int64_t*>(counts), row_bytes,
-      reinterpret_cast<const uint64_t*>(peer_bases), reinterpret_cast<const char*>(my_base), me, world, seq, parity,
+      reinterpret_cast<const uint4*>(x), reinterpret_cast<const int64_t*>(counts),
+      SenderInfo{dtype_code, shape_code, row_bytes}, reinterpret_cast<const uint64_t*>(peer_bases), reinterpret_cast<const char*>(my_base), me, world, seq, parity,
       region_bytes, data_off, hdr_off, reinterpret_cast<unsigned int*>(done), blocks_per_peer,
       reinterpret_cast<int64_t*>(result), reinterpret_cast<volatile int64_t*>(host), timeout_ns);
   check(cudaGetLastError(), "send/wait kernel launch");
