@@ -8,7 +8,12 @@ Run under MPI::
 of ``--row-elems`` elements: a size below one row is rounded up to one row, other sizes down
 to whole rows, and the table, the JSON and the bandwidths all use those bytes. ``algbw`` is
 size / time and ``busbw`` is algbw * (n-1)/n, as nccl-tests define them for alltoall. Times
-are per exchange, the slowest rank's, over ``--iters`` timed runs: median and p99.
+are per exchange, the slowest rank's, over ``--iters`` timed runs: median and p99. Each
+timed run is a barrier, then ``--batch`` exchanges (1 by default) issued back to back, then
+a device synchronize, divided by ``--batch``: with 1 every exchange pays a barrier's skew and
+a synchronize (about 40 us on an H200, what ``copy`` shows at small sizes); with 10 or more
+the time is what nccl-tests' alltoall_perf reports (it issues its iterations back to back
+and synchronizes once).
 
 Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCCL refuses):
   moecomm        ``comm.all_to_all_v(x, send_counts)`` with the counts in a tensor on the
@@ -182,9 +187,10 @@ class Bench:
                 name, fn = names[i], fns[names[i]]
                 self.world.Barrier()
                 t0 = time.perf_counter()
-                outs[name] = fn()
+                for _ in range(self.args.batch):
+                    outs[name] = fn()
                 self.sync()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append((time.perf_counter() - t0) / self.args.batch)
         result = {}
         for name in fns:
             slowest = np.array(times[name])
@@ -367,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (4)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed exchanges per size (20)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed exchanges first (3)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="exchanges issued back to back per timed run, one synchronize at the end (1; "
+                        "nccl-tests' way: 10 or more)")
     p.add_argument("-p", "--patterns", default="uniform,random,skewed", help="comma list of uniform, random, skewed")
     p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--row-elems", type=int, default=1024, help="elements per row (token); 1024")
@@ -391,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.row_elems < 1:
-        parser.error("need -b <= -e, -f >= 2, -n >= 1 and --row-elems >= 1")
+    if args.minbytes > args.maxbytes or args.stepfactor < 2 or args.iters < 1 or args.row_elems < 1 or args.batch < 1:
+        parser.error("need -b <= -e, -f >= 2, -n >= 1, --batch >= 1 and --row-elems >= 1")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1")
     bench = Bench(args)
@@ -418,7 +427,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if rank0:
         name = torch.cuda.get_device_name(bench.device) if bench.cuda else "cpu"
         header = (f"# moecomm all-to-all: {bench.comm.size} ranks, backend {bench.comm.backend}, {name}, "
-                  f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters, torch {torch.__version__}, "
+                  f"dtype {args.dtype}, rows of {args.row_elems} elements, {args.iters} iters"
+                  + (f" of {args.batch} exchanges back to back" if args.batch > 1 else "")
+                  + f", torch {torch.__version__}, "
                   f"{torch.get_num_threads()} torch thread(s) per rank"
                   + (f", wire dtype {args.wire_dtype}" if args.wire_dtype else ""))
         print(format_table(results, header), flush=True)
@@ -427,6 +438,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             backend = bench.comm.engine.backend
             with open(args.json, "w") as fh:
                 json.dump({"header": header, "world_size": bench.comm.size, "backend": bench.comm.backend,
+                           "batch": args.batch,
                            "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) and bench.cuda,
                            "concurrent": getattr(backend, "concurrent", None), "results": results}, fh, indent=1)
         if bad:

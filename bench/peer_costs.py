@@ -2,7 +2,8 @@
 
 Run under MPI with the peer backend (``mpirun -n 2 python -m bench.peer_costs``): rank 0
 prints the median host time per call of each piece, synchronised like ``bench.alltoall``
-(a device synchronisation and an MPI barrier after every call), and without them.
+(a device synchronisation and an MPI barrier around every call), and back to back (neither:
+what the host spends issuing it, and waiting where the call itself waits).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def main() -> None:
     p.add_argument("-n", type=int, default=200)
     p.add_argument("--rows", type=int, default=64, help="rows of 2048 bf16 per peer")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="then profile N calls of all_to_all_v (known counts) on rank 0 and print the top functions")
+                   help="then profile N calls of all_to_all_v (known counts, then counts on the GPU) on rank 0 "
+                        "and print the top functions")
     args = p.parse_args()
     from mpi4py import MPI
 
@@ -64,6 +66,22 @@ def main() -> None:
         t.issue_round(h, empty, zeros, None, empty, zeros, None, 1)
         backend.end("probe")
 
+    codes = (1, 2)
+
+    def gpu_round() -> None:  # the counts-on-the-GPU kernel round alone (the rows left in the arenas)
+        request = t.start(x, counts, 4096, codes)
+        while not request.test():
+            pass
+
+    def gpu_round_copy_out() -> None:  # ... with what the host does after it: counts, output, copy out
+        request = t.start(x, counts, 4096, codes)
+        while not request.test():
+            pass
+        sent, received, _ = t.counts()
+        t.senders()
+        o = torch.empty((sum(received), 2048), dtype=x.dtype, device=dev)
+        t.finish(x, o, sent, received, 4096, False)
+
     pieces = {
         "sync alone": none,
         "host allreduce (3 ints)": lambda: host.allreduce([1, 2, 3], "max"),
@@ -72,31 +90,38 @@ def main() -> None:
         "empty GPU round": round_only,
         "backend.alltoallv known": lambda: backend.alltoallv(x, send, out, send, 4096).join(),
         "all_to_all_v known": lambda: comm.all_to_all_v(x, send, send),
+        "GPU round (counts on GPU)": gpu_round,
+        "GPU round + copy out": gpu_round_copy_out,
         "all_to_all_v counts on GPU": lambda: comm.all_to_all_v(x, counts),
         "copy": lambda: out.copy_(x),
     }
     rows = []
     for name, fn in pieces.items():
         synced = _median_us(fn, args.n, device_sync)
-        rows.append((name, synced))
+        back_to_back = _median_us(fn, args.n, none) if name != "sync alone" else 0.0
+        rows.append((name, synced, back_to_back))
     if comm.rank == 0:
         print(f"# peer backend, {W} ranks, concurrent={backend.concurrent}, {args.rows} rows of 4 KiB per peer")
-        for name, us in rows:
-            print(f"{name:>30} {us:9.1f} us (with sync + barrier)")
+        print(f"{'':>30} {'synced':>9}    {'back to back':>12}")
+        for name, us, b2b in rows:
+            print(f"{name:>30} {us:9.1f} us {b2b:9.1f} us")
     if args.profile:
         import cProfile
         import pstats
 
-        prof = cProfile.Profile()
-        for _ in range(args.profile):
-            device_sync()
+        for what, fn in (("known counts", lambda: comm.all_to_all_v(x, send, send)),
+                         ("counts on the GPU", lambda: comm.all_to_all_v(x, counts))):
+            prof = cProfile.Profile()
+            for _ in range(args.profile):
+                device_sync()
+                if comm.rank == 0:
+                    prof.enable()
+                fn()
+                if comm.rank == 0:
+                    prof.disable()
             if comm.rank == 0:
-                prof.enable()
-            comm.all_to_all_v(x, send, send)
-            if comm.rank == 0:
-                prof.disable()
-        if comm.rank == 0:
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                print(f"# profile: all_to_all_v, {what}")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     comm.close()
 
 

@@ -230,7 +230,6 @@ def step_route(x: Tensor, wg: Tensor, k: int, capacity: int, normalize: bool, gs
     without ``gather``). ``wide``: the float32 logits of bfloat16 operands by
     ``torch.mm(..., out_dtype=torch.float32)``; ``capacity=-1``: dropless."""
     T, E = x.shape[0], wg.shape[0]
-    x = x.contiguous()  # a GEMM's bits depend on its operands' layout
     logits = torch.mm(x, wg.t(), out_dtype=torch.float32) if wide else torch.mm(x.float(), wg.float().t())
     scores = torch.softmax(logits, 1)
     if T:

@@ -118,9 +118,7 @@ at::Tensor block_sum(const at::Tensor& g, int64_t El, int64_t C, const Opt& ones
 std::vector<at::Tensor> step_route(const StepKernels& kern, const at::Tensor& x, const at::Tensor& wg, int64_t k,
                                    int64_t capacity, bool normalize, bool gshard, bool wide, bool gather) {
   const int64_t T = x.size(0), E = wg.size(0);
-  // a dense x: a GEMM's bits depend on its operands' layout (BLAS picks another kernel)
-  const at::Tensor xd = dense(x);
-  const at::Tensor logits = wide ? mm_dtype(xd, wg.t(), at::kFloat) : at::mm(xd.to(at::kFloat), wg.to(at::kFloat).t());
+  const at::Tensor logits = wide ? mm_dtype(x, wg.t(), at::kFloat) : at::mm(x.to(at::kFloat), wg.to(at::kFloat).t());
   const at::Tensor scores = at::softmax(logits, 1);
   at::Tensor topv, topi;
   if (T > 0) {
@@ -139,7 +137,7 @@ std::vector<at::Tensor> step_route(const StepKernels& kern, const at::Tensor& x,
   } else {
     aux = at::mul(at::sum(scores), 0.0);
   }
-  at::Tensor send = gather ? kern.gather_rows(xd, rt[5], std::nullopt) : at::Tensor();  // undefined: None
+  at::Tensor send = gather ? kern.gather_rows(dense(x), rt[5], std::nullopt) : at::Tensor();  // undefined: None
   return {send, logits, scores, topv, topi, rt[0], rt[1], rt[2], rt[3], rt[4], rt[5], rt[7], aux};
 }
 
