@@ -121,7 +121,9 @@ def main() -> None:
                     prof.disable()
             if comm.rank == 0:
                 print(f"# profile: all_to_all_v, {what}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                stats = pstats.Stats(prof)
+                stats.sort_stats("tottime").print_stats(40)
+                stats.sort_stats("cumulative").print_stats(40)
     comm.close()
 
 
