@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, moe1, peercosts, sobuild, layer27,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, moe1, peercosts, sobuild, layer27,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -233,6 +233,15 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         step "decode_$n" 120 "${M[@]}" python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --json "$RES/decode_$n.json"
         step "decode_fp8_$n" 120 "${M[@]}" python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --fp8 \
           --json "$RES/decode_fp8_$n.json"
+      done
+      mps_off ;;
+    sharedbatch)  # issue 26: the exchange timed as nccl-tests do (10 exchanges back to back per sample), under MPS
+      mps_on
+      for n in ${SHARED_RANKS:-2 8}; do
+        step "shared_a2a_batch_$n" 240 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
+          -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+          python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 -p uniform,random,skewed -n 20 \
+          --batch 10 --no-progress --json "$RES/shared_gpu_alltoall_${n}_batch10.json"
       done
       mps_off ;;
     moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
