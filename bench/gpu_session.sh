@@ -237,7 +237,7 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       mps_off ;;
     sharedbatch)  # issue 26: the exchange timed as nccl-tests do (10 exchanges back to back per sample), under MPS
       mps_on
-      for n in ${SHARED_RANKS:-2 8}; do
+      for n in ${BATCH_RANKS:-2 8}; do
         step "shared_a2a_batch_$n" 240 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
           -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
           python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 -p uniform,random,skewed -n 20 \
