@@ -475,13 +475,16 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
             why = f"parallel_mode={mode!r} (the fused step is expert-parallel)"
         elif autocast:
             why = "autocast (the fused step runs in the input's dtype)"
-        elif self._router_reason is not None:
-            why = self._router_reason
+        elif self._router_reason is not None:  # the layer routes (any router), the rest is fused
+            why = _fused_step.uncovered_routed(self, x2, cf, drop_less, deg, own, wire, self.comm.size)
         else:
             why = _fused_step.uncovered(self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size)
         self._note_step_path(why)
         if why is None:
-            y = self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire)
+            if self._router_reason is not None:
+                y = self._routed(x2, gate, kk, cf, ineq, algo, drop_less, wire, lead)
+            else:
+                y = self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire)
             return self._add_shared(y, shared).reshape(*lead, self.output_dim)
 
         r = self._route(x2, gate, kk, lead)  # fp32 at least; sets the call's losses
@@ -530,6 +533,21 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
         y, aux = _fused_step.fused_step(call, x2, gate.wg.weight, self.experts)
         d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
         d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = call.logits, None, aux if gshard else None, aux
+        d["_last_route"], d["_last_routing"], d["last_parallel_mode"] = call.routing, None, "expert"
+        return y
+
+    def _routed(self, x2: Tensor, gate: TopKGate, kk: int, cf: float, ineq: bool, algo: Optional[str],
+                dropless: bool, wire: Optional[torch.dtype], lead: tuple) -> Tensor:
+        """The layer's router and losses op by op (:meth:`_route`), the slots, exchanges, experts
+        and combine as one autograd Function (:func:`._fused_step.routed_step`)."""
+        T, E = x2.shape[0], self.num_experts
+        r = self._route(x2, gate, kk, lead, positions=False)
+        C = None if dropless else fixed_capacity(self._step_tokens(T, x2.device, ineq), E, kk, cf)
+        call = _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, False, False,
+                                    self._use_native, self._consts, wire, self.grad_wire_dtype)
+        y = _fused_step.routed_step(call, x2, r.gates, r.topk_idx, self.experts)
+        self._count_expert_load(call.routing.counts)
+        d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
         d["_last_route"], d["_last_routing"], d["last_parallel_mode"] = call.routing, None, "expert"
         return y
 

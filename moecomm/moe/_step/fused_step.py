@@ -50,7 +50,7 @@ from ..experts import FFNExperts, ffn_backward, ffn_forward
 from ..gates import LinearTopKGate
 from ..routing import Routing
 
-__all__ = ["StepPath", "FUSED", "applies", "uncovered", "StepCall", "fused_step"]
+__all__ = ["StepPath", "FUSED", "applies", "uncovered", "uncovered_routed", "StepCall", "fused_step", "routed_step"]
 
 
 class StepPath(NamedTuple):
@@ -66,17 +66,23 @@ class StepPath(NamedTuple):
 FUSED = StepPath("fused")
 
 
-def uncovered(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
-              wire: Optional[torch.dtype], world: int) -> Optional[str]:
-    """None when this expert-parallel call of ``layer`` is one the fused step covers (see the
-    module's docstring), else why not: the option (its name and value) that sends it op by op."""
-    experts = layer.experts
+def _mode_reason(cf: float, dropless: bool, degree: Any, own: bool, world: int) -> Optional[str]:
     if not (cf > 0 or dropless):
         return f"capacity_factor={cf} (the fused step takes a fixed capacity, > 0, or dropless=True)"
     if degree != 1:
         return f"overlap_degree={degree!r} (pipelined exchanges run op by op)"
     if own and world > 1:
         return "own_first=True (pipelined exchanges run op by op)"
+    return None
+
+
+def uncovered(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
+              wire: Optional[torch.dtype], world: int) -> Optional[str]:
+    """None when this expert-parallel call of ``layer`` is one the fused step covers (see the
+    module's docstring), else why not: the option (its name and value) that sends it op by op."""
+    why = _mode_reason(cf, dropless, degree, own, world)
+    if why is not None:
+        return why
     if type(gate) is not LinearTopKGate:
         return f"gate={type(gate).__name__} (the fused step takes the linear gate)"
     if not gate.fp32_gate:
@@ -87,6 +93,17 @@ def uncovered(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degre
         return f"balance_loss={layer.balance_loss_type!r} (the fused step takes 'gshard' or None)"
     if layer.z_loss_weight != 0:
         return f"z_loss_weight={layer.z_loss_weight} (the fused step has no z-loss term)"
+    return uncovered_routed(layer, x, cf, dropless, degree, own, wire, world)
+
+
+def uncovered_routed(layer: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
+                     wire: Optional[torch.dtype], world: int) -> Optional[str]:
+    """As :func:`uncovered` for a step the layer routes itself (:func:`routed_step`: any gate,
+    router and losses), else why not."""
+    experts = layer.experts
+    why = _mode_reason(cf, dropless, degree, own, world)
+    if why is not None:
+        return why
     if layer.batch_prioritized_routing:
         return "batch_prioritized_routing=True"
     if not layer.is_postscore:
@@ -121,7 +138,7 @@ class StepCall:
 
     __slots__ = ("comm", "world", "num_experts", "num_local", "k", "capacity", "algorithm", "normalize",
                  "gshard", "use_native", "consts", "wire", "grad_wire", "wide", "routing", "logits", "send_splits",
-                 "recv_splits", "act")
+                 "recv_splits", "act", "selected_idx")
 
     def __init__(self, comm: Any, num_experts: int, num_local: int, k: int, capacity: Optional[int],
                  algorithm: Optional[str], normalize: bool, gshard: bool, use_native: bool,
@@ -138,6 +155,9 @@ class StepCall:
         self.act: Any = F.relu  # the experts' activation (fused_step sets it)
         self.routing: Optional[Routing] = None
         self.logits: Optional[Tensor] = None
+        # routed by the layer (``routed_step``): the chosen experts; the Function's second input is
+        # then the gates [T, k] (differentiable) in place of the gate weight
+        self.selected_idx: Optional[Tensor] = None
         if capacity is not None:  # the padded layout: num_local * capacity rows to and from every rank
             self.send_splits = self.recv_splits = [num_local * capacity] * self.world
 
@@ -167,10 +187,19 @@ class StepCall:
 
 
 def _route(call: StepCall, x: Tensor, wg: Tensor):
-    """The router and the dispatch gather of a step (``step_ops``' first call)."""
+    """The router and the dispatch gather of a step (``step_ops``' first call); for a step the
+    layer routed (``call.selected_idx``; ``wg`` is then the gates), the slots of its choice
+    and the gather, with no logits, scores or loss."""
     ops = unchecked.step_ops(x.device, call.num_experts, call.use_native)
-    call.wide = wide = wide_linear_applies(x, wg)
     C = -1 if call.capacity is None else call.capacity
+    if call.selected_idx is not None:
+        idx = call.selected_idx
+        gates, locations, counts, first, token_slots, slot_token, _, slot_gate = unchecked.route_capacity(
+            wg.detach(), idx, call.num_experts, C, False, call.use_native)
+        send = unchecked.gather_rows(x, slot_token, None, call.use_native) if call.wire is None else None
+        return ops, (send, None, None, wg, idx, gates, locations, counts, first, token_slots, slot_token, slot_gate,
+                     x.new_zeros((), dtype=gates.dtype))
+    call.wide = wide = wide_linear_applies(x, wg)
     return ops, ops.step_route(x, wg, call.k, C, call.normalize, call.gshard, wide, call.wire is None)
 
 
@@ -188,16 +217,16 @@ def _keep(ctx, call: StepCall, ops, aux: Tensor, b1, b2, *saved: Tensor) -> None
     ctx.call, ctx.ops = call, ops
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
     ctx.save_for_backward(*saved)
-    if not call.gshard:
+    if not call.gshard or call.selected_idx is not None:
         ctx.mark_non_differentiable(aux)
 
 
 def _combine_backward(ctx, gy: Optional[Tensor]) -> tuple:
     """``(saved tensors, the expert outputs' gradient on the experts' side, the gates')``."""
     saved = ctx.saved_tensors
-    scores, token_slots, slot_token, slot_gate, back = saved[4], saved[7], saved[8], saved[9], saved[13]
-    gy = back.new_zeros(scores.shape[0], back.shape[1]) if gy is None else gy.contiguous()
-    g_back, g_gates = ctx.ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, scores.dtype)
+    topv, token_slots, slot_token, slot_gate, back = saved[5], saved[7], saved[8], saved[9], saved[13]
+    gy = back.new_zeros(token_slots.shape[0], back.shape[1]) if gy is None else gy.contiguous()
+    g_back, g_gates = ctx.ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, topv.dtype)
     return saved, ctx.call.exchange(g_back, True), g_gates
 
 
@@ -216,6 +245,9 @@ def _backward_tail(call: StepCall, ops, saved: tuple, g_gates: Tensor, g_got, gw
     x, wg, _, _, scores, topv, topi, token_slots = saved[:8]
     first = saved[10]
     g_send = call.dispatch_backward(g_got) if need[1] else None
+    if call.selected_idx is not None:  # routed by the layer: the gates' gradient; autograd takes it on
+        gx = unchecked.gather_reduce_rows(g_send, token_slots, None, call.use_native) if need[1] else None
+        return None, gx, g_gates if need[2] else None, gw1, gb1, gw2, gb2
     gx, gwg = _route_backward(ops, call, g_send, token_slots, g_gates, topv, topi, scores, first, gaux, x, wg, need)
     return None, gx, gwg, gw1, gb1, gw2, gb2
 
@@ -310,6 +342,19 @@ class _DroplessStep(torch.autograd.Function):
         g_got, gw1, gb1, gw2, gb2 = ffn_backward(g_ye, got, kept, w1, w2, ctx.seg, call.act,
                                                  (need[2], need[4], need[5], need[6], need[7]), ctx.has_b1, ctx.has_b2)
         return (None,) + _backward_tail(call, ops, saved, g_gates, g_got, gw1, gb1, gw2, gb2, need[1:], gaux)
+
+
+def routed_step(call: StepCall, x: Tensor, gates: Tensor, topk_idx: Tensor, experts: FFNExperts) -> Tensor:
+    """``y`` of one step whose routing the layer made (any router: ``gates`` ``[T, k]``
+    differentiable, ``topk_idx`` ``[T, k]`` int64): the slots, dispatch, experts and combine
+    as in :func:`fused_step`, the gates' gradient handed to autograd (through the layer's
+    router). ``call.routing`` is set."""
+    call.selected_idx = topk_idx
+    params = (experts.fc1_weight, experts.fc1_bias, experts.fc2_weight, experts.fc2_bias)
+    call.act = experts.act
+    if call.capacity is None:
+        return _DroplessStep.apply(call, experts, x, gates, *params)[0]
+    return _CapacityStep.apply(call, x, gates, *params)[0]
 
 
 def fused_step(call: StepCall, x: Tensor, wg: Tensor, experts: FFNExperts) -> tuple[Tensor, Tensor]:

@@ -121,9 +121,12 @@ class RoutingStep:
             self._z_logits = None
         return self._z_loss
 
-    def _route(self, x2: Tensor, gate: TopKGate, k: int, lead: tuple = ()) -> Routing:
+    def _route(self, x2: Tensor, gate: TopKGate, k: int, lead: tuple = (), positions: bool = True) -> Routing:
         """Route the ``[T, model_dim]`` tokens (scores in float32 at least) and set the call's
-        losses; ``lead``: the input's shape before ``model_dim`` (for the sequence-level loss)."""
+        losses; ``lead``: the input's shape before ``model_dim`` (for the sequence-level loss).
+        ``positions=False`` (the routed fused step, which places the routes itself and counts
+        the expert load): a router other than plain softmax leaves ``locations`` and
+        ``counts`` None and the expert-bias load counter alone."""
         logits = gate(x2)
         sdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         logits = logits.to(sdtype)
@@ -146,12 +149,11 @@ class RoutingStep:
             need = (self.balance_loss_type is not None or self.seq_aux_loss_weight != 0
                     or self.batch_prioritized_routing)
             scores = loss_scores(noisy, opts.score_function) if need else noisy
-            r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, consts=cc, selected=selected)
-            if bias is not None and self.training and torch.is_grad_enabled():
-                n = self.tokens_per_expert
-                if n.dtype != torch.float32:  # cast by layer.to(dtype): counts past 256 are not exact in bf16
-                    n.data = n.data.float()
-                n.add_(r.counts)
+            if not positions:
+                r = Routing(topk_idx=selected[1], gates=selected[0], locations=None, counts=None)
+            else:
+                r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, consts=cc, selected=selected)
+                self._count_expert_load(r.counts)
 
         if self.balance_loss_type == "gshard":
             bal = gshard_loss(scores, r.topk_idx[:, 0], cc.ones(scores.shape[0], scores.dtype, scores.device))
@@ -179,6 +181,14 @@ class RoutingStep:
         d["seq_aux_loss"] = seq
         d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = z_logits, z, bal, aux
         return r
+
+    def _count_expert_load(self, counts: Tensor) -> None:
+        """Add a training call's routes per expert (``[E]``) to the expert-bias load counter."""
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            n = self.tokens_per_expert
+            if n.dtype != torch.float32:  # cast by layer.to(dtype): counts past 256 are not exact in bf16
+                n.data = n.data.float()
+            n.add_(counts)
 
     def _by_sequence(self, scores: Tensor, lead: tuple) -> Tensor:
         """``[T, E]`` scores as ``[S, B, E]``: ``B`` sequences of ``S`` tokens, from the input's
