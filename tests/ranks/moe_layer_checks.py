@@ -618,7 +618,8 @@ def _sq_tanh(h):
 
 def check_fused_step():
     """The fused capacity step (the default) against the op-by-op path (fused_step=False),
-    for every activation (named, gated, callables, a lambda): output, aux loss, routing and
+    for every activation (named, gated, callables, a lambda) and router (sigmoid, expert bias,
+    groups, scaling, sequence loss: the layer routes, the rest fused): output, aux loss, routing and
     the experts' gradients the same bits on the CPU for k <= 4 (k = 5's gates sum in another
     order), the input's and the gate's gradients to float32 rounding (bfloat16's where that is
     the dtype), on GPUs everything to float32 rounding; the configurations it does not cover
@@ -647,7 +648,13 @@ def check_fused_step():
                dict(k=2, activation=_sq_tanh, capacity_factor=0.5),
                dict(k=2, dropless=True, activation="swiglu"),
                dict(k=3, dropless=True, activation="geglu_tanh", fc1_bias=True),
-               dict(k=2, dropless=True, activation=lambda h: h * torch.sigmoid(1.7 * h))]
+               dict(k=2, dropless=True, activation=lambda h: h * torch.sigmoid(1.7 * h)),
+               # modern routers: the layer routes, the rest is the fused step (routed_step)
+               dict(k=2, score_function="sigmoid", expert_bias=True), dict(k=2, score_function="sigmoid",
+                                                                          num_groups=2, group_topk=1),
+               dict(k=3, score_function="softmax", pre_softmax=False, topk_scaling_factor=2.0),
+               dict(k=2, score_function="sqrtsoftplus", seq_aux_loss_weight=0.01, activation="swiglu"),
+               dict(k=2, dropless=True, score_function="sigmoid", expert_bias=True, activation="swiglu")]
     uncovered = ("gate_noise", "gate", "z_loss_weight")
     for dt in dts:
         for i, cfg in enumerate(configs):
