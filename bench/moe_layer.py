@@ -324,6 +324,10 @@ def main(argv: Optional[list] = None) -> list:
                 lines.append(f"# torch reference ({args.activation}, dropless) k={r['k']}: {r['median_ms']:.3f} ms "
                              f"(host {r['host_ms']:.3f} ms); moecomm / reference = "
                              f"{min(mine) / r['median_ms']:.3f}" if mine else "")
+        transport = getattr(comm.engine.backend, "transport", None)
+        if transport is not None and hasattr(transport, "output_maps"):  # the peer backend (ranks sharing a GPU)
+            lines.append(f"# peer backend (rank 0): {transport.output_maps} peers' output allocations mapped through "
+                         f"CUDA IPC in the whole run")
         print("\n".join(lines), flush=True)
         if args.json:
             with open(args.json, "w") as fh:

@@ -167,6 +167,7 @@ class PeerTransport:
         self._order = self._ext.new_event(dev.index)  # the counts-on-the-GPU path: after the backend's stream
         self._host_event = _cudart.new_event()  # the host-coordinated rounds wait on it
         self._mapped: "OrderedDict[tuple, int]" = OrderedDict()  # (peer, IPC handle) -> its allocation, mapped here
+        self.output_maps = 0  # peers' output allocations mapped so far (a steady loop maps none after its first steps)
         self._pinned: set = set()
         self._status_t = torch.zeros(3 * W, dtype=torch.int64, pin_memory=True)
         self._status = self._status_t.numpy()
@@ -310,6 +311,7 @@ class PeerTransport:
             self._ext.ipc_close(self._mapped.pop(mine[0]))
         base = self._ext.ipc_open(self._device, np.array(key[1], dtype=np.int64).tobytes())
         self._mapped[key] = base
+        self.output_maps += 1
         return base
 
     def issue_round_host(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Sequence[int],
