@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, moe1, peercosts, sobuild, layer27,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, layer27,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -243,6 +243,12 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 -p uniform,random,skewed -n 20 \
           --batch 10 --no-progress --json "$RES/shared_gpu_alltoall_${n}_batch10.json"
       done
+      mps_off ;;
+    sharedmoeprof)  # issue 26: where a step of the layer spends its host time, 2 ranks sharing the GPU under MPS
+      mps_on
+      step shared_moe_prof_2 120 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
+        -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+        python3 -m bench.moe_layer --tokens 4096 --top-k 2 -n 5 --sync-report --host-profile
       mps_off ;;
     moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
     peercosts) mps_on
