@@ -12,6 +12,7 @@ count than this rank sends, or moves another dtype or row shape, is named by a
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Optional, Sequence
 
@@ -27,8 +28,12 @@ UNKNOWN = -1
 
 def row_codes(dtype: torch.dtype, row_shape: Sequence[int]) -> tuple[int, int]:
     """(dtype code, row-shape code): small non-negative ints, equal on ranks that agree."""
-    return (zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF,
-            zlib.crc32(repr(tuple(int(s) for s in row_shape)).encode()) & 0x7FFFFFFF)
+    return _row_codes(dtype, tuple(int(s) for s in row_shape))
+
+
+@functools.lru_cache(maxsize=256)  # an explicit cache: every exchange asks, for a handful of row types
+def _row_codes(dtype: torch.dtype, row_shape: tuple) -> tuple[int, int]:
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF, zlib.crc32(repr(row_shape).encode()) & 0x7FFFFFFF
 
 
 class PeerCheck:
