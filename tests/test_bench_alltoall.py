@@ -59,6 +59,28 @@ def test_one_rank_run_reports_the_bytes_it_times(tmp_path):
         assert r["busbw"] == 0.0  # one rank: (n-1)/n = 0
 
 
+def test_batch_times_exchanges_back_to_back(tmp_path, monkeypatch):
+    """--batch N: each timed sample issues N exchanges, then one synchronize, and reports the
+    time per exchange; the header and the JSON say so."""
+    calls = []
+    real = alltoall.Bench.sync
+
+    def counting_sync(self):
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(alltoall.Bench, "sync", counting_sync)
+    path = tmp_path / "r.json"
+    results = alltoall.main(["-b", "4K", "-e", "4K", "-n", "3", "-w", "0", "-p", "uniform", "--batch", "4",
+                             "--no-progress", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["batch"] == 4 and "of 4 exchanges back to back" in data["header"]
+    methods = {r["method"] for r in results}
+    assert len(calls) == 1 + 3 * len(methods)  # after the warm-up, then once per sample
+    with pytest.raises(SystemExit):
+        alltoall.main(["--batch", "0"])
+
+
 def test_rank_zero_parser_is_quiet_elsewhere(monkeypatch, capsys):
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "RANK"):
         monkeypatch.delenv(var, raising=False)
