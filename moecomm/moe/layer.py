@@ -469,19 +469,22 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
         autocast = torch.is_autocast_enabled(dev_type) if hasattr(torch, "is_autocast_enabled") else False
         cdtype = torch.get_autocast_dtype(dev_type) if autocast else x2.dtype
         shared = None if self.shared_experts is None else self._start_shared(x2)
+        routed = False
         if not self.fused_step:
             why = "fused_step=False"
         elif mode != "expert":
             why = f"parallel_mode={mode!r} (the fused step is expert-parallel)"
         elif autocast:
             why = "autocast (the fused step runs in the input's dtype)"
-        elif self._router_reason is not None:  # the layer routes (any router), the rest is fused
-            why = _fused_step.uncovered_routed(self, x2, cf, drop_less, deg, own, wire, self.comm.size)
         else:
-            why = _fused_step.uncovered(self, gate, x2, cf, drop_less, deg, own, wire, self.comm.size)
+            why = _fused_step.uncovered_routed(self, x2, cf, drop_less, deg, own, wire, self.comm.size)
+            # a router, gate or loss the fused routing does not cover: the layer routes, the rest is fused
+            routed = why is None and (self._router_reason is not None or
+                                      _fused_step.uncovered(self, gate, x2, cf, drop_less, deg, own, wire,
+                                                            self.comm.size) is not None)
         self._note_step_path(why)
         if why is None:
-            if self._router_reason is not None:
+            if routed:
                 y = self._routed(x2, gate, kk, cf, ineq, algo, drop_less, wire, lead)
             else:
                 y = self._fused(x2, gate, kk, cf, ineq, algo, drop_less, wire)

@@ -631,7 +631,7 @@ def check_fused_step():
     configs = [dict(k=1), dict(k=2), dict(k=3, fc1_bias=False), dict(k=4, capacity_factor=0.5),
                dict(k=5, capacity_factor=2.0, fc2_bias=False), dict(k=2, balance_loss=None),
                dict(k=2, normalize_gate=False, capacity_factor=0.25),
-               # not covered (op-by-op path either way): noise, cosine gate, z-loss, cf 0
+               # routed by the layer, the rest fused: noise, cosine gate, z-loss; cf 0: op by op
                dict(k=2, gate_noise=1.0), dict(k=2, gate="cosine"),
                dict(k=2, z_loss_weight=0.1), dict(k=2, capacity_factor=0.0),
                # dropless: fused too (any activation)
@@ -655,7 +655,7 @@ def check_fused_step():
                dict(k=3, score_function="softmax", pre_softmax=False, topk_scaling_factor=2.0),
                dict(k=2, score_function="sqrtsoftplus", seq_aux_loss_weight=0.01, activation="swiglu"),
                dict(k=2, dropless=True, score_function="sigmoid", expert_bias=True, activation="swiglu")]
-    uncovered = ("gate_noise", "gate", "z_loss_weight")
+    uncovered = ()  # (gate noise, the cosine gate, the z-loss: the layer routes, the rest is fused)
     for dt in dts:
         for i, cfg in enumerate(configs):
             cfg = dict(cfg)

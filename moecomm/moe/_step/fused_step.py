@@ -17,8 +17,10 @@ issued from C++; the others, gated ones and any callable included, by the groupe
 pre-activation: one aten kernel for the named ones, ``torch.autograd`` through a callable),
 no pipelining (``overlap_degree=1``, own rows not first); with ``wire_dtype`` across ranks the
 dispatch gather writes packed FP8 rows (as the op-by-op path's fused FP8 dispatch).
-:func:`uncovered` says why a call is not covered (None when it is); those take the op-by-op
-path.
+:func:`uncovered` says why a call is not covered (None when it is). A call whose router, gate
+or loss is all that is not covered (:func:`uncovered_routed` None) runs :func:`routed_step`:
+the layer routes with torch operations, the rest is this module's Function; the others take
+the op-by-op path.
 
 Against the op-by-op path: the forward is the same bits, except the gates for ``k >= 5`` on
 the CPU and ``k >= 3`` on GPUs (this path sums a token's top-k scores left to right, torch's
