@@ -261,3 +261,89 @@ def test_exchange_is_direct_only_if_someone_shares_and_nobody_cannot():
     assert most_rounds([agreement_record(1, 8, r, 0, [0] * SHARED_INTS, [0], [0], [0]) for r in (2, 5, 0)]) == 5
     with pytest.raises(ValueError, match="9 ints"):
         agreement_record(1, 8, 1, 0, [0] * 8, [0], [0], [0])
+
+
+def _peer_transport_class():
+    """``moecomm.backends.p2p.PeerTransport`` for its host-side planning, importable without
+    cuda-bindings (absent on a CPU machine): the CUDA runtime module stands in empty while
+    it imports."""
+    import importlib
+    import sys
+    import types
+
+    name = "moecomm.backends._cudart"
+    try:
+        return importlib.import_module("moecomm.backends.p2p").PeerTransport
+    except ImportError:
+        pass
+    saved = {k: sys.modules.get(k) for k in (name, "moecomm.backends.p2p")}
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        return importlib.import_module("moecomm.backends.p2p").PeerTransport
+    finally:
+        package = sys.modules["moecomm.backends"]
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+                package.__dict__.pop(k.rsplit(".", 1)[1], None)
+            else:
+                sys.modules[k] = v
+
+
+def _inline_rows(count: int, cap: int) -> int:
+    """The counts-on-the-GPU kernels' rule (p2p_cuda.cu, inline_rows): a block travels in the
+    kernel round whole when it fits ``cap`` rows, else not at all."""
+    return count if 0 <= count <= cap else 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(exchanges(), st.booleans())
+def test_counts_on_the_gpu_inline_blocks_and_the_exchange_after_move_every_row_once(case, collective):
+    """The counts-on-the-GPU exchange, planned on the host: the kernel round carries the blocks
+    that fit whole (rows placed by the received counts, as copy_out does), ``finish``'s second
+    exchange (``_overflow(whole=True)``) the others whole; together every row arrives once,
+    where a plain all-to-all puts it. The second exchange is needed exactly where some
+    block does not fit (the headers' flag), and NCCL's pairwise one is skipped where none of
+    this rank's does."""
+    PeerTransport = _peer_transport_class()
+    world, C, cap, _ = case
+    calls = {}
+
+    class Backend:
+        def __init__(self, me):
+            self.me = me
+
+        def alltoallv(self, x, send, out, recv, row_bytes, sd, rd):
+            calls[self.me] = (list(send), list(sd), list(recv), list(rd))
+            return "rest"
+
+    inputs = [[(s, d, i) for d in range(world) for i in range(C[s][d])] for s in range(world)]
+    outputs = [[None] * sum(C[s][d] for s in range(world)) for d in range(world)]
+    overflows = any(C[s][d] > cap for s in range(world) for d in range(world))
+    for me in range(world):
+        t = PeerTransport.__new__(PeerTransport)
+        t.collective, t._backend = collective, Backend(me)
+        send, recv = list(C[me]), [C[s][me] for s in range(world)]
+        rest = t._overflow(None, send, None, None, recv, None, 1, None, cap, whole=True)
+        assert (rest is not None) == (collective or max(send + recv) > cap)
+        # the kernel round: rows from source s land at the prefix of the received counts
+        for s in range(world):
+            n = _inline_rows(recv[s], cap)
+            start = sum(C[q][me] for q in range(s))
+            src_start = sum(C[s][q] for q in range(me))
+            for i in range(n):
+                assert outputs[me][start + i] is None
+                outputs[me][start + i] = inputs[s][src_start + i]
+        assert any(n > cap for n in send + recv) <= overflows
+    for me, (send, sd, _, _) in calls.items():  # the second exchange, as the backend would move it
+        for d in range(world):
+            if d not in calls:  # (NCCL: a rank with no block beyond cap joins no second exchange)
+                assert send[d] == 0
+                continue
+            _, _, recv_d, rd_d = calls[d]
+            assert send[d] == recv_d[me]
+            for i in range(send[d]):
+                assert outputs[d][rd_d[me] + i] is None
+                outputs[d][rd_d[me] + i] = inputs[me][sd[d] + i]
+    want = [[(s, d, i) for s in range(world) for i in range(C[s][d])] for d in range(world)]
+    assert outputs == want
