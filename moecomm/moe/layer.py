@@ -148,6 +148,10 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
     with the built-in experts (any activation: named, gated or a callable), each with the
     linear float32 gate, the GShard loss or none, postscore gates, unsharded experts, no
     pipelining (``wire_dtype`` across ranks too) (with gate noise only outside training).
+    Another router, gate or loss (sigmoid or sqrtsoftplus scores, an expert bias, groups,
+    scaling, gate noise, the cosine gate, the z-loss and the other losses) keeps the rest of
+    the step fused: the layer routes with torch operations and the slots, exchanges, experts
+    and combine run as the same Function (``routed_step``).
     ``fused_step`` is the option; ``layer.last_step_path`` (a ``StepPath(path, reason)``:
     ``"fused"``, ``"op_by_op"`` or ``"cuda_graph"``, and why not fused, naming the option)
     says which path the last call took, and the first call that runs op by op although
