@@ -347,3 +347,19 @@ def test_counts_on_the_gpu_inline_blocks_and_the_exchange_after_move_every_row_o
                 outputs[d][rd_d[me] + i] = inputs[me][sd[d] + i]
     want = [[(s, d, i) for s in range(world) for i in range(C[s][d])] for d in range(world)]
     assert outputs == want
+
+
+def test_header_mismatch_names_the_first_peer_with_another_dtype_or_shape():
+    """The counts-on-the-GPU headers' check (every rank reads every header, so each names the
+    disagreement): another dtype first, then another row shape; None where all agree."""
+    from moecomm.collectives.flat import _header_mismatch
+
+    table = np.array([[5, 7, 16, 0], [5, 7, 16, 1], [5, 7, 16, 0]])
+    assert _header_mismatch(1, table, (5, 7), 16, torch.bfloat16) is None
+    table[2] = [5, 8, 16, 0]
+    assert "rank 2 sent rows of another shape than rank 0" in _header_mismatch(0, table, (5, 7), 16, torch.float32)
+    table[1] = [9, 7, 32, 0]
+    got = _header_mismatch(0, table, (5, 7), 16, torch.bfloat16)
+    assert "rank 1 sent rows of another dtype than rank 0's torch.bfloat16 (rows of 32 bytes against 16)" in got
+    # the odd rank itself names the first peer that differs from it
+    assert "rank 0 sent rows of another dtype" in _header_mismatch(1, table, (9, 7), 32, torch.float32)

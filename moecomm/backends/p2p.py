@@ -387,13 +387,13 @@ class PeerTransport:
         W = self.size
         return values[W:2 * W], values[:W], bool(values[2 * W])
 
-    def senders(self) -> list[tuple[int, int, int, bool]]:
-        """Per source, what its header of the exchange :meth:`start` issued last said of it:
-        (dtype code, row-shape code, row bytes, whether any of its blocks overflowed the
-        inline capacity). Every rank reads every rank's header, so all see the same table."""
+    def senders(self) -> np.ndarray:
+        """What each source's header of the exchange :meth:`start` issued last said of it:
+        ``[size, 4]`` int64 rows (dtype code, row-shape code, row bytes, 1 where any of its
+        blocks overflowed the inline capacity). Every rank reads every rank's header, so all
+        see the same table."""
         W = self.size
-        v = self._host_np[2 * W + 2:6 * W + 2].tolist()
-        return [(v[4 * p], v[4 * p + 1], v[4 * p + 2], bool(v[4 * p + 3])) for p in range(W)]
+        return self._host_np[2 * W + 2:6 * W + 2].reshape(W, 4).copy()
 
     def finish(self, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], row_bytes: int,
                overflows: bool = True) -> Request:

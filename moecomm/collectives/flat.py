@@ -211,23 +211,24 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
         engine.cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
     out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     request.join()  # (the kernels ran on the caller's stream: nothing to order)
-    overflows = any(s[3] for s in senders)
-    return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes, overflows)
+    return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes, bool(senders[:, 3].any()))
 
 
-def _header_mismatch(me: int, senders: list[tuple[int, int, int, bool]], codes: tuple[int, int], row_bytes: int,
+def _header_mismatch(me: int, senders: Any, codes: tuple[int, int], row_bytes: int,
                      dtype: torch.dtype) -> Optional[str]:
-    """What the peers' headers of a counts-on-the-GPU exchange say that disagrees with this
-    rank's rows (dtype, row shape), or None."""
-    for p, (dtype_code, shape_code, their_bytes, _) in enumerate(senders):
-        if p == me or (dtype_code, shape_code) == codes:
-            continue
-        if dtype_code != codes[0]:
-            return (f"rank {p} sent rows of another dtype than rank {me}'s {dtype} "
-                    f"(rows of {their_bytes} bytes against {row_bytes}): every rank must pass the same dtype")
-        return (f"rank {p} sent rows of another shape than rank {me} (rows of {their_bytes} bytes against "
-                f"{row_bytes}): every rank must pass the same row shape")
-    return None
+    """What the peers' headers of a counts-on-the-GPU exchange (``senders``: ``[size, 4]``,
+    :meth:`moecomm.backends.p2p.PeerTransport.senders`) say that disagrees with this rank's
+    rows (dtype, row shape), or None."""
+    other = (senders[:, 0] != codes[0]) | (senders[:, 1] != codes[1])
+    if not other.any():
+        return None
+    p = int(other.nonzero()[0][0])  # (never this rank: its own header carries its codes)
+    their_bytes = int(senders[p, 2])
+    if senders[p, 0] != codes[0]:
+        return (f"rank {p} sent rows of another dtype than rank {me}'s {dtype} "
+                f"(rows of {their_bytes} bytes against {row_bytes}): every rank must pass the same dtype")
+    return (f"rank {p} sent rows of another shape than rank {me} (rows of {their_bytes} bytes against "
+            f"{row_bytes}): every rank must pass the same row shape")
 
 
 def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tensor, recv: list[int],

@@ -483,9 +483,7 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
         else:
             why = _fused_step.uncovered_routed(self, x2, cf, drop_less, deg, own, wire, self.comm.size)
             # a router, gate or loss the fused routing does not cover: the layer routes, the rest is fused
-            routed = why is None and (self._router_reason is not None or
-                                      _fused_step.uncovered(self, gate, x2, cf, drop_less, deg, own, wire,
-                                                            self.comm.size) is not None)
+            routed = why is None and (self._router_reason or _fused_step.routing_uncovered(self, gate)) is not None
         self._note_step_path(why)
         if why is None:
             if routed:
@@ -532,11 +530,8 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
                dropless: bool, wire: Optional[torch.dtype]) -> Tensor:
         """The step as one autograd Function (:mod:`._fused_step`); sets the call's losses and
         routing as :meth:`_route` does."""
-        T, E = x2.shape[0], self.num_experts
-        C = None if dropless else fixed_capacity(self._step_tokens(T, x2.device, ineq), E, kk, cf)
         gshard = self.balance_loss_type == "gshard"
-        call = _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, self.normalize_gate, gshard,
-                                    self._use_native, self._consts, wire, self.grad_wire_dtype)
+        call = self._step_call(x2, kk, cf, ineq, algo, dropless, wire, self.normalize_gate, gshard)
         y, aux = _fused_step.fused_step(call, x2, gate.wg.weight, self.experts)
         d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
         d["_z_logits"], d["_z_loss"], d["balance_loss"], d["aux_loss"] = call.logits, None, aux if gshard else None, aux
@@ -547,16 +542,21 @@ class MoELayer(RoutingStep, SharedExpertStep, ExpertParallelPath, DataParallelPa
                 dropless: bool, wire: Optional[torch.dtype], lead: tuple) -> Tensor:
         """The layer's router and losses op by op (:meth:`_route`), the slots, exchanges, experts
         and combine as one autograd Function (:func:`._fused_step.routed_step`)."""
-        T, E = x2.shape[0], self.num_experts
         r = self._route(x2, gate, kk, lead, positions=False)
-        C = None if dropless else fixed_capacity(self._step_tokens(T, x2.device, ineq), E, kk, cf)
-        call = _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, False, False,
-                                    self._use_native, self._consts, wire, self.grad_wire_dtype)
+        call = self._step_call(x2, kk, cf, ineq, algo, dropless, wire, False, False)
         y = _fused_step.routed_step(call, x2, r.gates, r.topk_idx, self.experts)
         self._count_expert_load(call.routing.counts)
         d = self.__dict__  # plain attributes: skip nn.Module.__setattr__
         d["_last_route"], d["_last_routing"], d["last_parallel_mode"] = call.routing, None, "expert"
         return y
+
+    def _step_call(self, x2: Tensor, kk: int, cf: float, ineq: bool, algo: Optional[str], dropless: bool,
+                   wire: Optional[torch.dtype], normalize: bool, gshard: bool) -> "_fused_step.StepCall":
+        """A fused step's settings: the capacity of the agreed token count (None: dropless)."""
+        E = self.num_experts
+        C = None if dropless else fixed_capacity(self._step_tokens(x2.shape[0], x2.device, ineq), E, kk, cf)
+        return _fused_step.StepCall(self.comm, E, self.num_local_experts, kk, C, algo, normalize, gshard,
+                                    self._use_native, self._consts, wire, self.grad_wire_dtype)
 
     @property
     def last_routing(self) -> Optional[Routing]:

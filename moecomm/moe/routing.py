@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ._ops.step_cache import StepConstants
 
-__all__ = ["Routing", "route", "fixed_capacity", "SlotMap", "capacity_slots", "dropless_slots",
+__all__ = ["Routing", "route", "top_k", "fixed_capacity", "SlotMap", "capacity_slots", "dropless_slots",
            "pipelined_capacity_slots", "chunk_sizes"]
 
 
@@ -46,6 +46,20 @@ def _consts(consts: Optional[StepConstants]) -> StepConstants:
     return consts if consts is not None else StepConstants()
 
 
+def top_k(scores: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """``(gates [T, k], topk_idx [T, k] int64)``: each token's ``k`` best experts by ``scores``
+    and their scores, divided by their sum (at least eps) when ``normalize`` and ``k > 1``."""
+    if scores.shape[0]:
+        gates, topk_idx = torch.topk(scores, k, dim=1)  # the values are scores.gather(1, topk_idx)
+    else:
+        topk_idx = torch.empty(0, k, dtype=torch.int64, device=scores.device)
+        gates = scores.gather(1, topk_idx)
+    if normalize and k > 1:
+        denom = gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+        gates = gates / denom
+    return gates, topk_idx
+
+
 def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize: bool = True,
           consts: Optional[StepConstants] = None, selected: Optional[tuple[Tensor, Tensor]] = None) -> Routing:
     """Choose ``k`` experts per token from ``scores`` (``[T, E]`` probabilities), or take the
@@ -59,17 +73,7 @@ def route(scores: Tensor, k: int, *, batch_prioritized: bool = False, normalize:
     T, E = scores.shape
     dev = scores.device
     cc = _consts(consts)
-    if selected is not None:
-        gates, topk_idx = selected
-        normalize = False
-    elif T:
-        gates, topk_idx = torch.topk(scores, k, dim=1)  # the values are scores.gather(1, topk_idx)
-    else:
-        topk_idx = torch.empty(0, k, dtype=torch.int64, device=dev)
-        gates = scores.gather(1, topk_idx)
-    if normalize and k > 1:
-        denom = gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
-        gates = gates / denom
+    gates, topk_idx = selected if selected is not None else top_k(scores, k, normalize)
     if batch_prioritized and T:
         order = torch.sort(-scores.detach().max(dim=1).values, stable=True).indices  # tokens, best first
         prio = topk_idx.index_select(0, order)

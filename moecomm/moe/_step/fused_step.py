@@ -52,7 +52,8 @@ from ..experts import FFNExperts, ffn_backward, ffn_forward
 from ..gates import LinearTopKGate
 from ..routing import Routing
 
-__all__ = ["StepPath", "FUSED", "applies", "uncovered", "uncovered_routed", "StepCall", "fused_step", "routed_step"]
+__all__ = ["StepPath", "FUSED", "applies", "uncovered", "uncovered_routed", "routing_uncovered", "StepCall",
+           "fused_step", "routed_step"]
 
 
 class StepPath(NamedTuple):
@@ -82,9 +83,14 @@ def uncovered(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degre
               wire: Optional[torch.dtype], world: int) -> Optional[str]:
     """None when this expert-parallel call of ``layer`` is one the fused step covers (see the
     module's docstring), else why not: the option (its name and value) that sends it op by op."""
-    why = _mode_reason(cf, dropless, degree, own, world)
-    if why is not None:
-        return why
+    return (_mode_reason(cf, dropless, degree, own, world) or routing_uncovered(layer, gate)
+            or _layer_reason(layer, x, wire, world))
+
+
+def routing_uncovered(layer: Any, gate: Any) -> Optional[str]:
+    """Why the fused step's own routing (the linear float32 gate, softmax top-k, the GShard
+    loss) does not cover ``layer``'s gate and losses, None when it does; a call covered but
+    for this takes :func:`routed_step`."""
     if type(gate) is not LinearTopKGate:
         return f"gate={type(gate).__name__} (the fused step takes the linear gate)"
     if not gate.fp32_gate:
@@ -95,17 +101,18 @@ def uncovered(layer: Any, gate: Any, x: Tensor, cf: float, dropless: bool, degre
         return f"balance_loss={layer.balance_loss_type!r} (the fused step takes 'gshard' or None)"
     if layer.z_loss_weight != 0:
         return f"z_loss_weight={layer.z_loss_weight} (the fused step has no z-loss term)"
-    return uncovered_routed(layer, x, cf, dropless, degree, own, wire, world)
+    return None
 
 
 def uncovered_routed(layer: Any, x: Tensor, cf: float, dropless: bool, degree: Any, own: bool,
                      wire: Optional[torch.dtype], world: int) -> Optional[str]:
     """As :func:`uncovered` for a step the layer routes itself (:func:`routed_step`: any gate,
     router and losses), else why not."""
+    return _mode_reason(cf, dropless, degree, own, world) or _layer_reason(layer, x, wire, world)
+
+
+def _layer_reason(layer: Any, x: Tensor, wire: Optional[torch.dtype], world: int) -> Optional[str]:
     experts = layer.experts
-    why = _mode_reason(cf, dropless, degree, own, world)
-    if why is not None:
-        return why
     if layer.batch_prioritized_routing:
         return "batch_prioritized_routing=True"
     if not layer.is_postscore:

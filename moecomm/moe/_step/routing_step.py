@@ -16,7 +16,7 @@ from .._ops.step_cache import StepConstants
 from ..config import MoEConfig, check_groups
 from ..gates import TopKGate
 from ..losses import gshard_loss, load_importance_loss, router_z_loss
-from ..routing import Routing, fixed_capacity, route
+from ..routing import Routing, fixed_capacity, route, top_k
 from ..scoring import RouterOptions, loss_scores, select_experts, seq_switch_loss, switch_loss, updated_expert_bias
 
 __all__ = ["RoutingStep"]
@@ -125,8 +125,8 @@ class RoutingStep:
         """Route the ``[T, model_dim]`` tokens (scores in float32 at least) and set the call's
         losses; ``lead``: the input's shape before ``model_dim`` (for the sequence-level loss).
         ``positions=False`` (the routed fused step, which places the routes itself and counts
-        the expert load): a router other than plain softmax leaves ``locations`` and
-        ``counts`` None and the expert-bias load counter alone."""
+        the expert load): only the choice, ``locations`` and ``counts`` None, and the
+        expert-bias load counter left alone."""
         logits = gate(x2)
         sdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         logits = logits.to(sdtype)
@@ -138,8 +138,12 @@ class RoutingStep:
         opts = self.router_options
         if opts.plain and self.expert_bias is None:
             scores = F.softmax(noisy, dim=1)
-            r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, normalize=self.normalize_gate,
-                      consts=cc)
+            if not positions:
+                gates, idx = top_k(scores, k, self.normalize_gate)
+                r = Routing(topk_idx=idx, gates=gates, locations=None, counts=None)
+            else:
+                r = route(scores, k, batch_prioritized=self.batch_prioritized_routing, normalize=self.normalize_gate,
+                          consts=cc)
         else:
             if opts.num_groups is not None and k != self.k:
                 check_groups(k, self.num_experts, opts.num_groups, opts.group_topk)
