@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import moecomm
 from moecomm.backends import _select as _make_backend
 from moecomm.backends.peer import default_arena_bytes, shared_gpus
 from moecomm.backends.peer_rounds import (SHARED_INTS, agreement_record, direct_destinations, disagreement,
@@ -363,3 +364,26 @@ def test_header_mismatch_names_the_first_peer_with_another_dtype_or_shape():
     assert "rank 1 sent rows of another dtype than rank 0's torch.bfloat16 (rows of 32 bytes against 16)" in got
     # the odd rank itself names the first peer that differs from it
     assert "rank 0 sent rows of another dtype" in _header_mismatch(1, table, (9, 7), 32, torch.float32)
+
+
+def test_header_error_bad_counts_raise_on_every_rank_before_any_disagreement():
+    """A sender whose counts on the GPU were bad (the kernel flagged them and moved none of its
+    rows) makes every rank raise: itself a ValueError naming its send_splits, the others a
+    CountMismatchError naming it; a dtype disagreement comes after; no flags, no error."""
+    from moecomm.backends._p2p_limits import BAD_COUNTS, OVERFLOWS
+    from moecomm.collectives.flat import _header_error
+
+    table = np.array([[5, 7, 16, OVERFLOWS], [5, 7, 16, 0], [5, 7, 16, 0]])
+    assert _header_error(0, table, (5, 7), 16, torch.float32, [1, 2, 3], 6) is None
+    table[2, 3] = BAD_COUNTS | OVERFLOWS
+    table[1] = [9, 7, 32, 0]
+    for me in (0, 1):
+        err = _header_error(me, table, (5, 7), 16, torch.float32, [1, 2, 3], 6)
+        assert isinstance(err, moecomm.CountMismatchError) and "rank 2's send_splits" in str(err), err
+    err = _header_error(2, table, (5, 7), 16, torch.float32, [1, 2, 4], 6)
+    assert type(err) is ValueError and "sum to the 6 rows of input" in str(err) and "sums to 7" in str(err)
+    err = _header_error(2, table, (5, 7), 16, torch.float32, [1, -2, 7], 6)
+    assert type(err) is ValueError and "must be >= 0, got [1, -2, 7]" in str(err)
+    table[2, 3] = OVERFLOWS
+    err = _header_error(0, table, (5, 7), 16, torch.float32, [1, 2, 3], 6)
+    assert isinstance(err, moecomm.CountMismatchError) and "another dtype" in str(err)

@@ -48,14 +48,14 @@ from ..errors import CountMismatchError
 from ..splits import split_offsets
 from . import _cudart
 from ._deadline import poll_yielding
-from ._p2p_limits import ROW_ALIGN
+from ._p2p_limits import BAD_COUNTS, OVERFLOWS, ROW_ALIGN
 from .base import DoneRequest, Request
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine.engine import Engine
     from .nccl import NcclBackend
 
-__all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER"]
+__all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER", "OVERFLOWS", "BAD_COUNTS"]
 
 
 _HEADER_BYTES = 64
@@ -204,7 +204,8 @@ class PeerTransport:
         bases, done, result, host = self._ptrs
         b.check_health()
         self._ext.gpu_counts_exchange(self._device, _cudart.current_stream(self._device), b.stream.cuda_stream, self._order,
-                                      x.data_ptr(), counts.data_ptr(), row_bytes, codes[0], codes[1], bases,
+                                      x.data_ptr(), x.numel() * x.element_size() // row_bytes, counts.data_ptr(),
+                                      row_bytes, codes[0], codes[1], bases,
                                       self._base, self.rank,
                                       self.size, self._seq, self._seq % 2, self.inline_bytes, self.data_off,
                                       self.header_off, done, self._blocks(x.numel() * x.element_size()), result, host,
@@ -389,9 +390,11 @@ class PeerTransport:
 
     def senders(self) -> np.ndarray:
         """What each source's header of the exchange :meth:`start` issued last said of it:
-        ``[size, 4]`` int64 rows (dtype code, row-shape code, row bytes, 1 where any of its
-        blocks overflowed the inline capacity). Every rank reads every rank's header, so all
-        see the same table."""
+        ``[size, 4]`` int64 rows (dtype code, row-shape code, row bytes, flags:
+        :data:`OVERFLOWS` where any of its blocks overflowed the inline capacity,
+        :data:`BAD_COUNTS` where its counts were negative or added up to more than its rows,
+        which then moved nowhere). Every rank reads every rank's header, so all see the same
+        table."""
         W = self.size
         return self._host_np[2 * W + 2:6 * W + 2].reshape(W, 4).copy()
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from ..engine.peer_check import PeerCheck, row_codes
 from ..errors import CountMismatchError
 from ..engine.requests import CheckedRequest, RaiseAfter
-from ..backends._p2p_limits import ROW_ALIGN as PEER_ROW_ALIGN
+from ..backends._p2p_limits import BAD_COUNTS, OVERFLOWS, ROW_ALIGN as PEER_ROW_ALIGN
 from ..backends.base import DoneRequest, Request
 from ..splits import Splits, check_own_block, check_split_total, normalize_splits, split_offsets
 
@@ -203,15 +204,37 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
         raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
                            f"{engine.timeout:g} s on rank {engine.rank}; the communicator was aborted")
     senders = engine.peer.senders()
-    mismatch = _header_mismatch(engine.rank, senders, codes, row_bytes, x.dtype)
-    if mismatch is not None:  # every rank read every header: all raise, none is left waiting
-        raise CountMismatchError(f"moecomm: {op} (peer memory): {mismatch}; nothing was returned")
+    error = _header_error(engine.rank, senders, codes, row_bytes, x.dtype, send, x.shape[0])
+    if error is not None:  # every rank read every header: all raise, none is left waiting
+        raise error
     problem = check_exchanged_counts(engine, send, recv, x.shape[0], "the rows")
     if engine.validate:
         engine.cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
     out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     request.join()  # (the kernels ran on the caller's stream: nothing to order)
-    return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes, bool(senders[:, 3].any()))
+    return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes, bool((senders[:, 3] & OVERFLOWS).any()))
+
+
+def _header_error(me: int, senders: Any, codes: tuple[int, int], row_bytes: int, dtype: torch.dtype,
+                  send: list[int], rows: int) -> Optional[Exception]:
+    """The error every rank raises after a counts-on-the-GPU exchange whose headers
+    (``senders``, :meth:`moecomm.backends.p2p.PeerTransport.senders`) show bad counts or a
+    dtype or row-shape disagreement, or None. Nothing is returned after such an exchange and
+    the communicator stays usable (the kernel moved no row of a rank with bad counts)."""
+    op = "all_to_all_v (peer memory)"
+    bad = np.flatnonzero(senders[:, 3] & BAD_COUNTS)
+    if me in bad:
+        if any(v < 0 for v in send):
+            return ValueError(f"send_splits must be >= 0, got {send}; nothing was sent")
+        return ValueError(f"send_splits must sum to the {rows} rows of input (dim 0), but sums to {sum(send)}: "
+                          f"{send}; nothing was sent")
+    if bad.size:
+        return CountMismatchError(f"moecomm: {op}: rank {int(bad[0])}'s send_splits are negative or do not add up "
+                                  f"to its input's rows; nothing was returned")
+    mismatch = _header_mismatch(me, senders, codes, row_bytes, dtype)
+    if mismatch is not None:
+        return CountMismatchError(f"moecomm: {op}: {mismatch}; nothing was returned")
+    return None
 
 
 def _header_mismatch(me: int, senders: Any, codes: tuple[int, int], row_bytes: int,

@@ -283,8 +283,8 @@ def check_peer_gpu_counts() -> None:
     """The peer backend, counts on the GPU: blocks that fit the inline capacity travel in the
     kernel's round, larger ones whole in the exchange that follows (run only where some rank
     has one); both equal the reference over many calls. A rank whose rows have another dtype
-    or row shape of the same size is named on every rank (CountMismatchError), and the
-    communicator stays usable."""
+    or row shape of the same size, or whose counts do not add up to its rows, is named on
+    every rank (CountMismatchError; itself a ValueError), and the communicator stays usable."""
     if BACKEND != "peer":
         return
     from moecomm.backends.p2p import INLINE_BYTES
@@ -316,6 +316,25 @@ def check_peer_gpu_counts() -> None:
                 got = exc
             ok = isinstance(got, moecomm.CountMismatchError) and f"another {what}" in str(got) and not peer.closed
             collective_assert(ok, f"peer gpu counts, {what} on rank {W - 1} differs: rank {R} got {got!r}")
+        # counts on the GPU that do not add up to the rows (more: the kernel must not read past x;
+        # fewer; negative): no row moves, every rank raises, the communicator stays usable
+        for what, delta in (("more", (0, 5)), ("fewer", (0, -1)), ("negative", (-2, 2))):
+            x = input_for(952, R, m, (8,), torch.bfloat16).to(DEV)
+            c = m[R].copy()
+            if R == W - 1:
+                c[0] += delta[0]
+                c[-1] += delta[1]
+            try:
+                peer.all_to_all_v(x, torch.tensor(c, device=DEV))
+                got = None
+            except Exception as exc:  # noqa: BLE001
+                got = exc
+            if R == W - 1:
+                ok = type(got) is ValueError and "send_splits" in str(got) and "nothing was sent" in str(got)
+            else:
+                ok = isinstance(got, moecomm.CountMismatchError) and f"rank {W - 1}'s send_splits" in str(got)
+            collective_assert(ok and not peer.closed, f"peer gpu counts, {what} rows on rank {W - 1}: rank {R} "
+                                                      f"got {got!r}")
         x = input_for(951, R, m, (8,), torch.bfloat16).to(DEV)
         out, _ = peer.all_to_all_v(x, torch.tensor(m[R], device=DEV))
         collective_assert(np.array_equal(as_bytes(out), expected_bytes(951, R, m, (8,), torch.bfloat16)),

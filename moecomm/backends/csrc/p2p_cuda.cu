@@ -7,8 +7,8 @@
 //   [2 * W * 64, 4 * W * 64)                 copy-engine headers: half x source
 //   [4 * W * 64, 5 * W * 64)                 copy-engine acks: source
 //   each header is 64 bytes: int64 count, then int64 sequence number (counts on the GPU: then
-//   the sender's dtype code, row-shape code, row bytes and whether any of its blocks
-//   overflows the inline capacity); an ack one int64
+//   the sender's dtype code, row-shape code, row bytes and flags: whether any of its blocks
+//   overflows the inline capacity, whether its counts were bad); an ack one int64
 //   [data_off, data_off + 2 * W * region)    counts-on-the-GPU data regions: parity x source
 //   [.. + 2 * W * region, .. + 4 * W * region)  copy-engine data regions: half x source
 //
@@ -105,27 +105,38 @@ __device__ __forceinline__ int64_t inline_rows(int64_t count, int64_t cap) {
 }
 
 // What the sender tells every receiver beside its count (header words 2-5): its dtype and
-// row-shape codes and row bytes (a receiver names any disagreement), and whether any of its
-// blocks overflows the inline capacity (then every rank joins the exchange that follows).
+// row-shape codes and row bytes (a receiver names any disagreement), and flags: whether any
+// of its blocks overflows the inline capacity (then every rank joins the exchange that
+// follows), whether its counts are bad (then no rank returns rows: every rank raises).
+constexpr int64_t kOverflows = 1;
+constexpr int64_t kBadCounts = 2;
 struct SenderInfo {
   int64_t dtype_code, shape_code, row_bytes;
 };
 
 // Block b (< W * blocks_per_peer) of the send role: group p = b / blocks_per_peer copies
 // this rank's rows for rank p into p's region, and the group's last block writes the header.
-__device__ void send_rows(int block, const uint4* __restrict__ x, const int64_t* __restrict__ counts,
+// Counts that are negative or do not add up to the `x_rows` rows of x move no row and set
+// the header's kBadCounts flag (every rank raises), so that bad counts on the device never
+// read past x.
+__device__ void send_rows(int block, const uint4* __restrict__ x, int64_t x_rows, const int64_t* __restrict__ counts,
                           SenderInfo info, const uint64_t* __restrict__ peer_bases, int me, int world, int64_t seq,
                           int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off, unsigned int* done,
                           int blocks_per_peer) {
   const int64_t row_bytes = info.row_bytes;
   const int p = block / blocks_per_peer;
   const int b = block % blocks_per_peer;
-  int64_t offset = 0;
-  for (int q = 0; q < p; ++q) offset += counts[q];
+  int64_t offset = 0, total = 0;
+  bool bad = false;
+  for (int q = 0; q < world; ++q) {
+    if (q < p) offset += counts[q];
+    total += counts[q];
+    bad = bad || counts[q] < 0;
+  }
   const int64_t count = counts[p];
   const int64_t cap = region_bytes / row_bytes;
   int64_t rows = inline_rows(count, cap);
-  if (offset < 0) rows = 0;  // bad counts: the host rejects them after the exchange
+  if (bad || total != x_rows) rows = 0;
   const int64_t vectors = rows * row_bytes / 16;
   char* base = reinterpret_cast<char*>(peer_bases[p]);
   uint4* dst = reinterpret_cast<uint4*>(base + data_off + (int64_t(parity) * world + me) * region_bytes);
@@ -140,13 +151,13 @@ __device__ void send_rows(int block, const uint4* __restrict__ x, const int64_t*
       __threadfence_system();
       volatile int64_t* hdr =
           reinterpret_cast<volatile int64_t*>(base + hdr_off + (int64_t(parity) * world + me) * 64);
-      int64_t overflows = 0;
-      for (int q = 0; q < world; ++q) overflows |= counts[q] > cap;
+      int64_t flags = (bad || total != x_rows) ? kBadCounts : 0;
+      for (int q = 0; q < world; ++q) flags |= counts[q] > cap ? kOverflows : 0;
       hdr[0] = count;
       hdr[2] = info.dtype_code;
       hdr[3] = info.shape_code;
       hdr[4] = row_bytes;
-      hdr[5] = overflows;
+      hdr[5] = flags;
       __threadfence_system();
       hdr[1] = seq;
     }
@@ -190,13 +201,14 @@ __device__ void wait_headers(const char* my_base, int64_t hdr_off, int parity, i
 
 // Grid: W * blocks_per_peer + 1 blocks: the send role, then one block waiting. The waiting
 // block only waits on the peers' progress, never on this grid's other blocks.
-__global__ void send_wait_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ counts, SenderInfo info,
+__global__ void send_wait_kernel(const uint4* __restrict__ x, int64_t x_rows, const int64_t* __restrict__ counts,
+                                 SenderInfo info,
                                  const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
                                  int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
                                  unsigned int* done, int blocks_per_peer, int64_t* out, volatile int64_t* host,
                                  uint64_t timeout_ns) {
   if (blockIdx.x < world * blocks_per_peer) {
-    send_rows(blockIdx.x, x, counts, info, peer_bases, me, world, seq, parity, region_bytes, data_off, hdr_off,
+    send_rows(blockIdx.x, x, x_rows, counts, info, peer_bases, me, world, seq, parity, region_bytes, data_off, hdr_off,
               done, blocks_per_peer);
   } else {
     wait_headers(my_base, hdr_off, parity, world, seq, counts, out, host, timeout_ns);
@@ -459,7 +471,7 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
 // overwrites), then one kernel that sends and waits, and writes the counts to `host`
 // (mapped host memory) with host[2W + 1] = seq last.
 void gpu_counts_exchange(int device, uint64_t stream_handle, uint64_t backend_stream, uint64_t order_event,
-                         uint64_t x, uint64_t counts, int64_t row_bytes, int64_t dtype_code, int64_t shape_code,
+                         uint64_t x, int64_t x_rows, uint64_t counts, int64_t row_bytes, int64_t dtype_code, int64_t shape_code,
                          uint64_t peer_bases, uint64_t my_base, int me,
                          int world, int64_t seq, int parity, int64_t region_bytes, int64_t data_off, int64_t hdr_off,
                          uint64_t done, int blocks_per_peer, uint64_t result, uint64_t host, uint64_t timeout_ns) {
@@ -469,7 +481,7 @@ void gpu_counts_exchange(int device, uint64_t stream_handle, uint64_t backend_st
         "cudaEventRecord");
   check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(order_event), 0), "cudaStreamWaitEvent");
   send_wait_kernel<<<world * blocks_per_peer + 1, 512, 0, stream>>>(
-      reinterpret_cast<const uint4*>(x), reinterpret_cast<const int64_t*>(counts),
+      reinterpret_cast<const uint4*>(x), x_rows, reinterpret_cast<const int64_t*>(counts),
       SenderInfo{dtype_code, shape_code, row_bytes}, reinterpret_cast<const uint64_t*>(peer_bases), reinterpret_cast<const char*>(my_base), me, world, seq, parity,
       region_bytes, data_off, hdr_off, reinterpret_cast<unsigned int*>(done), blocks_per_peer,
       reinterpret_cast<int64_t*>(result), reinterpret_cast<volatile int64_t*>(host), timeout_ns);
