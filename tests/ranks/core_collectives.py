@@ -318,10 +318,10 @@ def check_peer_gpu_counts() -> None:
             collective_assert(ok, f"peer gpu counts, {what} on rank {W - 1} differs: rank {R} got {got!r}")
         # counts on the GPU that do not add up to the rows (more: the kernel must not read past x;
         # fewer; negative): no row moves, every rank raises, the communicator stays usable
-        for what, delta in (("more", (0, 5)), ("fewer", (0, -1)), ("negative", (-2, 2))):
+        for what, delta in (("more", (0, 5)), ("fewer", (0, -1)), ("negative", (-1 - m[R, 0], 1 + m[R, 0]))):
             x = input_for(952, R, m, (8,), torch.bfloat16).to(DEV)
             c = m[R].copy()
-            if R == W - 1:
+            if R == W - 1:  # (negative: the same total)
                 c[0] += delta[0]
                 c[-1] += delta[1]
             try:
