@@ -138,6 +138,12 @@ class LowLatencyBuffer:
             allocates and, on a GPU, synchronises, so the default is True on the CPU only.
             Unchecked entries outside ``[-1, E)`` are treated as ``-1``.
         transport: how blocks move (default :class:`AllToAllTransport`).
+        use_native: lay out and place the rows with :mod:`moecomm_ext`'s kernels (one
+            kernel for the source's tables, one for the receiver's, and the combine's sum in
+            one; C++ on the CPU, CUDA on the GPU), as other ops default to (None:
+            ``not $MOECOMM_EXT_DISABLE``); False, or where they are not built (one
+            ``NativeBuildWarning``), the same results come from about 60 torch ops per
+            dispatch. ``k`` above 32 always takes the torch ops.
 
     Memory (bytes, ``R = W * M``, ``kk = min(k, L)``, ``es`` the dtype's size, ``Hc`` =
     ``combine_hidden``; index tables of ``O(R * (k + L) + M * k * k)`` int64 besides):
@@ -153,7 +159,7 @@ class LowLatencyBuffer:
     def __init__(self, comm, max_tokens_per_rank: int, hidden: int, num_experts: int, k: int,
                  dtype: torch.dtype = torch.bfloat16, fp8_dispatch: Union[bool, torch.dtype] = False, *,
                  combine_hidden: Optional[int] = None, check_routing: Optional[bool] = None,
-                 transport: Optional[Transport] = None) -> None:
+                 transport: Optional[Transport] = None, use_native: Optional[bool] = None) -> None:
         for attr in ("size", "rank", "device"):
             if not hasattr(comm, attr):
                 raise TypeError(f"comm must be a moecomm.Communicator, got {type(comm).__name__}")
@@ -178,6 +184,8 @@ class LowLatencyBuffer:
         L = E // W
         R = W * M
         kk = min(k, L)
+        self._ll = _native_module(dev, use_native, k, W, L)
+        native = self._ll is not None
         self.comm, self.rank, self.size, self.device = comm, rank, W, dev
         self.max_tokens_per_rank, self.hidden, self.num_experts, self.k = M, H, E, k
         self.local_experts, self.max_rows, self.combine_hidden = L, R, Hc
@@ -188,7 +196,7 @@ class LowLatencyBuffer:
         self._generation = 0
         es = torch.empty((), dtype=dtype).element_size()
         self._idx_dtype = torch.int16 if E < 2 ** 15 else torch.int32
-        ie = 2 if self._idx_dtype == torch.int16 else 4
+        ie = self._id_bytes = 2 if self._idx_dtype == torch.int16 else 4
         self._nb = quant.num_blocks(H, _WIRE_BLOCK)
         self._payload = quant.packed_row_bytes(H, _WIRE_BLOCK) if fp8 is not None else _round_up(H * es, _ALIGN)
         self._scale_off = _round_up(H, 4)
@@ -198,14 +206,62 @@ class LowLatencyBuffer:
         def z(*shape, dt=torch.int64):
             return torch.zeros(shape, dtype=dt, device=dev)
 
+        # -- the source's staged rows ([M + 1, ...]) --
+        self._xs = z(M + 1, self.row_bytes, dt=torch.uint8)  # staged rows; row M: the unused row
+        self._hdr(self._xs[M:]).fill_(-1)
+        self._bidx = z(M, k)  # the combine's row of each slot
+        self._qic = z(R, kk)  # [r, i]: the expert row of received row r's i-th distinct local expert
+        if fp8 is not None:
+            nbB = self._nb * _WIRE_BLOCK
+            self._xf = z(M, nbB, dt=torch.float32)
+            self._xq = z(M, nbB, dt=torch.float32)
+            self._amax = z(M, self._nb, dt=torch.float32)
+            self._scale = z(M, self._nb, dt=torch.float32)
+            self._zero_amax = z(M, self._nb, dt=torch.bool)
+            self._fp8_max = torch.full((1, 1), quant.FP8_MAX[fp8], dtype=torch.float32, device=dev)
+            self._f_zero = torch.zeros((), dtype=torch.float32, device=dev)
+        self._send = z(R, self.row_bytes, dt=torch.uint8)
+        self._recv = z(R, self.row_bytes, dt=torch.uint8)
+        if native:
+            self._send_tok = z(R)  # the staged row of each send row
+        else:
+            self._reference_tables()
+        self.counts = z(L) if native else self._ecum[R - 1, :L]
+        """``[local_experts]`` int64: the used rows of each local expert after the last dispatch."""
+        n_out = L * R + 1  # the last row takes the writes of unused slots
+        if fp8 is not None:
+            self._out = z(n_out, H, dt=torch.uint8)
+            self._out_scales = z(n_out, self._nb, dt=torch.float32)
+            self._out_x = self._out[:L * R].view(fp8).view(L, R, H)
+            self._out_s = self._out_scales[:L * R].view(L, R, self._nb)
+        else:
+            self._out = z(n_out, H, dt=dtype)
+            self._out_x = self._out[:L * R].view(L, R, H)
+            self._out_s = None
+        # -- combine --
+        self._back_send = z(R * kk, Hc, dt=dtype)
+        self._back_recv = z(R * kk + 1, Hc, dt=dtype)  # the last row stays zero: unused slots read it
+        self._w = z(M, k, dt=torch.float32)
+        self._y = z(M, Hc, dt=dtype)
+        if not native:
+            self._gath = z(M * k, Hc, dt=dtype)
+            self._gath32 = z(M * k, Hc, dt=torch.float32) if dtype != torch.float32 else None
+            self._acc = z(M, Hc, dt=torch.float32)
+            self._term = z(M, Hc, dt=torch.float32)
+
+    def _reference_tables(self) -> None:
+        """The tables of the op-by-op path (no native kernels)."""
+        M, W, L, R, k, kk, dev = (self.max_tokens_per_rank, self.size, self.local_experts, self.max_rows, self.k,
+                                  self._kk, self.device)
+
+        def z(*shape, dt=torch.int64):
+            return torch.zeros(shape, dtype=dt, device=dev)
+
         def c(v: int) -> Tensor:  # a Python number as an operand would be wrapped in a new tensor per call
             return torch.full((), v, dtype=torch.int64, device=dev)
 
-        self._c_L, self._c_R, self._c_Mkk, self._c_rankL, self._c_LR = c(L), c(R), c(M * kk), c(rank * L), c(L * R)
+        self._c_L, self._c_R, self._c_Mkk, self._c_rankL, self._c_LR = c(L), c(R), c(M * kk), c(self.rank * L), c(L * R)
         self._c_one = c(1)
-        # -- the source's tables ([M, ...]) --
-        self._xs = z(M + 1, self.row_bytes, dt=torch.uint8)  # staged rows; row M: the unused row
-        self._hdr(self._xs[M:]).fill_(-1)
         self._idx = z(M, k)
         self._bad = z(M, k, dt=torch.bool)
         self._bad_tok = z(M, 1, dt=torch.bool)
@@ -223,20 +279,7 @@ class LowLatencyBuffer:
         # slot -> first slot with the same expert, and the rank of a slot among its rank's distinct experts
         self._first_tables = _FirstSlots(M, k, dev)
         self._p_src = z(M, k)
-        self._bidx = z(M, k)
         self._src_invalid = z(M, k, dt=torch.bool)
-        if fp8 is not None:
-            nbB = self._nb * _WIRE_BLOCK
-            self._xf = z(M, nbB, dt=torch.float32)
-            self._xq = z(M, nbB, dt=torch.float32)
-            self._amax = z(M, self._nb, dt=torch.float32)
-            self._scale = z(M, self._nb, dt=torch.float32)
-            self._zero_amax = z(M, self._nb, dt=torch.bool)
-            self._fp8_max = torch.full((1, 1), quant.FP8_MAX[fp8], dtype=torch.float32, device=dev)
-            self._f_zero = torch.zeros((), dtype=torch.float32, device=dev)
-        # -- the exchange --
-        self._send = z(R, self.row_bytes, dt=torch.uint8)
-        self._recv = z(R, self.row_bytes, dt=torch.uint8)
         # -- the receiver's tables ([R, ...]) --
         self._ridx = z(R, k)
         self._rd = z(R, k)
@@ -253,27 +296,6 @@ class LowLatencyBuffer:
         self._qflat = z(R, k)
         self._row_col = torch.arange(R, device=dev).view(R, 1)
         self._qi = z(kk + 1, R)  # [i, r]: the expert row of row r's i-th distinct local expert
-        self._qic = z(R, kk)
-        self.counts = self._ecum[R - 1, :L]
-        """``[local_experts]`` int64: the used rows of each local expert after the last dispatch."""
-        n_out = L * R + 1  # the last row takes the writes of unused slots
-        if fp8 is not None:
-            self._out = z(n_out, H, dt=torch.uint8)
-            self._out_scales = z(n_out, self._nb, dt=torch.float32)
-            self._out_x = self._out[:L * R].view(fp8).view(L, R, H)
-            self._out_s = self._out_scales[:L * R].view(L, R, self._nb)
-        else:
-            self._out = z(n_out, H, dt=dtype)
-            self._out_x = self._out[:L * R].view(L, R, H)
-            self._out_s = None
-        # -- combine --
-        self._back_send = z(R * kk, Hc, dt=dtype)
-        self._back_recv = z(R * kk + 1, Hc, dt=dtype)  # the last row stays zero: unused slots read it
-        self._gath = z(M * k, Hc, dt=dtype)
-        self._gath32 = z(M * k, Hc, dt=torch.float32) if dtype != torch.float32 else None
-        self._w = z(M, k, dt=torch.float32)
-        self._acc = z(M, Hc, dt=torch.float32)
-        self._y = z(M, Hc, dt=dtype)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -286,7 +308,7 @@ class LowLatencyBuffer:
         """Bytes of each preallocated buffer group: ``{"wire", "expert_rows", "combine",
         "staging", "tables"}`` and ``"total"``."""
         groups = {"wire": ("_send", "_recv"), "expert_rows": ("_out", "_out_scales"),
-                  "combine": ("_back_send", "_back_recv", "_gath", "_gath32", "_acc", "_y", "_w"),
+                  "combine": ("_back_send", "_back_recv", "_gath", "_gath32", "_acc", "_term", "_y", "_w"),
                   "staging": ("_xs", "_xf", "_xq", "_amax", "_scale")}
         storages: dict = {}  # data pointer -> bytes: views share their base's storage
         for v in vars(self).values():
@@ -326,6 +348,32 @@ class LowLatencyBuffer:
             TypeError, ValueError: a bad argument, named, before anything is sent.
         """
         T = self._check_dispatch(x, topk_idx, num_tokens)
+        if self._ll is not None:
+            self._dispatch_native(x, topk_idx, num_tokens, T)
+        else:
+            self._dispatch_reference(x, topk_idx, num_tokens, T)
+        self._generation += 1
+        return Dispatched(self._out_x, self._out_s, self.counts, DispatchHandle(T, self._generation))
+
+    def _dispatch_native(self, x: Tensor, topk_idx: Tensor, num_tokens: Optional[Tensor], T: int) -> None:
+        ll = self._ll
+        if topk_idx.dtype != torch.int64 or not topk_idx.is_contiguous():
+            topk_idx = topk_idx.to(torch.int64).contiguous()  # (the one allocation: other integer dtypes)
+        if num_tokens is not None and num_tokens.dtype != torch.int64:
+            num_tokens = num_tokens.to(torch.int64)
+        self._stage_rows(x, T)
+        ll.ll_dispatch_layout(topk_idx, num_tokens, self.num_experts, self.size, self._kk, self._xs, self._payload,
+                              self._id_bytes, self._send_tok, self._bidx)
+        torch.index_select(self._xs, 0, self._send_tok, out=self._send)
+        self.transport.exchange(self._recv, self._send)
+        if self.fp8_dtype is None:
+            ll.ll_dispatch_place(self._recv, self._payload, self._id_bytes, self.k, self.rank, self.local_experts,
+                                 self._out, 0, None, 0, self._qic, self.counts)
+        else:
+            ll.ll_dispatch_place(self._recv, self._payload, self._id_bytes, self.k, self.rank, self.local_experts,
+                                 self._out, 0, self._out_scales, self._scale_off, self._qic, self.counts)
+
+    def _dispatch_reference(self, x: Tensor, topk_idx: Tensor, num_tokens: Optional[Tensor], T: int) -> None:
         M, W, L, R, k, kk = self.max_tokens_per_rank, self.size, self.local_experts, self.max_rows, self.k, self._kk
         E = self.num_experts
         idx, bad = self._idx, self._bad
@@ -374,8 +422,6 @@ class LowLatencyBuffer:
 
         self.transport.exchange(self._recv, self._send)
         self._place_rows()
-        self._generation += 1
-        return Dispatched(self._out_x, self._out_s, self.counts, DispatchHandle(T, self._generation))
 
     def _check_dispatch(self, x: Tensor, topk_idx: Tensor, num_tokens: Optional[Tensor]) -> int:
         M, H, k = self.max_tokens_per_rank, self.hidden, self.k
@@ -509,6 +555,17 @@ class LowLatencyBuffer:
         M, k, Hc = self.max_tokens_per_rank, self.k, self.combine_hidden
         torch.index_select(expert_y.view(-1, Hc), 0, self._qic.view(-1), out=self._back_send)
         self.transport.exchange(self._back_recv[:-1], self._back_send)
+        if self._ll is not None:
+            w = topk_weights
+            if w.dtype != torch.float32 or not w.is_contiguous():
+                w = self._w[:T]
+                w.copy_(topk_weights)
+            y = self._y[:T]
+            result = self._ll.gather_reduce_rows(self._back_recv, self._bidx[:T], w, out=y)
+            if isinstance(result, tuple) and result[1] >= 0:  # (the CPU kernel's report of a bad row)
+                raise RuntimeError(f"LowLatencyBuffer.combine: internal error, combine row index {result[1]} "
+                                   f"out of range")
+            return y
         gath = self._gath[:T * k]
         torch.index_select(self._back_recv, 0, self._bidx[:T].view(-1), out=gath)
         w = self._w[:T]
@@ -520,8 +577,10 @@ class LowLatencyBuffer:
         acc = self._acc[:T]
         acc.zero_()
         g3 = gath.view(T, k, Hc)
-        for j in range(k):
-            acc.addcmul_(g3[:, j], w[:, j:j + 1])
+        term = self._term[:T]
+        for j in range(k):  # each product rounded, then added (no fused multiply-add), as the CPU kernel does
+            torch.mul(g3[:, j], w[:, j:j + 1], out=term)
+            acc.add_(term)
         y = self._y[:T]
         y.copy_(acc)
         return y
@@ -551,6 +610,19 @@ class LowLatencyBuffer:
             raise ValueError(f"topk_weights must be [T={T}, k={k}] on {self.device}, got shape "
                              f"{tuple(topk_weights.shape)} on {topk_weights.device}")
         return T
+
+
+def _native_module(dev: torch.device, use_native: Optional[bool], k: int, world: int, local_experts: int):
+    """moecomm_ext's module for the buffer's kernels, or None: not built, not wanted, or a
+    shape the kernels do not take (``k`` > 32; on a GPU, ranks or local experts past what one
+    block's 48 KiB of shared memory can count)."""
+    if use_native is not None and not isinstance(use_native, bool):
+        raise TypeError(f"use_native must be None or a bool, got {use_native!r}")
+    if k > 32 or (dev.type == "cuda" and 2 * max(world, local_experts) > 12 * 1024):
+        return None
+    from moecomm_ext.unchecked import low_latency_ops
+
+    return low_latency_ops(dev, use_native)
 
 
 class _FirstSlots:

@@ -16,6 +16,10 @@ path, undefined results. ``use_native`` as in the public functions (None: the de
   functions (``step_route``, ``step_ffn``, ``step_combine_backward``, ``step_ffn_backward``,
   ``step_route_backward``, documented in :mod:`moecomm_ext.reference`): the native module's,
   issued from C++, or the reference's
+* ``low_latency_ops(device, use_native)``: the native module whose ``ll_dispatch_layout``,
+  ``ll_dispatch_place`` and ``gather_reduce_rows(..., out=)`` run
+  :class:`moecomm.LowLatencyBuffer`'s dispatch and combine (``csrc/lowlat.h``), or None where
+  it is not to be had (the buffer then runs its torch ops)
 """
 
 from __future__ import annotations
@@ -26,5 +30,13 @@ from ._kernels import run_gather_rows as gather_rows
 from ._route import run_route_backward as route_backward
 from ._route import run_route_capacity as route_capacity
 from ._route import step_ops
+from ._loader import module_for
 
-__all__ = ["gather_rows", "gather_reduce_rows", "gather_rowdot", "route_capacity", "route_backward", "step_ops"]
+__all__ = ["gather_rows", "gather_reduce_rows", "gather_rowdot", "route_capacity", "route_backward", "step_ops",
+           "low_latency_ops"]
+
+
+def low_latency_ops(device, use_native: bool | None):
+    """The native module for the low-latency buffer's tensors on ``device``, or None."""
+    mod = module_for(device.type, use_native)
+    return mod if mod is not None and hasattr(mod, "ll_dispatch_layout") else None

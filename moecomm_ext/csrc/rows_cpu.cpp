@@ -136,13 +136,20 @@ Result gather_rows(const at::Tensor& x, const at::Tensor& index,
   return Result(out, bad.get());
 }
 
+// out: [T, D] contiguous of y's dtype to write into, or none (allocated)
 Result gather_reduce_rows(const at::Tensor& y, const at::Tensor& index,
-                          const std::optional<at::Tensor>& weight) {
+                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& into) {
   constexpr const char* fn = "gather_reduce_rows";
   check_common(y, fn, "y", 2);
   check_index(index, fn, 2);
   const int64_t M = y.size(0), D = y.size(1), T = index.size(0), K = index.size(1);
-  at::Tensor out = at::empty({T, D}, y.options());
+  at::Tensor out = into.has_value() ? *into : at::empty({T, D}, y.options());
+  if (into.has_value()) {
+    check_common(out, fn, "out", 2);
+    TORCH_CHECK(out.sizes() == at::IntArrayRef({T, D}) && out.scalar_type() == y.scalar_type(), fn,
+                ": 'out' must be [", T, ", ", D, "] of ", y.scalar_type(), ", got ", out.sizes(), " of ",
+                out.scalar_type());
+  }
   const int64_t* idx = index.const_data_ptr<int64_t>();
   BadIndex bad;
 
@@ -233,7 +240,7 @@ at::Tensor step_gather_rows(const at::Tensor& x, const at::Tensor& index, const 
 }
 at::Tensor step_gather_reduce_rows(const at::Tensor& y, const at::Tensor& index,
                                    const std::optional<at::Tensor>& weight) {
-  return checked(gather_reduce_rows(y, index, weight), "gather_reduce_rows");
+  return checked(gather_reduce_rows(y, index, weight, std::nullopt), "gather_reduce_rows");
 }
 at::Tensor step_gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index) {
   return checked(gather_rowdot(a, b, index), "gather_rowdot");
@@ -241,6 +248,7 @@ at::Tensor step_gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at
 
 }  // namespace
 
+#include "lowlat.h"
 #include "route.h"
 #include "step.h"
 #include "source_hash.h"
@@ -253,10 +261,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("index"), py::arg("scale") = py::none());
   m.def("gather_reduce_rows", &gather_reduce_rows,
         "(out, bad): out[t] = sum_j weight[t,j] * y[index[t,j]]; -1 skipped", py::arg("y"), py::arg("index"),
-        py::arg("weight") = py::none());
+        py::arg("weight") = py::none(), py::arg("out") = py::none());
   m.def("gather_rowdot", &gather_rowdot, "(out, bad): out[t,j] = dot(a[t], b[index[t,j]]); -1 -> 0",
         py::arg("a"), py::arg("b"), py::arg("index"));
   MOECOMM_EXT_BIND_ROUTE(m, cpu);
+  MOECOMM_EXT_BIND_LOW_LATENCY(m, cpu);
   moecomm_ext::bind_step(m, {step_gather_rows, step_gather_reduce_rows, step_gather_rowdot,
                              moecomm_ext::route_capacity_cpu, moecomm_ext::route_backward_cpu});
   m.attr("device_type") = "cpu";

@@ -370,8 +370,19 @@ at::Tensor gather_rows_cuda(const at::Tensor& x, const at::Tensor& index,
   return out;
 }
 
+at::Tensor gather_reduce_rows_into_cuda(const at::Tensor& y, const at::Tensor& index,
+                                        const std::optional<at::Tensor>& weight,
+                                        const std::optional<at::Tensor>& into);
+
 at::Tensor gather_reduce_rows_cuda(const at::Tensor& y, const at::Tensor& index,
                                    const std::optional<at::Tensor>& weight) {
+  return gather_reduce_rows_into_cuda(y, index, weight, std::nullopt);
+}
+
+// out: [T, D] contiguous of y's dtype to write into, or none (allocated)
+at::Tensor gather_reduce_rows_into_cuda(const at::Tensor& y, const at::Tensor& index,
+                                        const std::optional<at::Tensor>& weight,
+                                        const std::optional<at::Tensor>& into) {
   constexpr const char* fn = "gather_reduce_rows";
   TORCH_CHECK(y.is_cuda(), fn, ": 'y' must be a CUDA tensor");
   const at::Device dev = y.device();
@@ -380,7 +391,13 @@ at::Tensor gather_reduce_rows_cuda(const at::Tensor& y, const at::Tensor& index,
   TORCH_CHECK(index.scalar_type() == at::kLong, fn, ": 'index' must be int64");
   const c10::cuda::CUDAGuard guard(dev);
   const int64_t D = y.size(1), T = index.size(0), K = index.size(1);
-  at::Tensor out = at::empty({T, D}, y.options());
+  at::Tensor out = into.has_value() ? *into : at::empty({T, D}, y.options());
+  if (into.has_value()) {
+    check_cuda(out, fn, "out", 2, dev);
+    TORCH_CHECK(out.sizes() == at::IntArrayRef({T, D}) && out.scalar_type() == y.scalar_type(), fn,
+                ": 'out' must be [", T, ", ", D, "] of ", y.scalar_type(), ", got ", out.sizes(), " of ",
+                out.scalar_type());
+  }
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "gather_reduce_rows_cuda", [&] {

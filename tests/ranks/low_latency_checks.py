@@ -1,6 +1,7 @@
 """moecomm.LowLatencyBuffer on real MPI ranks (run by tests/test_low_latency.py): dispatch and
 combine against a dense reference written independently (hypothesis: token counts 0..max,
-skewed routing, k 1..8, 1..32 experts per rank), a padded batch with a device ``num_tokens``,
+skewed routing, k 1..8, 1..32 experts per rank; native kernels and torch ops), the native
+kernels bit for bit against the torch ops, a padded batch with a device ``num_tokens``,
 the combine independent of how blocks arrive, FP8 dispatch bit-identical to quantizing with
 moecomm.quant and dispatching in BF16, no allocation after construction, views into the
 preallocated buffers, argument errors, and the MoE layer's decode path against its normal path.
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moecomm
+import moecomm_ext
 from moecomm import quant
 from moecomm.low_latency import AllToAllTransport, LowLatencyBuffer
 from tests.mpi_util import collective_assert, rank_main
@@ -111,12 +113,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @SETTINGS
 @given(seed=st.integers(0, 2 ** 31), M=st.integers(1, 5), local=st.sampled_from([1, 2, 3, 8, 32]),
        k=st.integers(1, 8), H=st.sampled_from([16, 130]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       how=st.sampled_from(ROUTINGS), full=st.booleans())
-def check_against_dense(seed, M, local, k, H, dtype, how, full) -> None:
+       how=st.sampled_from(ROUTINGS), full=st.booleans(), native=st.sampled_from([None, False]))
+def check_against_dense(seed, M, local, k, H, dtype, how, full, native) -> None:
     E = local * W
     rng = np.random.default_rng([seed, 5])
     Ts = [M if full else int(v) for v in rng.integers(0, M + 1, W)]
-    buf = LowLatencyBuffer(COMM, M, H, E, k, dtype)
+    buf = LowLatencyBuffer(COMM, M, H, E, k, dtype, use_native=native)
     x, idx = tokens(seed, R, Ts[R], H, dtype), routing(seed, R, Ts[R], k, E, how)
     d = buf.dispatch(x, idx)
     want = dense_dispatch(seed, Ts, k, E, H, dtype, how)
@@ -130,7 +132,44 @@ def check_against_dense(seed, M, local, k, H, dtype, how, full) -> None:
     y = buf.combine(run_experts(d, local), weights(seed, R, Ts[R], k), d.handle)
     if not close(y, dense_combine(seed, Ts[R], k, E, H, dtype, how), dtype):
         problems.append("combine")
-    collective_assert(not problems, f"seed={seed} M={M} L={local} k={k} H={H} {dtype} {how} T={Ts}: "
+    collective_assert(not problems, f"seed={seed} M={M} L={local} k={k} H={H} {dtype} {how} T={Ts} "
+                      f"use_native={native}: " + "; ".join(problems))
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2 ** 31), M=st.integers(1, 6), local=st.sampled_from([1, 2, 5, 16]),
+       k=st.integers(1, 8), dtype=st.sampled_from([torch.float32, torch.bfloat16]), how=st.sampled_from(ROUTINGS),
+       fp8=st.booleans(), padded=st.booleans())
+def check_native_matches_torch_ops(seed, M, local, k, dtype, how, fp8, padded) -> None:
+    """The native kernels (the default where built) against the buffer's own torch ops
+    (use_native=False): the same counts and expert rows (FP8 bytes and scales), bit for bit,
+    and the same combined rows; with a padded batch and a device num_tokens too."""
+    if moecomm_ext.implementation("cpu") != "native":
+        return
+    E, H = local * W, 136
+    rng = np.random.default_rng([seed, 6])
+    T = M if padded else int(rng.integers(0, M + 1))
+    x, idx, w = tokens(seed, R, T, H, dtype), routing(seed, R, T, k, E, how), weights(seed, R, T, k)
+    n = torch.tensor(int(rng.integers(0, T + 1)), dtype=torch.int64) if padded else None
+    problems = []
+    results = []
+    for native in (None, False):
+        buf = LowLatencyBuffer(COMM, M, H, E, k, dtype, fp8_dispatch=fp8, use_native=native)
+        if (buf._ll is None) == (native is None):
+            problems.append(f"use_native={native}: native kernels {'not ' if native is None else ''}used")
+        d = buf.dispatch(x, idx, num_tokens=n)
+        rows = [d.x[e, :int(d.counts[e])].clone() for e in range(local)]
+        scales = [d.scales[e, :int(d.counts[e])].clone() for e in range(local)] if fp8 else []
+        ey = run_experts(d, local) if not fp8 else torch.zeros(local, buf.max_rows, H, dtype=dtype)
+        results.append((d.counts.clone(), rows, scales, buf.combine(ey, w, d.handle).clone()))
+    (c0, r0, s0, y0), (c1, r1, s1, y1) = results
+    if not torch.equal(c0, c1):
+        problems.append(f"counts {c0.tolist()} vs {c1.tolist()}")
+    elif not all(same_bits(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(r0 + s0, r1 + s1)):
+        problems.append("expert rows")
+    if not same_bits(y0, y1):
+        problems.append("combine")
+    collective_assert(not problems, f"seed={seed} M={M} L={local} k={k} {dtype} {how} fp8={fp8} T={T} n={n}: "
                       + "; ".join(problems))
 
 
@@ -332,7 +371,7 @@ def check_moe_layer_decode() -> None:
 
 
 if __name__ == "__main__":
-    CHECKS = [check_against_dense, check_num_tokens, check_arrival_order, check_fp8_dispatch, check_no_allocation,
+    CHECKS = [check_against_dense, check_native_matches_torch_ops, check_num_tokens, check_arrival_order, check_fp8_dispatch, check_no_allocation,
               check_errors, check_moe_layer_decode]
     if ONLY:
         CHECKS = [c for c in CHECKS if c.__name__ == ONLY]

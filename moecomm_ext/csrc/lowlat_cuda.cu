@@ -1,0 +1,305 @@
+// moecomm.LowLatencyBuffer's dispatch kernels on the GPU (see lowlat.h).
+//
+// Positions must not depend on thread timing (the output is documented as source, then token
+// order), so no atomics decide them. Both layouts run in one block that walks its rows in
+// chunks of blockDim: a thread per row, warp ballots (source) or a warp-serial pass over the
+// lanes (receiver) for the positions inside a warp, a prefix over the warps in shared memory,
+// and a running base carried from chunk to chunk. The receiver's row copies then run in a grid
+// (one block per received row). Nothing is read on the host: num_tokens stays on the device.
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+
+#include "lowlat.h"
+
+namespace moecomm_ext {
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxThreads = 1024;
+constexpr int64_t kSharedInts = 12 * 1024;  // 48 KiB of shared memory: no opt-in needed
+
+void cuda_ok(const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.is_cuda(), "low-latency kernels: a CUDA tensor was expected, got one on ", t.device());
+  TORCH_CHECK(t.dim() == dim && t.is_contiguous(), "low-latency kernels: a contiguous ", dim,
+              "-D tensor was expected, got sizes ", t.sizes(), " strides ", t.strides());
+}
+
+__device__ __forceinline__ int64_t load_id(const uint8_t* p, int id_bytes) {
+  return id_bytes == 2 ? int64_t(*reinterpret_cast<const int16_t*>(p)) : int64_t(*reinterpret_cast<const int32_t*>(p));
+}
+
+__device__ __forceinline__ void store_id(uint8_t* p, int id_bytes, int64_t v) {
+  if (id_bytes == 2) {
+    *reinterpret_cast<int16_t*>(p) = static_cast<int16_t>(v);
+  } else {
+    *reinterpret_cast<int32_t*>(p) = static_cast<int32_t>(v);
+  }
+}
+
+// Warps of a layout block: as many as a chunk needs, and as shared memory allows for
+// `per_warp` ints per warp plus `per_warp` more (the running base).
+int layout_warps(int64_t rows, int64_t per_warp) {
+  int64_t warps = (rows + kWarp - 1) / kWarp;
+  warps = warps < 1 ? 1 : (warps > kMaxThreads / kWarp ? kMaxThreads / kWarp : warps);
+  const int64_t fit = kSharedInts / per_warp - 1;
+  return static_cast<int>(warps < fit ? warps : fit);
+}
+
+// One block. Shared: base[W] (tokens placed per destination so far), then wtot[warps][W].
+__global__ void layout_kernel(const int64_t* __restrict__ topk, int64_t T, const int64_t* __restrict__ num_tokens,
+                              int64_t E, int W, int64_t L, int64_t M, int k, int64_t kk, uint8_t* __restrict__ staged,
+                              int64_t row_bytes, int64_t id_offset, int id_bytes, int64_t* __restrict__ send_tok,
+                              int64_t* __restrict__ bidx) {
+  extern __shared__ int shared[];
+  int* base = shared;
+  int* wtot = shared + W;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  int64_t n = T;
+  if (num_tokens != nullptr) {
+    const int64_t v = *num_tokens;
+    n = v < 0 ? 0 : (v < T ? v : T);
+  }
+  for (int64_t i = threadIdx.x; i < int64_t(W) * M; i += blockDim.x) send_tok[i] = M;
+  for (int d = threadIdx.x; d < W; d += blockDim.x) base[d] = 0;
+  __syncthreads();
+  const unsigned lower = (1u << lane) - 1u;
+  for (int64_t c0 = 0; c0 < M; c0 += blockDim.x) {
+    const int64_t t = c0 + threadIdx.x;
+    const bool active = t < M;
+    int64_t v[kLowLatencyMaxK];
+    int dest[kLowLatencyMaxK];  // the token's distinct destinations, in the order of their first slots
+    int pos[kLowLatencyMaxK];
+    int nd = 0;
+    for (int j = 0; j < k; ++j) {
+      const int64_t e = active && t < n ? topk[t * k + j] : -1;
+      v[j] = e >= 0 && e < E ? e : -1;
+      if (active) store_id(staged + t * row_bytes + id_offset + j * id_bytes, id_bytes, v[j]);
+      if (v[j] < 0) continue;
+      const int d = static_cast<int>(v[j] / L);
+      bool seen = false;
+      for (int i = 0; i < nd; ++i) seen = seen || dest[i] == d;
+      if (!seen) dest[nd++] = d;
+    }
+    for (int d = 0; d < W; ++d) {
+      int m = -1;
+      for (int i = 0; i < nd; ++i) m = dest[i] == d ? i : m;
+      const unsigned ballot = __ballot_sync(0xffffffffu, m >= 0);
+      if (m >= 0) pos[m] = __popc(ballot & lower);
+      if (lane == 0) wtot[warp * W + d] = __popc(ballot);
+    }
+    __syncthreads();
+    const int warps = blockDim.x / kWarp;
+    for (int d = threadIdx.x; d < W; d += blockDim.x) {
+      int run = base[d];
+      for (int w = 0; w < warps; ++w) {
+        const int here = wtot[w * W + d];
+        wtot[w * W + d] = run;
+        run += here;
+      }
+      base[d] = run;
+    }
+    __syncthreads();
+    if (active) {
+      for (int i = 0; i < nd; ++i) {
+        pos[i] += wtot[warp * W + dest[i]];
+        send_tok[int64_t(dest[i]) * M + pos[i]] = t;
+      }
+      int first[kLowLatencyMaxK];  // the first slot naming the same expert
+      for (int j = 0; j < k; ++j) {
+        first[j] = j;
+        for (int i = j - 1; i >= 0; --i) first[j] = v[i] == v[j] ? i : first[j];
+      }
+      for (int j = 0; j < k; ++j) {
+        int64_t at = -1;
+        if (v[j] >= 0) {
+          const int d = static_cast<int>(v[j] / L);
+          int before = 0;  // distinct experts of rank d whose first slot comes before this one's
+          for (int i = 0; i < first[j]; ++i) before += v[i] >= 0 && first[i] == i && v[i] / L == d;
+          int m = 0;
+          for (int i = 0; i < nd; ++i) m = dest[i] == d ? i : m;
+          at = int64_t(d) * M * kk + int64_t(pos[m]) * kk + before;
+        }
+        bidx[t * k + j] = at;
+      }
+    }
+    __syncthreads();  // wtot is rewritten by the next chunk
+  }
+}
+
+// Row r's distinct experts of this rank, in slot order (local numbers); returns how many (<= kk).
+__device__ __forceinline__ int local_experts_of(const uint8_t* row, int64_t id_offset, int id_bytes, int k, int64_t lo,
+                                                int64_t L, int64_t kk, int* le) {
+  int64_t v[kLowLatencyMaxK];
+  int n = 0;
+  for (int j = 0; j < k; ++j) {
+    v[j] = load_id(row + id_offset + j * id_bytes, id_bytes);
+    if (v[j] < lo || v[j] >= lo + L || n >= kk) continue;
+    bool again = false;
+    for (int p = 0; p < j; ++p) again = again || v[p] == v[j];
+    if (!again) le[n++] = static_cast<int>(v[j] - lo);
+  }
+  return n;
+}
+
+// One block. Shared: base[L] (rows placed per expert so far), then wcnt[warps][L].
+__global__ void place_layout_kernel(const uint8_t* __restrict__ recv, int64_t R, int64_t row_bytes, int64_t id_offset,
+                                    int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
+                                    int64_t* __restrict__ qic, int64_t* __restrict__ counts) {
+  extern __shared__ int shared[];
+  int* base = shared;
+  int* wcnt = shared + L;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, warps = blockDim.x / kWarp;
+  for (int64_t e = threadIdx.x; e < L; e += blockDim.x) base[e] = 0;
+  for (int64_t c0 = 0; c0 < R; c0 += blockDim.x) {
+    for (int64_t i = threadIdx.x; i < int64_t(warps) * L; i += blockDim.x) wcnt[i] = 0;
+    __syncthreads();
+    const int64_t r = c0 + threadIdx.x;
+    int le[kLowLatencyMaxK];
+    int local[kLowLatencyMaxK];
+    const int n = r < R ? local_experts_of(recv + r * row_bytes, id_offset, id_bytes, k, rank * L, L, kk, le) : 0;
+    for (int l = 0; l < kWarp; ++l) {  // the lanes in order: rows before r come first
+      if (lane == l) {
+        for (int i = 0; i < n; ++i) local[i] = wcnt[warp * L + le[i]]++;
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < L; e += blockDim.x) {
+      int run = base[e];
+      for (int w = 0; w < warps; ++w) {
+        const int here = wcnt[w * L + e];
+        wcnt[w * L + e] = run;
+        run += here;
+      }
+      base[e] = run;
+    }
+    __syncthreads();
+    if (r < R) {
+      for (int i = 0; i < kk; ++i) {
+        qic[r * kk + i] = i < n ? int64_t(le[i]) * R + wcnt[warp * L + le[i]] + local[i] : 0;
+      }
+    }
+    __syncthreads();  // wcnt is cleared by the next chunk
+  }
+  for (int64_t e = threadIdx.x; e < L; e += blockDim.x) counts[e] = base[e];
+}
+
+// Grid: one block per received row; copies `bytes` from byte `src_offset` of the row to each
+// of its expert rows (dst rows of `bytes`), in units of V bytes (all offsets and sizes are
+// multiples of V).
+template <typename V>
+__global__ void place_copy_kernel(const uint8_t* __restrict__ recv, int64_t R, int64_t row_bytes, int64_t id_offset,
+                                  int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
+                                  const int64_t* __restrict__ qic, uint8_t* __restrict__ dst, int64_t src_offset,
+                                  int64_t bytes) {
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    const uint8_t* row = recv + r * row_bytes;
+    int le[kLowLatencyMaxK];
+    const int n = local_experts_of(row, id_offset, id_bytes, k, rank * L, L, kk, le);
+    const V* src = reinterpret_cast<const V*>(row + src_offset);
+    const int64_t units = bytes / int64_t(sizeof(V));
+    for (int i = 0; i < n; ++i) {
+      V* out = reinterpret_cast<V*>(dst + qic[r * kk + i] * bytes);
+      for (int64_t u = threadIdx.x; u < units; u += blockDim.x) out[u] = src[u];
+    }
+  }
+}
+
+struct alignas(8) Bytes8 {
+  uint32_t a, b;
+};
+
+void launch_copy(const at::Tensor& recv, int64_t id_offset, int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
+                 const at::Tensor& qic, const at::Tensor& out, int64_t src_offset, cudaStream_t stream) {
+  const int64_t R = recv.size(0), row_bytes = recv.size(1);
+  const int64_t bytes = out.size(1) * int64_t(out.element_size());
+  if (R == 0 || bytes == 0) return;
+  const uint8_t* src = recv.const_data_ptr<uint8_t>();
+  uint8_t* dst = static_cast<uint8_t*>(out.mutable_data_ptr());
+  auto fits = [&](int64_t a) {
+    return reinterpret_cast<uintptr_t>(src) % a == 0 && reinterpret_cast<uintptr_t>(dst) % a == 0 &&
+           row_bytes % a == 0 && src_offset % a == 0 && bytes % a == 0;
+  };
+  const int64_t widest = fits(16) ? 16 : fits(8) ? 8 : fits(4) ? 4 : fits(2) ? 2 : 1;
+  const int64_t units = bytes / widest;
+  const int threads = static_cast<int>(units >= 256 ? 256 : ((units + kWarp - 1) / kWarp) * kWarp);
+  const unsigned grid = static_cast<unsigned>(R < (1 << 20) ? R : (1 << 20));
+#define MOECOMM_LL_COPY(V)                                                                                        \
+  place_copy_kernel<V><<<grid, threads, 0, stream>>>(src, R, row_bytes, id_offset, id_bytes, k, rank, L, kk,      \
+                                                     qic.const_data_ptr<int64_t>(), dst, src_offset, bytes)
+  if (widest == 16) {
+    MOECOMM_LL_COPY(uint4);
+  } else if (widest == 8) {
+    MOECOMM_LL_COPY(Bytes8);
+  } else if (widest == 4) {
+    MOECOMM_LL_COPY(uint32_t);
+  } else if (widest == 2) {
+    MOECOMM_LL_COPY(uint16_t);
+  } else {
+    MOECOMM_LL_COPY(uint8_t);
+  }
+#undef MOECOMM_LL_COPY
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void ll_dispatch_layout_cuda(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
+                             int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged, int64_t id_offset,
+                             int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx) {
+  check_ll_layout(topk_idx, num_tokens, num_experts, world, kk, staged, id_offset, id_bytes, send_tok, bidx, cuda_ok);
+  for (const at::Tensor* t : {&staged, &send_tok, &bidx}) {
+    TORCH_CHECK(t->device() == topk_idx.device(), "ll_dispatch_layout: every tensor must be on ", topk_idx.device());
+  }
+  const int64_t M = staged.size(0) - 1;
+  if (M == 0) return;
+  const int warps = layout_warps(M, world);
+  TORCH_CHECK(warps >= 1, "ll_dispatch_layout: ", world, " ranks do not fit the layout kernel's shared memory");
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const size_t shared = size_t(warps + 1) * size_t(world) * sizeof(int);
+  layout_kernel<<<1, warps * kWarp, shared, stream>>>(
+      topk_idx.const_data_ptr<int64_t>(), topk_idx.size(0),
+      num_tokens.has_value() ? num_tokens->const_data_ptr<int64_t>() : nullptr, num_experts, static_cast<int>(world),
+      num_experts / world, M, static_cast<int>(topk_idx.size(1)), kk, staged.mutable_data_ptr<uint8_t>(),
+      staged.size(1), id_offset, static_cast<int>(id_bytes), send_tok.mutable_data_ptr<int64_t>(),
+      bidx.mutable_data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void ll_dispatch_place_cuda(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
+                            int64_t local_experts, at::Tensor out, int64_t src_offset,
+                            const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,
+                            at::Tensor counts) {
+  check_ll_place(recv, id_offset, id_bytes, k, rank, local_experts, out, src_offset, out2, src_offset2, qic, counts,
+                 cuda_ok);
+  for (const at::Tensor* t : {&out, &qic, &counts}) {
+    TORCH_CHECK(t->device() == recv.device(), "ll_dispatch_place: every tensor must be on ", recv.device());
+  }
+  TORCH_CHECK(!out2.has_value() || out2->device() == recv.device(), "ll_dispatch_place: out2 must be on ",
+              recv.device());
+  const int64_t R = recv.size(0), L = local_experts, kk = qic.size(1);
+  const int warps = layout_warps(R, L);
+  TORCH_CHECK(warps >= 1, "ll_dispatch_place: ", L, " local experts do not fit the layout kernel's shared memory");
+  const c10::cuda::CUDAGuard guard(recv.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const size_t shared = size_t(warps + 1) * size_t(L) * sizeof(int);
+  place_layout_kernel<<<1, warps * kWarp, shared, stream>>>(
+      recv.const_data_ptr<uint8_t>(), R, recv.size(1), id_offset, static_cast<int>(id_bytes), static_cast<int>(k),
+      rank, L, kk, qic.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_copy(recv, id_offset, static_cast<int>(id_bytes), static_cast<int>(k), rank, L, kk, qic, out, src_offset,
+              stream);
+  if (out2.has_value()) {
+    launch_copy(recv, id_offset, static_cast<int>(id_bytes), static_cast<int>(k), rank, L, kk, qic, *out2,
+                src_offset2, stream);
+  }
+}
+
+}  // namespace moecomm_ext
