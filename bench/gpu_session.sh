@@ -187,7 +187,7 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       step moe_fused_summary 60 python3 -m bench.trace_summary --host --top 30 /tmp/moe_fused_trace.json ;;
     shared)  # issue 26: SHARED_RANKS ranks sharing GPU 0 on the peer backend: the rank suites (SHARED_PARTS)
       # under MPS, then the core suite and the exchange benchmark without MPS (2 ranks)
-      local parts=${SHARED_PARTS:-core overlap quant moe a2a moebench} L=${SHARED_STEP_S:-240}
+      local parts=${SHARED_PARTS:-core overlap quant moe ll a2a moebench} L=${SHARED_STEP_S:-240}
       mps_on
       for n in ${SHARED_RANKS:-2 3 4 8}; do
         local M=(mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
@@ -198,6 +198,7 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
             overlap) step "shared_overlap_$n" $L "${M[@]}" python3 -m tests.ranks.overlap_checks peer ;;
             quant) step "shared_quant_$n" $L "${M[@]}" python3 -m tests.ranks.quant_checks peer ;;
             moe) step "shared_moe_$n" $L "${M[@]}" python3 -m tests.ranks.moe_layer_checks all cuda ;;
+            ll) step "shared_ll_$n" $L "${M[@]}" python3 -m tests.ranks.low_latency_checks peer ;;
             a2a) step "shared_a2a_$n" $L "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M \
                    -f 4 -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_$n.json" ;;
             moebench) [ $n = 2 ] || [ $n = 4 ] && step "shared_moe_layer_$n" $L "${M[@]}" python3 -m bench.moe_layer \
@@ -233,6 +234,8 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         step "decode_$n" 120 "${M[@]}" python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --json "$RES/decode_$n.json"
         step "decode_fp8_$n" 120 "${M[@]}" python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --fp8 \
           --json "$RES/decode_fp8_$n.json"
+        [ $n -le 2 ] && step "decode_torchops_$n" 120 "${M[@]}" python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 \
+          --torch-ops --json "$RES/decode_torchops_$n.json"
       done
       mps_off ;;
     sharedbatch)  # issue 26: the exchange timed as nccl-tests do (10 exchanges back to back per sample), under MPS

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=50)
     p.add_argument("-w", "--warmup", type=int, default=5)
     p.add_argument("--copy-bytes", type=int, default=0, help="bytes of the copy-rate probe (default 256M GPU, 32M CPU)")
+    p.add_argument("--torch-ops", action="store_true",
+                   help="the buffer's torch ops instead of moecomm_ext's kernels (use_native=False), to compare")
     p.add_argument("--json", default=None, help="write the results to this file (rank 0)")
     return p
 
@@ -96,7 +98,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
     E = args.experts or 4 * W
     dtype = DTYPES[args.dtype]
     M, H, k = args.tokens, args.hidden, args.k
-    buf = LowLatencyBuffer(comm, M, H, E, k, dtype, fp8_dispatch=args.fp8, check_routing=False)
+    buf = LowLatencyBuffer(comm, M, H, E, k, dtype, fp8_dispatch=args.fp8, check_routing=False,
+                           use_native=False if args.torch_ops else None)
     L, R = buf.local_experts, buf.max_rows
     x = torch.randn(M, H, device=dev).to(dtype)
     idx = torch.zeros(M, k, dtype=torch.int64, device=dev)
@@ -132,6 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
             combine()
         modes.append(("captured", gd.replay, gc.replay))
 
+    kernels = "native" if buf.uses_native else "torch ops"
     rate = copy_rate(dev, args.copy_bytes or ((256 << 20) if dev.type == "cuda" else (32 << 20)))
     floors = floor_bytes(buf, M)
     wire = buf.wire_bytes()
@@ -149,12 +153,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
             t = np.array(times[phase]) * 1e6
             floor_us = floors[phase] / rate * 1e6
             results.append({"mode": mode, "phase": phase, "ranks": W, "tokens": M, "hidden": H, "experts": E,
-                            "k": k, "dtype": args.dtype, "fp8": args.fp8, "median_us": float(np.median(t)),
+                            "k": k, "dtype": args.dtype, "fp8": args.fp8, "kernels": kernels,
+                            "median_us": float(np.median(t)),
                             "p99_us": float(np.percentile(t, 99)), "floor_bytes": floors[phase],
                             "floor_us": floor_us, "wire_bytes": wire[phase], "copy_GBps": rate / 1e9})
     if comm.rank == 0:
         print(f"# {W} ranks on {dev.type}: tokens {M}, hidden {H}, experts {E}, top-{k}, {args.dtype}"
-              f"{', FP8 dispatch' if args.fp8 else ''}; device copy {rate / 1e9:.1f} GB/s (read + written)")
+              f"{', FP8 dispatch' if args.fp8 else ''}, {kernels}; device copy {rate / 1e9:.1f} GB/s (read + written)")
         print(f"# {'mode':>9} {'phase':>9} {'median_us':>10} {'p99_us':>10} {'floor_us':>9} {'floor_B':>11} "
               f"{'wire_B':>11}")
         for r in results:

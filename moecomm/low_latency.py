@@ -249,6 +249,11 @@ class LowLatencyBuffer:
             self._acc = z(M, Hc, dt=torch.float32)
             self._term = z(M, Hc, dt=torch.float32)
 
+    @property
+    def uses_native(self) -> bool:
+        """Whether dispatch and combine run :mod:`moecomm_ext`'s kernels (else torch ops)."""
+        return self._ll is not None
+
     def _reference_tables(self) -> None:
         """The tables of the op-by-op path (no native kernels)."""
         M, W, L, R, k, kk, dev = (self.max_tokens_per_rank, self.size, self.local_experts, self.max_rows, self.k,

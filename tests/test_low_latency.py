@@ -96,3 +96,47 @@ def test_bench_smoke_one_process(tmp_path):
         assert r["median_us"] > 0 and r["p99_us"] >= r["median_us"] and r["floor_us"] > 0
     assert results[1]["floor_bytes"] == 2 * 4 * 2 * 128 * 2
     assert json.loads(path.read_text())["results"] == json.loads(json.dumps(results))
+
+
+GPU_SHAPES = [(128, 7168, 256, 8, False), (128, 7168, 256, 8, True), (1500, 64, 6000, 4, False),
+              (3, 100, 5, 7, False), (1, 16, 1, 1, True)]
+CPU_SHAPES = [(2, 16, 40000, 3, False), (40, 24, 7, 8, True), (3, 100, 5, 7, False)]
+
+
+@pytest.mark.parametrize("device,M,H,E,k,fp8", [pytest.param("cuda", *s, marks=pytest.mark.gpu) for s in GPU_SHAPES]
+                         + [("cpu", *s) for s in CPU_SHAPES])
+def test_native_kernels_match_torch_ops_one_process(device, M, H, E, k, fp8):
+    """One rank: the kernels against the buffer's torch ops (use_native=False): counts, expert
+    rows and FP8 scales bit for bit, the combine to float32 rounding; shapes that take several
+    chunks of the GPU's one-block layouts (1500 tokens, 6000 local experts), int32 ids on the
+    wire (40000 experts), 256 local experts, repeated experts in a token, a padded batch with
+    num_tokens."""
+    import moecomm_ext
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if moecomm_ext.implementation(device) != "native":
+        pytest.skip(f"the {device} kernels are not built")
+    comm = moecomm.init(backend="self" if device == "cpu" else None, set_default=False)
+    dev = comm.device
+    nat = LowLatencyBuffer(comm, M, H, E, k, torch.bfloat16, fp8_dispatch=fp8)
+    ops = LowLatencyBuffer(comm, M, H, E, k, torch.bfloat16, fp8_dispatch=fp8, use_native=False)
+    assert nat._ll is not None and ops._ll is None
+    gen = torch.Generator(device=dev).manual_seed(M + E)
+    for T, n in ((M, None), (M // 2, None), (0, None), (M, M // 3)):
+        x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+        idx = torch.randint(-1, E, (T, k), device=dev, generator=gen)
+        if T > 2:
+            idx[1] = idx[1, :1]  # one expert in every slot
+            idx[2, :] = E - 1
+        nt = None if n is None else torch.tensor(n, device=dev)
+        a, b = nat.dispatch(x, idx, num_tokens=nt), ops.dispatch(x, idx, num_tokens=nt)
+        assert torch.equal(a.counts, b.counts)
+        for e in range(E):
+            c = int(a.counts[e])
+            assert torch.equal(a.x[e, :c].view(torch.uint8), b.x[e, :c].view(torch.uint8)), e
+            if fp8:
+                assert torch.equal(a.scales[e, :c], b.scales[e, :c]), e
+        ey = torch.randn(E, nat.max_rows, H, device=dev, generator=gen).to(torch.bfloat16)
+        w = torch.rand(T, k, device=dev, generator=gen)
+        torch.testing.assert_close(nat.combine(ey, w, a.handle), ops.combine(ey, w, b.handle), atol=1e-2, rtol=1e-2)

@@ -24,10 +24,12 @@ from tests.mpi_util import collective_assert, rank_main
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=8,
                     suppress_health_check=list(HealthCheck))
-ONLY = sys.argv[1] if len(sys.argv) > 1 else None
+MODE = sys.argv[1] if len(sys.argv) > 1 else "mpi"  # or "peer": GPU ranks (sharing one GPU under MPS)
+ONLY = sys.argv[2] if len(sys.argv) > 2 else None
 
-COMM = moecomm.init(backend="mpi", timeout=60, set_default=False, hierarchy=False)
+COMM = moecomm.init(backend=MODE, timeout=60, set_default=False, **({"hierarchy": False} if MODE == "mpi" else {}))
 W, R = COMM.size, COMM.rank
+DEV = COMM.device
 ROUTINGS = ["uniform", "one_expert", "one_rank", "holes", "duplicates"]
 
 
@@ -64,7 +66,7 @@ def expert_fn(e: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def run_experts(d, L: int) -> torch.Tensor:
-    e = (torch.arange(L) + R * L).view(L, 1, 1)
+    e = (torch.arange(L, device=d.x.device) + R * L).view(L, 1, 1)
     return expert_fn(e, d.x).contiguous()
 
 
@@ -120,16 +122,16 @@ def check_against_dense(seed, M, local, k, H, dtype, how, full, native) -> None:
     Ts = [M if full else int(v) for v in rng.integers(0, M + 1, W)]
     buf = LowLatencyBuffer(COMM, M, H, E, k, dtype, use_native=native)
     x, idx = tokens(seed, R, Ts[R], H, dtype), routing(seed, R, Ts[R], k, E, how)
-    d = buf.dispatch(x, idx)
+    d = buf.dispatch(x.to(DEV), idx.to(DEV))
     want = dense_dispatch(seed, Ts, k, E, H, dtype, how)
     problems = []
     if d.counts.tolist() != [len(r) for r in want]:
         problems.append(f"counts {d.counts.tolist()} != {[len(r) for r in want]}")
     else:
         for e, rows in enumerate(want):
-            if rows and not same_bits(d.x[e, :len(rows)], torch.stack(rows)):
+            if rows and not same_bits(d.x[e, :len(rows)].cpu(), torch.stack(rows)):
                 problems.append(f"expert {e}'s rows")
-    y = buf.combine(run_experts(d, local), weights(seed, R, Ts[R], k), d.handle)
+    y = buf.combine(run_experts(d, local), weights(seed, R, Ts[R], k).to(DEV), d.handle).cpu()
     if not close(y, dense_combine(seed, Ts[R], k, E, H, dtype, how), dtype):
         problems.append("combine")
     collective_assert(not problems, f"seed={seed} M={M} L={local} k={k} H={H} {dtype} {how} T={Ts} "
@@ -143,14 +145,17 @@ def check_against_dense(seed, M, local, k, H, dtype, how, full, native) -> None:
 def check_native_matches_torch_ops(seed, M, local, k, dtype, how, fp8, padded) -> None:
     """The native kernels (the default where built) against the buffer's own torch ops
     (use_native=False): the same counts and expert rows (FP8 bytes and scales), bit for bit,
-    and the same combined rows; with a padded batch and a device num_tokens too."""
-    if moecomm_ext.implementation("cpu") != "native":
+    and the same combined rows (bit for bit on the CPU; on a GPU torch's ops fuse the multiply
+    and add, the kernel does not: to float32 rounding); with a padded batch and a device
+    num_tokens too."""
+    if moecomm_ext.implementation(DEV.type) != "native":
         return
     E, H = local * W, 136
     rng = np.random.default_rng([seed, 6])
     T = M if padded else int(rng.integers(0, M + 1))
     x, idx, w = tokens(seed, R, T, H, dtype), routing(seed, R, T, k, E, how), weights(seed, R, T, k)
-    n = torch.tensor(int(rng.integers(0, T + 1)), dtype=torch.int64) if padded else None
+    x, idx, w = x.to(DEV), idx.to(DEV), w.to(DEV)
+    n = torch.tensor(int(rng.integers(0, T + 1)), dtype=torch.int64, device=DEV) if padded else None
     problems = []
     results = []
     for native in (None, False):
@@ -160,14 +165,14 @@ def check_native_matches_torch_ops(seed, M, local, k, dtype, how, fp8, padded) -
         d = buf.dispatch(x, idx, num_tokens=n)
         rows = [d.x[e, :int(d.counts[e])].clone() for e in range(local)]
         scales = [d.scales[e, :int(d.counts[e])].clone() for e in range(local)] if fp8 else []
-        ey = run_experts(d, local) if not fp8 else torch.zeros(local, buf.max_rows, H, dtype=dtype)
+        ey = run_experts(d, local) if not fp8 else torch.zeros(local, buf.max_rows, H, dtype=dtype, device=DEV)
         results.append((d.counts.clone(), rows, scales, buf.combine(ey, w, d.handle).clone()))
     (c0, r0, s0, y0), (c1, r1, s1, y1) = results
     if not torch.equal(c0, c1):
         problems.append(f"counts {c0.tolist()} vs {c1.tolist()}")
     elif not all(same_bits(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(r0 + s0, r1 + s1)):
         problems.append("expert rows")
-    if not same_bits(y0, y1):
+    if not (same_bits(y0, y1) if DEV.type == "cpu" else close(y0, y1, dtype)):
         problems.append("combine")
     collective_assert(not problems, f"seed={seed} M={M} L={local} k={k} {dtype} {how} fp8={fp8} T={T} n={n}: "
                       + "; ".join(problems))
@@ -180,12 +185,12 @@ def check_num_tokens() -> None:
     E = L * W
     buf = LowLatencyBuffer(COMM, M, H, E, k, torch.bfloat16)
     plain = LowLatencyBuffer(COMM, M, H, E, k, torch.bfloat16)
-    n_t = torch.zeros((), dtype=torch.int64)
+    n_t = torch.zeros((), dtype=torch.int64, device=DEV)
     problems = []
     for seed, n in enumerate([2, 0, M, 1, 3]):
-        x = tokens(seed, R, M, H, torch.bfloat16)
-        idx = routing(seed, R, M, k, E, "holes")
-        w = weights(seed, R, M, k)
+        x = tokens(seed, R, M, H, torch.bfloat16).to(DEV)
+        idx = routing(seed, R, M, k, E, "holes").to(DEV)
+        w = weights(seed, R, M, k).to(DEV)
         n_t.fill_(n)
         d = buf.dispatch(x, idx, num_tokens=n_t)
         y = buf.combine(run_experts(d, L), w, d.handle).clone()
@@ -225,6 +230,7 @@ def check_arrival_order() -> None:
                [LowLatencyBuffer(COMM, M, H, E, k, dtype, transport=ShuffledTransport(COMM, s)) for s in range(3)]
         T = M - seed
         x, idx, w = tokens(seed, R, T, H, dtype), routing(seed, R, T, k, E, "holes"), weights(seed, R, T, k)
+        x, idx, w = x.to(DEV), idx.to(DEV), w.to(DEV)
         ys = []
         for b in bufs:
             d = b.dispatch(x, idx)
@@ -246,7 +252,7 @@ def check_fp8_dispatch() -> None:
         buf = LowLatencyBuffer(COMM, M, H, E, k, dtype, fp8_dispatch=wire)
         ref = LowLatencyBuffer(COMM, M, H, E, k, dtype)
         T = M - seed % 2
-        x, idx = tokens(seed, R, T, H, dtype), routing(seed, R, T, k, E, "uniform")
+        x, idx = tokens(seed, R, T, H, dtype).to(DEV), routing(seed, R, T, k, E, "uniform").to(DEV)
         x[0, :128] = 0  # a zero block: scale 1
         q, s = quant.quantize_rows(x, wire)
         rt = quant.dequantize_rows(q, s, dtype)
@@ -273,7 +279,8 @@ def check_fp8_dispatch() -> None:
 
 def check_no_allocation() -> None:
     """After construction (and one warm-up call) dispatch and combine allocate nothing (the CPU
-    allocator's events in torch's profiler), and return views into the buffers."""
+    allocator's events in torch's profiler; on a GPU the caching allocator's counter), and
+    return views into the buffers."""
     from torch.profiler import ProfilerActivity, profile
 
     M, H, k, L = 4, 256, 4, 3
@@ -281,20 +288,29 @@ def check_no_allocation() -> None:
     problems = []
     for fp8 in (False, True):
         buf = LowLatencyBuffer(COMM, M, H, E, k, torch.bfloat16, fp8_dispatch=fp8, check_routing=False)
-        xs = [tokens(s, R, M - s, H, torch.bfloat16) for s in range(3)]
-        idxs = [routing(s, R, M - s, k, E, "holes") for s in range(3)]
-        ws = [weights(s, R, M - s, k) for s in range(3)]
-        ey = torch.zeros(L, buf.max_rows, H, dtype=torch.bfloat16)
+        xs = [tokens(s, R, M - s, H, torch.bfloat16).to(DEV) for s in range(3)]
+        idxs = [routing(s, R, M - s, k, E, "holes").to(DEV) for s in range(3)]
+        ws = [weights(s, R, M - s, k).to(DEV) for s in range(3)]
+        ey = torch.zeros(L, buf.max_rows, H, dtype=torch.bfloat16, device=DEV)
         d = buf.dispatch(xs[0], idxs[0])
         buf.combine(ey, ws[0], d.handle)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if DEV.type == "cuda":
+            before = torch.cuda.memory_stats(DEV)["allocation.all.allocated"]
             for s in range(1, 3):
                 d = buf.dispatch(xs[s], idxs[s])
                 y = buf.combine(ey, ws[s], d.handle)
-        allocs = [e for e in prof.events() if e.cpu_memory_usage > 0]
-        if allocs:
-            problems.append(f"fp8={fp8}: {len(allocs)} allocations, e.g. "
-                            + ", ".join(sorted({e.name for e in allocs})[:8]))
+            allocs = torch.cuda.memory_stats(DEV)["allocation.all.allocated"] - before
+            if allocs:
+                problems.append(f"fp8={fp8}: {allocs} allocations on the GPU")
+        else:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                for s in range(1, 3):
+                    d = buf.dispatch(xs[s], idxs[s])
+                    y = buf.combine(ey, ws[s], d.handle)
+            allocs = [e for e in prof.events() if e.cpu_memory_usage > 0]
+            if allocs:
+                problems.append(f"fp8={fp8}: {len(allocs)} allocations, e.g. "
+                                + ", ".join(sorted({e.name for e in allocs})[:8]))
         mem = {t.untyped_storage().data_ptr() for t in vars(buf).values() if isinstance(t, torch.Tensor)}
         for name, t in (("x", d.x), ("scales", d.scales), ("counts", d.counts), ("combine", y)):
             if t is not None and t.untyped_storage().data_ptr() not in mem:
@@ -304,14 +320,15 @@ def check_no_allocation() -> None:
 
 def check_errors() -> None:
     M, H, k, E = 3, 8, 2, 2 * W
-    buf = LowLatencyBuffer(COMM, M, H, E, k, torch.float32)
-    x, idx = torch.zeros(2, H), torch.zeros(2, k, dtype=torch.int64)
+    buf = LowLatencyBuffer(COMM, M, H, E, k, torch.float32, check_routing=True)
+    x, idx = torch.zeros(2, H, device=DEV), torch.zeros(2, k, dtype=torch.int64, device=DEV)
     cases = {
         "num_experts": lambda: LowLatencyBuffer(COMM, M, H, W + 1 if W > 1 else 0, k, torch.float32),
         "max_tokens_per_rank": lambda: LowLatencyBuffer(COMM, 0, H, E, k, torch.float32),
         "dtype": lambda: LowLatencyBuffer(COMM, M, H, E, k, torch.int32),
         "fp8_dispatch": lambda: LowLatencyBuffer(COMM, M, H, E, k, torch.float32, fp8_dispatch=torch.float16),
-        "x must be [T": lambda: buf.dispatch(torch.zeros(M + 1, H), torch.zeros(M + 1, k, dtype=torch.int64)),
+        "x must be [T": lambda: buf.dispatch(torch.zeros(M + 1, H, device=DEV),
+                                             torch.zeros(M + 1, k, dtype=torch.int64, device=DEV)),
         "x must have": lambda: buf.dispatch(x.double(), idx),
         "topk_idx must be [T": lambda: buf.dispatch(x, idx[:, :1]),
         "topk_idx must hold": lambda: buf.dispatch(x, idx + E),
@@ -327,17 +344,18 @@ def check_errors() -> None:
                 problems.append(f"{what}: the error does not name it: {exc}")
     d1 = buf.dispatch(x, idx)
     d2 = buf.dispatch(x, idx)
-    ey = torch.zeros(E // W, buf.max_rows, H)
-    for what, fn in {"handle": lambda: buf.combine(ey, torch.ones(2, k), d1.handle),
-                     "expert_y": lambda: buf.combine(ey[:, :1], torch.ones(2, k), d2.handle),
-                     "topk_weights": lambda: buf.combine(ey, torch.ones(3, k), d2.handle)}.items():
+    ey = torch.zeros(E // W, buf.max_rows, H, device=DEV)
+    ones = torch.ones(3, k, device=DEV)
+    for what, fn in {"handle": lambda: buf.combine(ey, ones[:2], d1.handle),
+                     "expert_y": lambda: buf.combine(ey[:, :1], ones[:2], d2.handle),
+                     "topk_weights": lambda: buf.combine(ey, ones, d2.handle)}.items():
         try:
             fn()
             problems.append(f"{what}: no error")
         except (TypeError, ValueError) as exc:
             if what not in str(exc):
                 problems.append(f"{what}: the error does not name it: {exc}")
-    buf.combine(ey, torch.ones(2, k), d2.handle)  # every rank completes the same exchanges
+    buf.combine(ey, ones[:2], d2.handle)  # every rank completes the same exchanges
     collective_assert(not problems, "; ".join(problems))
 
 
@@ -355,7 +373,7 @@ def check_moe_layer_decode() -> None:
         fast.load_state_dict(normal.state_dict())
         normal.eval(), fast.eval()
         for T in (0, 1, 4, 6):
-            x = tokens(T, R, T, 32, dtype)
+            x = tokens(T, R, T, 32, dtype).to(DEV)
             with torch.no_grad():
                 want = normal(x)
                 got = fast(x)
