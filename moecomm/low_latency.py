@@ -12,10 +12,11 @@ past it are not sent and their combined rows are zero; update it in place before
 A ``topk_idx`` entry of ``-1`` routes that slot nowhere (its weight is ignored).
 
 Transport. Every exchange is a fixed-size all-to-all with equal blocks (sizes known on every
-rank: no count exchange), through a :class:`Transport`; the default,
-:class:`AllToAllTransport`, calls ``comm.all_to_all_single`` (NCCL on GPUs: capturable; MPI
-on CPU ranks). A faster transport (GPU-initiated peer-memory writes of the used rows only)
-can replace it: it receives the same buffers.
+rank: no count exchange), through a :class:`Transport`. On the peer-memory backend (ranks of
+one node, several per GPU allowed) the default is :class:`PeerMemoryTransport`: each block
+copied straight into the peer's receive buffer, shared once, with no host agreement per call.
+Elsewhere :class:`AllToAllTransport` calls ``comm.all_to_all_single`` (NCCL on GPUs:
+capturable; MPI on CPU ranks).
 
 Wire format (bytes per rank and exchange, ``W`` ranks, ``M = max_tokens_per_rank``):
 
@@ -48,7 +49,8 @@ from torch import Tensor
 
 from . import quant
 
-__all__ = ["LowLatencyBuffer", "DispatchHandle", "Dispatched", "Transport", "AllToAllTransport"]
+__all__ = ["LowLatencyBuffer", "DispatchHandle", "Dispatched", "Transport", "AllToAllTransport", "PeerMemoryTransport",
+           "default_transport"]
 
 _WIRE_BLOCK = quant.WIRE_BLOCK  # elements per float32 scale: the block of moecomm.wire's exchanges
 _ALIGN = 16
@@ -84,6 +86,45 @@ class AllToAllTransport(Transport):
             output.copy_(input)
         else:
             self.comm.all_to_all_single(output, input)
+
+
+class PeerMemoryTransport(Transport):
+    """The blocks written straight into the peers' buffers through CUDA IPC, on the
+    peer-memory backend (``moecomm.init(backend="peer")``, the ranks of one node, several per
+    GPU allowed): each output buffer is shared once, at its first exchange (a host all-gather:
+    do it before a capture), then an exchange is one copy per peer into the peer's buffer
+    with no host agreement and no arena in between; the GPU waits for every peer's stream to
+    reach the exchange before writing, and checks the peers' headers. Capturable where the
+    ranks' kernels run concurrently (one GPU each, or ranks sharing one under MPS); without
+    MPS the host coordinates each exchange. The default transport on the peer backend.
+
+    Raises (at construction) ``TypeError`` for a communicator on another backend."""
+
+    def __init__(self, comm) -> None:
+        backend = comm.engine.backend
+        if not hasattr(backend, "fixed_alltoall"):
+            raise TypeError(f"PeerMemoryTransport needs a communicator on the peer-memory backend "
+                            f"(moecomm.init(backend='peer')), got backend {comm.backend!r}")
+        self.comm = comm
+        self._backend = backend
+        self._destinations: dict = {}  # (output's address, bytes) -> where this rank's block goes in each peer's
+
+    def exchange(self, output: Tensor, input: Tensor) -> None:
+        block = input.nbytes // self.comm.size
+        key = (output.data_ptr(), output.nbytes)
+        dst = self._destinations.get(key)
+        if dst is None:
+            dst = self._destinations[key] = self._backend.fixed_destinations(output, block)
+        request = self._backend.fixed_alltoall(input, output, block, dst)
+        self.comm.engine.complete(request, "LowLatencyBuffer (peer memory)", None)
+
+
+def default_transport(comm) -> Transport:
+    """:class:`PeerMemoryTransport` on the peer-memory backend with more than one rank, else
+    :class:`AllToAllTransport`."""
+    if comm.size > 1 and hasattr(comm.engine.backend, "fixed_alltoall"):
+        return PeerMemoryTransport(comm)
+    return AllToAllTransport(comm)
 
 
 @dataclass
@@ -137,7 +178,8 @@ class LowLatencyBuffer:
         check_routing: check ``topk_idx``'s range on the host (raising ``ValueError``); it
             allocates and, on a GPU, synchronises, so the default is True on the CPU only.
             Unchecked entries outside ``[-1, E)`` are treated as ``-1``.
-        transport: how blocks move (default :class:`AllToAllTransport`).
+        transport: how blocks move (default :func:`default_transport`: the peers' buffers
+            written through CUDA IPC on the peer-memory backend, else ``all_to_all_single``).
         use_native: lay out and place the rows with :mod:`moecomm_ext`'s kernels (one
             kernel for the source's tables, one for the receiver's, and the combine's sum in
             one; C++ on the CPU, CUDA on the GPU), as other ops default to (None:
@@ -191,7 +233,7 @@ class LowLatencyBuffer:
         self.local_experts, self.max_rows, self.combine_hidden = L, R, Hc
         self.dtype, self.fp8_dtype = dtype, fp8
         self.check_routing = dev.type == "cpu" if check_routing is None else bool(check_routing)
-        self.transport = transport if transport is not None else AllToAllTransport(comm)
+        self.transport = transport if transport is not None else default_transport(comm)
         self._kk = kk
         self._generation = 0
         es = torch.empty((), dtype=dtype).element_size()

@@ -387,3 +387,55 @@ def test_header_error_bad_counts_raise_on_every_rank_before_any_disagreement():
     table[2, 3] = OVERFLOWS
     err = _header_error(0, table, (5, 7), 16, torch.float32, [1, 2, 3], 6)
     assert isinstance(err, moecomm.CountMismatchError) and "another dtype" in str(err)
+
+
+def test_fixed_blocks_share_each_output_once_and_write_straight_into_the_peers(monkeypatch):
+    """LowLatencyBuffer's exchanges on the peer backend: setting up shares the receive buffer
+    once (one all-gather) and keeps the peers' mappings; each exchange copies the own block and
+    issues one direct round (no host agreement, no copy out of an arena); ranks that pass
+    other block sizes or a buffer that cannot be shared are named."""
+    from types import SimpleNamespace
+
+    from moecomm.backends import peer
+    from moecomm.errors import CountMismatchError
+
+    B = 4096
+    handle = list(range(1, 9))
+    b = _backend_with([[B, 1, *[10 + i for i in range(8)], 256]])
+    maps, rounds, copies = [], [], []
+    b.transport = SimpleNamespace(
+        export_output=lambda t: [*handle, 64],
+        map_output=lambda p, shared, keep=False: maps.append((p, list(shared), keep)) or 1_000_000 * (p + 1) + shared[8],
+        issue_direct=lambda *args: rounds.append(args), problem=None)
+    b.end = lambda op, problem=None: ("request", op)
+    monkeypatch.setattr(peer, "_cudart", SimpleNamespace(D2D=0, copy_async=lambda *args: copies.append(args)))
+    recv = torch.zeros(2 * B, dtype=torch.uint8)
+    dst = b.fixed_destinations(recv, B)
+    assert dst == [0, 2_000_000 + 256 + 0 * B] and maps == [(1, [10 + i for i in range(8)] + [256], True)]
+    send = torch.zeros(2 * B, dtype=torch.uint8)
+    assert b.fixed_alltoall(send, recv, B, dst)[0] == "request"
+    assert len(copies) == 1 and copies[0][2] == B  # the own block, from block 0 of send to block 0 of recv
+    (stream, x, sc, sd, out, rc, rd, row_bytes, destinations, copy_out), = rounds
+    assert (sc, sd, rc, rd, row_bytes, destinations, copy_out) == ([0, 1], [0, 1], [0, 1], [0, 1], B, dst, False)
+
+    b._host = _FakeHost([[2 * B, 1, *handle, 0]])
+    with pytest.raises(CountMismatchError, match=r"bytes per rank: \[4096, 8192\]"):
+        b.fixed_destinations(recv, B)
+    b._host = _FakeHost([[B, 0, *[0] * 9]])
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] cannot be shared"):
+        b.fixed_destinations(recv, B)
+
+
+def test_low_latency_buffer_takes_the_peer_transport_on_the_peer_backend():
+    from types import SimpleNamespace
+
+    from moecomm.low_latency import AllToAllTransport, PeerMemoryTransport, default_transport
+
+    peer_like = SimpleNamespace(fixed_alltoall=None, fixed_destinations=None)
+    comm = SimpleNamespace(size=2, backend="peer", engine=SimpleNamespace(backend=peer_like))
+    assert isinstance(default_transport(comm), PeerMemoryTransport)
+    assert isinstance(default_transport(SimpleNamespace(size=1, engine=comm.engine)), AllToAllTransport)
+    mpi = SimpleNamespace(size=2, backend="mpi", engine=SimpleNamespace(backend=object()))
+    assert isinstance(default_transport(mpi), AllToAllTransport)
+    with pytest.raises(TypeError, match="peer-memory backend"):
+        PeerMemoryTransport(mpi)

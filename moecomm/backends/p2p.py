@@ -287,20 +287,21 @@ class PeerTransport:
             return None
         return [*np.frombuffer(handle, dtype=np.int64).tolist(), ptr - base]
 
-    def map_output(self, peer: int, shared: Sequence[int]) -> int:
+    def map_output(self, peer: int, shared: Sequence[int], keep: bool = False) -> int:
         """The address in this process of the output rank ``peer`` exported (``shared``, from
         its :meth:`export_output`). Each allocation is mapped through IPC once and kept:
         torch's caching allocator hands the same segments out again, so a steady loop maps
         nothing after its first steps. At most :data:`MAPPED_PER_PEER` per peer stay mapped
         (least recently used unmapped first, after the device is idle); the ones a CUDA
-        graph captured stay for the transport's life."""
+        graph captured, and those asked to be kept (``keep``: the caller holds the address
+        for good), stay for the transport's life."""
         key = (peer, tuple(shared[:8]))
         base = self._mapped.get(key)
         if base is None:
             base = self._map(key)
         else:
             self._mapped.move_to_end(key)
-        if torch.cuda.is_current_stream_capturing():
+        if keep or torch.cuda.is_current_stream_capturing():
             self._pinned.add(key)
         return base + int(shared[8])
 

@@ -249,6 +249,64 @@ class PeerBackend(StreamOrdered, Backend):
                                    row_bytes, self._handshake)
         return self.end("all_to_all_v (peer memory)", t.problem if self.concurrent and rounds else None)
 
+    def fixed_destinations(self, recv: torch.Tensor, block_bytes: int) -> list[int]:
+        """Set up all-to-alls of equal blocks of ``block_bytes`` into ``recv`` on every call (a
+        buffer kept for good, such as :class:`moecomm.LowLatencyBuffer`'s): every rank shares
+        its ``recv`` once (one host all-gather: collective) and gets, for each peer, the address
+        in this process where its block goes in that peer's ``recv`` (mapped for the
+        transport's life; 0 for itself): what :meth:`fixed_alltoall` takes.
+
+        Raises:
+            CountMismatchError: ranks pass blocks of different sizes (on every rank).
+            RuntimeError: some rank's ``recv`` cannot be shared through CUDA IPC (torch's
+                expandable segments), named on every rank.
+        """
+        me = self.rank
+        shared = self.transport.export_output(recv)
+        record = [block_bytes, 0 if shared is None else 1, *(_NOT_SHARED if shared is None else shared)]
+        table = self._agree(self._host.allgather, record, what="all-to-all of fixed blocks (peer memory, setup)")
+        sizes = [row[0] for row in table]
+        if len(set(sizes)) > 1:
+            raise CountMismatchError(f"moecomm: all-to-all of fixed blocks (peer memory): the ranks' blocks differ in "
+                                     f"size (bytes per rank: {sizes})")
+        unshared = [p for p, row in enumerate(table) if not row[1]]
+        if unshared:
+            raise RuntimeError(f"moecomm: all-to-all of fixed blocks (peer memory): the receive buffer of rank(s) "
+                               f"{unshared} cannot be shared through CUDA IPC (not from cudaMalloc: torch's "
+                               f"expandable segments?)")
+        return [0 if p == me else self.transport.map_output(p, row[2:], keep=True) + me * block_bytes
+                for p, row in enumerate(table)]
+
+    def fixed_alltoall(self, send: torch.Tensor, recv: torch.Tensor, block_bytes: int,
+                       destinations: Sequence[int]) -> Request:
+        """An all-to-all of equal blocks set up by :meth:`fixed_destinations` (the same
+        ``recv``): block ``p`` of ``send`` (``block_bytes`` from byte ``p * block_bytes``) goes
+        straight into rank ``p``'s ``recv`` at ``destinations[p]``, with no host agreement:
+        the GPU waits for every peer's stream to reach the exchange (so that nothing still
+        reads what it overwrites), copies, and checks the peers' headers. Ranks that share a
+        GPU without MPS coordinate on the host instead (and cannot capture it)."""
+        me, W = self.rank, self.size
+        self._calls += 1
+        if not self.concurrent and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("moecomm: the peer backend cannot capture exchanges of ranks that share a GPU without "
+                               "MPS (each round waits on the host); run the ranks under MPS")
+        h = self.begin(send, recv)
+        if block_bytes:
+            _cudart.copy_async(recv.data_ptr() + me * block_bytes, send.data_ptr() + me * block_bytes, block_bytes,
+                               _cudart.D2D, h)
+        if W > 1 and block_bytes:
+            ones = [int(p != me) for p in range(W)]  # one "row" of block_bytes per peer; the own block went above
+            blocks = list(range(W))
+            if self.concurrent:
+                self.transport.issue_direct(h, send, ones, blocks, recv, ones, blocks, block_bytes, destinations,
+                                            False)
+            else:  # the peers write into recv once every rank's earlier work on it is done
+                self.transport.wait_stream(h, "all-to-all of fixed blocks (peer memory)")
+                self._handshake([self._calls])
+                self.transport.issue_round_host(h, send, ones, blocks, recv, ones, blocks, block_bytes,
+                                                self._handshake, destinations, False)
+        return self.end("all-to-all of fixed blocks (peer memory)", self.transport.problem if self.concurrent else None)
+
     def _share_output(self, recv: torch.Tensor, recv_counts: list[int], row_bytes: int) -> tuple[int, list[int]]:
         """Whether the peers write their rows straight into ``recv`` (this rank's output):
         (1, where it lies) where some peer's block is at least :data:`DIRECT_MIN_BYTES` (or
