@@ -253,15 +253,6 @@ class LowLatencyBuffer:
         self._hdr(self._xs[M:]).fill_(-1)
         self._bidx = z(M, k)  # the combine's row of each slot
         self._qic = z(R, kk)  # [r, i]: the expert row of received row r's i-th distinct local expert
-        if fp8 is not None:
-            nbB = self._nb * _WIRE_BLOCK
-            self._xf = z(M, nbB, dt=torch.float32)
-            self._xq = z(M, nbB, dt=torch.float32)
-            self._amax = z(M, self._nb, dt=torch.float32)
-            self._scale = z(M, self._nb, dt=torch.float32)
-            self._zero_amax = z(M, self._nb, dt=torch.bool)
-            self._fp8_max = torch.full((1, 1), quant.FP8_MAX[fp8], dtype=torch.float32, device=dev)
-            self._f_zero = torch.zeros((), dtype=torch.float32, device=dev)
         self._send = z(R, self.row_bytes, dt=torch.uint8)
         self._recv = z(R, self.row_bytes, dt=torch.uint8)
         if native:
@@ -309,6 +300,15 @@ class LowLatencyBuffer:
 
         self._c_L, self._c_R, self._c_Mkk, self._c_rankL, self._c_LR = c(L), c(R), c(M * kk), c(self.rank * L), c(L * R)
         self._c_one = c(1)
+        if self.fp8_dtype is not None:  # FP8 staging, moecomm.quant's rule op for op
+            nbB = self._nb * _WIRE_BLOCK
+            self._xf = z(M, nbB, dt=torch.float32)
+            self._xq = z(M, nbB, dt=torch.float32)
+            self._amax = z(M, self._nb, dt=torch.float32)
+            self._scale = z(M, self._nb, dt=torch.float32)
+            self._zero_amax = z(M, self._nb, dt=torch.bool)
+            self._fp8_max = torch.full((1, 1), quant.FP8_MAX[self.fp8_dtype], dtype=torch.float32, device=dev)
+            self._f_zero = torch.zeros((), dtype=torch.float32, device=dev)
         self._idx = z(M, k)
         self._bad = z(M, k, dt=torch.bool)
         self._bad_tok = z(M, 1, dt=torch.bool)
@@ -506,6 +506,9 @@ class LowLatencyBuffer:
         H = self.hidden
         if self.fp8_dtype is None:
             self._xs[:T, :self._payload].view(self.dtype)[:, :H].copy_(x)
+            return
+        if self._ll is not None:  # moecomm.quant's kernel, in one pass (the ids follow: the layout writes them)
+            quant.pack_rows_into(x, self.fp8_dtype, self._xs[:T], _WIRE_BLOCK)
             return
         # moecomm.quant's rule, op for op, into preallocated buffers
         nb = self._nb

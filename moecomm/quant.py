@@ -46,6 +46,7 @@ __all__ = [
     "num_blocks",
     "packed_row_bytes",
     "pack_rows",
+    "pack_rows_into",
     "gather_pack_rows",
     "gather_pack_rows_reference",
     "unpack_rows",
@@ -264,6 +265,22 @@ def pack_rows(x: torch.Tensor, wire_dtype: torch.dtype, block: int = 128, *,
         off = -(-d // 4) * 4
         out[:, :d] = q.reshape(n, d).view(torch.uint8)
         out[:, off:off + 4 * scales.shape[1]] = scales.view(torch.uint8)
+    return out
+
+
+def pack_rows_into(x: torch.Tensor, wire_dtype: torch.dtype, out: torch.Tensor, block: int = 128, *,
+                   use_native: Optional[bool] = None) -> torch.Tensor:
+    """:func:`pack_rows` written into ``out``, a contiguous ``[N, row_bytes]`` uint8 tensor on
+    ``x``'s device with ``row_bytes >= packed_row_bytes(D, block)`` (a multiple of 4): each
+    row's packed bytes, then zeros to ``row_bytes``. No allocation on the native path (the
+    reference allocates its temporaries); no validation. Returns ``out``."""
+    n, d = x.shape[0], math.prod(x.shape[1:])
+    mod = _native(x.device.type, use_native)
+    if mod is not None:
+        return mod.quantize_pack(x.reshape(n, d).contiguous(), _WIRE_CODE[wire_dtype], block, out.shape[1], out=out)
+    packed = pack_rows(x, wire_dtype, block, use_native=False)
+    out[:, :packed.shape[1]].copy_(packed)
+    out[:, packed.shape[1]:].zero_()
     return out
 
 

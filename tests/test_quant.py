@@ -169,6 +169,17 @@ def test_packed_layout():
     assert torch.equal(p[:, 8:12].contiguous().view(torch.float32), s)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_pack_rows_into_writes_the_packed_rows_then_zeros(native):
+    """pack_rows_into: pack_rows' bytes in a wider row, zeros after them (whatever was there),
+    the same tensor returned."""
+    x = torch.randn(3, 300).to(torch.bfloat16)
+    want = quant.pack_rows(x, torch.float8_e4m3fn, use_native=False)
+    out = torch.full((3, want.shape[1] + 32), 7, dtype=torch.uint8)
+    assert quant.pack_rows_into(x, torch.float8_e4m3fn, out, use_native=native) is out
+    assert torch.equal(out[:, :want.shape[1]], want) and not out[:, want.shape[1]:].any()
+
+
 def test_bad_input():
     x = torch.randn(2, 8)
     with pytest.raises(TypeError, match="x"):

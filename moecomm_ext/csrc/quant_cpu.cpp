@@ -430,13 +430,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t wi
   return {q, s};
 }
 
-at::Tensor quantize_pack(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes) {
+// out: [N, row_bytes] contiguous uint8 to write into, or none (allocated)
+at::Tensor quantize_pack(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes,
+                         const std::optional<at::Tensor>& out) {
   check_x(x, "quantize_pack");
   check_wire_block(wire, block, "quantize_pack");
   const int64_t n = x.size(0), d = x.size(1);
   TORCH_CHECK(d == 0 ? row_bytes == 0 : row_bytes >= scale_offset(d) + 4 * num_blocks(d, block),
               "quantize_pack: 'row_bytes' is too small for rows of D elements");
-  at::Tensor p = at::empty({n, row_bytes}, x.options().dtype(at::kByte));
+  TORCH_CHECK(!out.has_value() || (out->device() == x.device() && out->scalar_type() == at::kByte &&
+                                   out->dim() == 2 && out->size(0) == n && out->size(1) == row_bytes &&
+                                   out->is_contiguous()),
+              "quantize_pack: 'out' must be a contiguous [N, row_bytes] uint8 tensor on x's device");
+  at::Tensor p = out.has_value() ? *out : at::empty({n, row_bytes}, x.options().dtype(at::kByte));
   if (n == 0 || d == 0) return p;
   auto* pp = p.data_ptr<uint8_t>();
   if (wire == 0) {
@@ -579,7 +585,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "[N,D] dtype from q uint8 and scales", py::arg("q"),
         py::arg("scales"), py::arg("wire"), py::arg("block"), py::arg("dtype"));
   m.def("quantize_pack", &quantize_pack, "[N,row_bytes] uint8 packed rows", py::arg("x"), py::arg("wire"),
-        py::arg("block"), py::arg("row_bytes"));
+        py::arg("block"), py::arg("row_bytes"), py::arg("out") = py::none());
   m.def("unpack_dequantize", &unpack_dequantize, "[N,D] dtype from packed rows", py::arg("packed"),
         py::arg("d"), py::arg("wire"), py::arg("block"), py::arg("dtype"), py::arg("out") = py::none());
   m.attr("device_type") = "cpu";

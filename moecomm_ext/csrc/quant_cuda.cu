@@ -452,14 +452,20 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_cuda(const at::Tensor& x, int64
   return {q, s};
 }
 
-at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes) {
+// out: [N, row_bytes] contiguous uint8 to write into, or none (allocated)
+at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes,
+                              const std::optional<at::Tensor>& out) {
   check_x(x, "quantize_pack");
   check_wire_block(wire, block, "quantize_pack");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.size(0), d = x.size(1);
   TORCH_CHECK(d == 0 ? row_bytes == 0 : (row_bytes >= scale_offset(d) + 4 * num_blocks(d, block) && row_bytes % 4 == 0),
               "quantize_pack: 'row_bytes' is too small for rows of D elements");
-  at::Tensor p = at::empty({n, row_bytes}, x.options().dtype(at::kByte));
+  TORCH_CHECK(!out.has_value() || (out->device() == x.device() && out->scalar_type() == at::kByte &&
+                                   out->dim() == 2 && out->size(0) == n && out->size(1) == row_bytes &&
+                                   out->is_contiguous()),
+              "quantize_pack: 'out' must be a contiguous [N, row_bytes] uint8 tensor on x's device");
+  at::Tensor p = out.has_value() ? *out : at::empty({n, row_bytes}, x.options().dtype(at::kByte));
   if (n == 0 || d == 0) return p;
   uint8_t* pp = p.mutable_data_ptr<uint8_t>();
   launch_quantize(x, n, wire, block, pp, row_bytes, pp + scale_offset(d), row_bytes, row_bytes);

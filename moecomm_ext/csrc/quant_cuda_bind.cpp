@@ -9,7 +9,8 @@
 
 namespace moecomm_ext {
 std::tuple<at::Tensor, at::Tensor> quantize_rows_cuda(const at::Tensor& x, int64_t wire, int64_t block);
-at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes);
+at::Tensor quantize_pack_cuda(const at::Tensor& x, int64_t wire, int64_t block, int64_t row_bytes,
+                              const std::optional<at::Tensor>& out);
 at::Tensor gather_quantize_pack_cuda(const at::Tensor& x, const at::Tensor& index,
                                      const std::optional<at::Tensor>& row_scale, int64_t wire, int64_t block,
                                      int64_t row_bytes);
@@ -29,7 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &moecomm_ext::dequantize_rows_cuda, "[N,D] dtype from q uint8 and scales", py::arg("q"),
         py::arg("scales"), py::arg("wire"), py::arg("block"), py::arg("dtype"));
   m.def("quantize_pack", &moecomm_ext::quantize_pack_cuda, "[N,row_bytes] uint8 packed rows", py::arg("x"),
-        py::arg("wire"), py::arg("block"), py::arg("row_bytes"));
+        py::arg("wire"), py::arg("block"), py::arg("row_bytes"), py::arg("out") = py::none());
   m.def("gather_quantize_pack", &moecomm_ext::gather_quantize_pack_cuda,
         "[M,row_bytes] uint8: the rows x[index] (* scale) quantized and packed", py::arg("x"), py::arg("index"),
         py::arg("scale"), py::arg("wire"), py::arg("block"), py::arg("row_bytes"));
