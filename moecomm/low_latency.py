@@ -253,8 +253,10 @@ class LowLatencyBuffer:
         self._hdr(self._xs[M:]).fill_(-1)
         self._bidx = z(M, k)  # the combine's row of each slot
         self._qic = z(R, kk)  # [r, i]: the expert row of received row r's i-th distinct local expert
-        self._send = z(R, self.row_bytes, dt=torch.uint8)
+        # one rank with the default transport: the blocks are written where they land (no exchange)
+        self._alone = W == 1 and type(self.transport) is AllToAllTransport
         self._recv = z(R, self.row_bytes, dt=torch.uint8)
+        self._send = self._recv if self._alone else z(R, self.row_bytes, dt=torch.uint8)
         if native:
             self._send_tok = z(R)  # the staged row of each send row
         else:
@@ -272,8 +274,8 @@ class LowLatencyBuffer:
             self._out_x = self._out[:L * R].view(L, R, H)
             self._out_s = None
         # -- combine --
-        self._back_send = z(R * kk, Hc, dt=dtype)
         self._back_recv = z(R * kk + 1, Hc, dt=dtype)  # the last row stays zero: unused slots read it
+        self._back_send = self._back_recv[:-1] if self._alone else z(R * kk, Hc, dt=dtype)
         self._w = z(M, k, dt=torch.float32)
         self._y = z(M, Hc, dt=dtype)
         if not native:
@@ -286,6 +288,10 @@ class LowLatencyBuffer:
     def uses_native(self) -> bool:
         """Whether dispatch and combine run :mod:`moecomm_ext`'s kernels (else torch ops)."""
         return self._ll is not None
+
+    def _exchange(self, output: Tensor, input: Tensor) -> None:
+        if not self._alone:
+            self.transport.exchange(output, input)
 
     def _reference_tables(self) -> None:
         """The tables of the op-by-op path (no native kernels)."""
@@ -412,7 +418,7 @@ class LowLatencyBuffer:
         ll.ll_dispatch_layout(topk_idx, num_tokens, self.num_experts, self.size, self._kk, self._xs, self._payload,
                               self._id_bytes, self._send_tok, self._bidx)
         torch.index_select(self._xs, 0, self._send_tok, out=self._send)
-        self.transport.exchange(self._recv, self._send)
+        self._exchange(self._recv, self._send)
         if self.fp8_dtype is None:
             ll.ll_dispatch_place(self._recv, self._payload, self._id_bytes, self.k, self.rank, self.local_experts,
                                  self._out, 0, None, 0, self._qic, self.counts)
@@ -467,7 +473,7 @@ class LowLatencyBuffer:
         b.add_(fs.rank_of_first)
         b.masked_fill_(self._src_invalid, R * kk)
 
-        self.transport.exchange(self._recv, self._send)
+        self._exchange(self._recv, self._send)
         self._place_rows()
 
     def _check_dispatch(self, x: Tensor, topk_idx: Tensor, num_tokens: Optional[Tensor]) -> int:
@@ -604,7 +610,7 @@ class LowLatencyBuffer:
         T = self._check_combine(expert_y, topk_weights, handle)
         M, k, Hc = self.max_tokens_per_rank, self.k, self.combine_hidden
         torch.index_select(expert_y.view(-1, Hc), 0, self._qic.view(-1), out=self._back_send)
-        self.transport.exchange(self._back_recv[:-1], self._back_send)
+        self._exchange(self._back_recv[:-1], self._back_send)
         if self._ll is not None:
             w = topk_weights
             if w.dtype != torch.float32 or not w.is_contiguous():
