@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, layer27,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -73,6 +73,7 @@ run_step() {
     overlap) step overlap 120 "${MPI[@]}" python3 -m bench.overlap --json "$RES/overlap.json" ;;
     kernels) step kernels 150 python3 -m bench.kernels --json "$RES/kernels.json" ;;
     gputests) step pytest_gpu 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE ;;
+    lltests) step pytest_ll 200 python3 -m pytest -q -m gpu tests/test_low_latency.py tests/test_quant.py -p no:cacheprovider -rfE ;;
     moe)
       step moe_layer 90 "${MPI[@]}" python3 -m bench.moe_layer --json "$RES/moe_layer.json"
       step moe_dropless 60 "${MPI[@]}" python3 -m bench.moe_layer --dropless --top-k 2 ;;
