@@ -239,6 +239,16 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           --torch-ops --json "$RES/decode_torchops_$n.json"
       done
       mps_off ;;
+    decodeprof)  # issue 30: where the decode time goes (kernels, per call), 1 and 2 ranks sharing GPU 0 under MPS
+      mps_on
+      for n in ${DECODE_RANKS:-1 2}; do
+        for fp8 in "" "--fp8"; do
+          step "decodeprof_$n$fp8" 120 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
+            -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+            python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 $fp8 -n 20 --profile 20
+        done
+      done
+      mps_off ;;
     sharedbatch)  # issue 26: the exchange timed as nccl-tests do (10 exchanges back to back per sample), under MPS
       mps_on
       for n in ${BATCH_RANKS:-2 8}; do

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--copy-bytes", type=int, default=0, help="bytes of the copy-rate probe (default 256M GPU, 32M CPU)")
     p.add_argument("--torch-ops", action="store_true",
                    help="the buffer's torch ops instead of moecomm_ext's kernels (use_native=False), to compare")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile N eager dispatch + combine calls (torch.profiler: host and device time per "
+                        "op and kernel, printed by rank 0)")
     p.add_argument("--json", default=None, help="write the results to this file (rank 0)")
     return p
 
@@ -74,6 +77,27 @@ def floor_bytes(buf: LowLatencyBuffer, tokens: int) -> dict:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _profile(comm, dispatch: Callable[[], None], combine: Callable[[], None], new_routing: Callable[[], None],
+             calls: int, device: torch.device) -> None:
+    """Per op and kernel, host and device time of ``calls`` eager dispatch + combine calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    new_routing()
+    _sync(device)
+    comm.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            dispatch()
+            combine()
+        _sync(device)
+    if comm.rank == 0:
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"# profile: {calls} eager dispatch + combine calls, by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    comm.barrier()
 
 
 def _time_calls(comm, fn: Callable[[], None], iters: int, device: torch.device) -> np.ndarray:
@@ -157,6 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
                             "median_us": float(np.median(t)),
                             "p99_us": float(np.percentile(t, 99)), "floor_bytes": floors[phase],
                             "floor_us": floor_us, "wire_bytes": wire[phase], "copy_GBps": rate / 1e9})
+    if args.profile:
+        _profile(comm, dispatch, combine, new_routing, args.profile, dev)
     if comm.rank == 0:
         print(f"# {W} ranks on {dev.type}: tokens {M}, hidden {H}, experts {E}, top-{k}, {args.dtype}"
               f"{', FP8 dispatch' if args.fp8 else ''}, {kernels}; device copy {rate / 1e9:.1f} GB/s (read + written)")
