@@ -21,7 +21,7 @@ namespace moecomm_ext {
 namespace {
 
 constexpr int kWarp = 32;
-constexpr int kMaxThreads = 1024;
+constexpr int kMaxThreads = 256;  // the layout blocks (slots in registers: up to ~220 of them a thread)
 constexpr int64_t kSharedInts = 12 * 1024;  // 48 KiB of shared memory: no opt-in needed
 
 void cuda_ok(const at::Tensor& t, int64_t dim) {
@@ -51,8 +51,12 @@ int layout_warps(int64_t rows, int64_t per_warp) {
   return static_cast<int>(warps < fit ? warps : fit);
 }
 
+// The kernels keep a token's (or row's) slots in registers: arrays of KMAX indexed only by
+// unrolled slot loops (a k above 8 takes the KMAX = 32 instances).
+
 // One block. Shared: base[W] (tokens placed per destination so far), then wtot[warps][W].
-__global__ void layout_kernel(const int64_t* __restrict__ topk, int64_t T, const int64_t* __restrict__ num_tokens,
+template <int KMAX>
+__global__ void __launch_bounds__(kMaxThreads) layout_kernel(const int64_t* __restrict__ topk, int64_t T, const int64_t* __restrict__ num_tokens,
                               int64_t E, int W, int64_t L, int64_t M, int k, int64_t kk, uint8_t* __restrict__ staged,
                               int64_t row_bytes, int64_t id_offset, int id_bytes, int64_t* __restrict__ send_tok,
                               int64_t* __restrict__ bidx) {
@@ -72,25 +76,32 @@ __global__ void layout_kernel(const int64_t* __restrict__ topk, int64_t T, const
   for (int64_t c0 = 0; c0 < M; c0 += blockDim.x) {
     const int64_t t = c0 + threadIdx.x;
     const bool active = t < M;
-    int64_t v[kLowLatencyMaxK];
-    int dest[kLowLatencyMaxK];  // the token's distinct destinations, in the order of their first slots
-    int pos[kLowLatencyMaxK];
-    int nd = 0;
-    for (int j = 0; j < k; ++j) {
-      const int64_t e = active && t < n ? topk[t * k + j] : -1;
+    int64_t v[KMAX];
+    int dest[KMAX];        // the slot's destination rank, -1 for none
+    bool rank_first[KMAX];  // the first slot naming its destination
+    int pos[KMAX];         // (rank_first slots) the token's place in the destination's block
+#pragma unroll
+    for (int j = 0; j < KMAX; ++j) {
+      const int64_t e = active && t < n && j < k ? topk[t * k + j] : -1;
       v[j] = e >= 0 && e < E ? e : -1;
-      if (active) store_id(staged + t * row_bytes + id_offset + j * id_bytes, id_bytes, v[j]);
-      if (v[j] < 0) continue;
-      const int d = static_cast<int>(v[j] / L);
-      bool seen = false;
-      for (int i = 0; i < nd; ++i) seen = seen || dest[i] == d;
-      if (!seen) dest[nd++] = d;
+      if (active && j < k) store_id(staged + t * row_bytes + id_offset + j * id_bytes, id_bytes, v[j]);
+      dest[j] = v[j] >= 0 ? static_cast<int>(v[j] / L) : -1;
+      pos[j] = 0;
+    }
+#pragma unroll
+    for (int j = 0; j < KMAX; ++j) {
+      rank_first[j] = dest[j] >= 0;
+#pragma unroll
+      for (int i = 0; i < j; ++i) rank_first[j] = rank_first[j] && dest[i] != dest[j];
     }
     for (int d = 0; d < W; ++d) {
-      int m = -1;
-      for (int i = 0; i < nd; ++i) m = dest[i] == d ? i : m;
-      const unsigned ballot = __ballot_sync(0xffffffffu, m >= 0);
-      if (m >= 0) pos[m] = __popc(ballot & lower);
+      bool has = false;
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j) has = has || (rank_first[j] && dest[j] == d);
+      const unsigned ballot = __ballot_sync(0xffffffffu, has);
+      const int before = __popc(ballot & lower);
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j) pos[j] = rank_first[j] && dest[j] == d ? before : pos[j];
       if (lane == 0) wtot[warp * W + d] = __popc(ballot);
     }
     __syncthreads();
@@ -106,24 +117,33 @@ __global__ void layout_kernel(const int64_t* __restrict__ topk, int64_t T, const
     }
     __syncthreads();
     if (active) {
-      for (int i = 0; i < nd; ++i) {
-        pos[i] += wtot[warp * W + dest[i]];
-        send_tok[int64_t(dest[i]) * M + pos[i]] = t;
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j) {
+        if (rank_first[j]) {
+          pos[j] += wtot[warp * W + dest[j]];
+          send_tok[int64_t(dest[j]) * M + pos[j]] = t;
+        }
       }
-      int first[kLowLatencyMaxK];  // the first slot naming the same expert
-      for (int j = 0; j < k; ++j) {
+      int first[KMAX];  // the first slot naming the same expert
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j) {
         first[j] = j;
+#pragma unroll
         for (int i = j - 1; i >= 0; --i) first[j] = v[i] == v[j] ? i : first[j];
       }
-      for (int j = 0; j < k; ++j) {
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j) {
+        if (j >= k) break;
         int64_t at = -1;
         if (v[j] >= 0) {
-          const int d = static_cast<int>(v[j] / L);
-          int before = 0;  // distinct experts of rank d whose first slot comes before this one's
-          for (int i = 0; i < first[j]; ++i) before += v[i] >= 0 && first[i] == i && v[i] / L == d;
-          int m = 0;
-          for (int i = 0; i < nd; ++i) m = dest[i] == d ? i : m;
-          at = int64_t(d) * M * kk + int64_t(pos[m]) * kk + before;
+          int before = 0;  // distinct experts of the slot's rank whose first slot comes before this one's
+          int p = 0;
+#pragma unroll
+          for (int i = 0; i < KMAX; ++i) {
+            before += i < first[j] && v[i] >= 0 && first[i] == i && dest[i] == dest[j];
+            p = rank_first[i] && dest[i] == dest[j] ? pos[i] : p;
+          }
+          at = int64_t(dest[j]) * M * kk + int64_t(p) * kk + before;
         }
         bidx[t * k + j] = at;
       }
@@ -132,23 +152,30 @@ __global__ void layout_kernel(const int64_t* __restrict__ topk, int64_t T, const
   }
 }
 
-// Row r's distinct experts of this rank, in slot order (local numbers); returns how many (<= kk).
+// Row r's slots that name a distinct expert of this rank (its first slot; at most kk of them),
+// with their local expert numbers; returns how many.
+template <int KMAX>
 __device__ __forceinline__ int local_experts_of(const uint8_t* row, int64_t id_offset, int id_bytes, int k, int64_t lo,
-                                                int64_t L, int64_t kk, int* le) {
-  int64_t v[kLowLatencyMaxK];
+                                                int64_t L, int64_t kk, bool* take, int* le) {
+  int64_t v[KMAX];
+#pragma unroll
+  for (int j = 0; j < KMAX; ++j) v[j] = j < k ? load_id(row + id_offset + j * id_bytes, id_bytes) : -1;
   int n = 0;
-  for (int j = 0; j < k; ++j) {
-    v[j] = load_id(row + id_offset + j * id_bytes, id_bytes);
-    if (v[j] < lo || v[j] >= lo + L || n >= kk) continue;
-    bool again = false;
-    for (int p = 0; p < j; ++p) again = again || v[p] == v[j];
-    if (!again) le[n++] = static_cast<int>(v[j] - lo);
+#pragma unroll
+  for (int j = 0; j < KMAX; ++j) {
+    bool t = v[j] >= lo && v[j] < lo + L && n < kk;
+#pragma unroll
+    for (int i = 0; i < j; ++i) t = t && v[i] != v[j];
+    take[j] = t;
+    le[j] = t ? static_cast<int>(v[j] - lo) : 0;
+    n += t;
   }
   return n;
 }
 
 // One block. Shared: base[L] (rows placed per expert so far), then wcnt[warps][L].
-__global__ void place_layout_kernel(const uint8_t* __restrict__ recv, int64_t R, int64_t row_bytes, int64_t id_offset,
+template <int KMAX>
+__global__ void __launch_bounds__(kMaxThreads) place_layout_kernel(const uint8_t* __restrict__ recv, int64_t R, int64_t row_bytes, int64_t id_offset,
                                     int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
                                     int64_t* __restrict__ qic, int64_t* __restrict__ counts) {
   extern __shared__ int shared[];
@@ -160,12 +187,23 @@ __global__ void place_layout_kernel(const uint8_t* __restrict__ recv, int64_t R,
     for (int64_t i = threadIdx.x; i < int64_t(warps) * L; i += blockDim.x) wcnt[i] = 0;
     __syncthreads();
     const int64_t r = c0 + threadIdx.x;
-    int le[kLowLatencyMaxK];
-    int local[kLowLatencyMaxK];
-    const int n = r < R ? local_experts_of(recv + r * row_bytes, id_offset, id_bytes, k, rank * L, L, kk, le) : 0;
+    bool take[KMAX];
+    int le[KMAX];
+    int local[KMAX];
+    const int n = r < R ? local_experts_of<KMAX>(recv + r * row_bytes, id_offset, id_bytes, k, rank * L, L, kk, take, le)
+                        : 0;
+    if (r >= R) {
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j) take[j] = false;
+    }
+#pragma unroll
+    for (int j = 0; j < KMAX; ++j) local[j] = 0;
     for (int l = 0; l < kWarp; ++l) {  // the lanes in order: rows before r come first
       if (lane == l) {
-        for (int i = 0; i < n; ++i) local[i] = wcnt[warp * L + le[i]]++;
+#pragma unroll
+        for (int j = 0; j < KMAX; ++j) {
+          if (take[j]) local[j] = wcnt[warp * L + le[j]]++;
+        }
       }
       __syncwarp();
     }
@@ -181,9 +219,13 @@ __global__ void place_layout_kernel(const uint8_t* __restrict__ recv, int64_t R,
     }
     __syncthreads();
     if (r < R) {
-      for (int i = 0; i < kk; ++i) {
-        qic[r * kk + i] = i < n ? int64_t(le[i]) * R + wcnt[warp * L + le[i]] + local[i] : 0;
+      int i = 0;
+#pragma unroll
+      for (int j = 0; j < KMAX; ++j) {
+        if (take[j]) qic[r * kk + i++] = int64_t(le[j]) * R + wcnt[warp * L + le[j]] + local[j];
       }
+      for (; i < kk; ++i) qic[r * kk + i] = 0;
+      (void)n;
     }
     __syncthreads();  // wcnt is cleared by the next chunk
   }
@@ -193,20 +235,25 @@ __global__ void place_layout_kernel(const uint8_t* __restrict__ recv, int64_t R,
 // Grid: one block per received row; copies `bytes` from byte `src_offset` of the row to each
 // of its expert rows (dst rows of `bytes`), in units of V bytes (all offsets and sizes are
 // multiples of V).
-template <typename V>
+template <int KMAX, typename V>
 __global__ void place_copy_kernel(const uint8_t* __restrict__ recv, int64_t R, int64_t row_bytes, int64_t id_offset,
                                   int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
                                   const int64_t* __restrict__ qic, uint8_t* __restrict__ dst, int64_t src_offset,
                                   int64_t bytes) {
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const uint8_t* row = recv + r * row_bytes;
-    int le[kLowLatencyMaxK];
-    const int n = local_experts_of(row, id_offset, id_bytes, k, rank * L, L, kk, le);
+    bool take[KMAX];
+    int le[KMAX];
+    const int n = local_experts_of<KMAX>(row, id_offset, id_bytes, k, rank * L, L, kk, take, le);
+    __shared__ V* out[KMAX];
+    __syncthreads();  // the previous row's destinations are read
+    if (threadIdx.x < n) out[threadIdx.x] = reinterpret_cast<V*>(dst + qic[r * kk + threadIdx.x] * bytes);
+    __syncthreads();
     const V* src = reinterpret_cast<const V*>(row + src_offset);
     const int64_t units = bytes / int64_t(sizeof(V));
-    for (int i = 0; i < n; ++i) {
-      V* out = reinterpret_cast<V*>(dst + qic[r * kk + i] * bytes);
-      for (int64_t u = threadIdx.x; u < units; u += blockDim.x) out[u] = src[u];
+    for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
+      const V value = src[u];
+      for (int i = 0; i < n; ++i) out[i][u] = value;
     }
   }
 }
@@ -231,8 +278,13 @@ void launch_copy(const at::Tensor& recv, int64_t id_offset, int id_bytes, int k,
   const int threads = static_cast<int>(units >= 256 ? 256 : ((units + kWarp - 1) / kWarp) * kWarp);
   const unsigned grid = static_cast<unsigned>(R < (1 << 20) ? R : (1 << 20));
 #define MOECOMM_LL_COPY(V)                                                                                        \
-  place_copy_kernel<V><<<grid, threads, 0, stream>>>(src, R, row_bytes, id_offset, id_bytes, k, rank, L, kk,      \
-                                                     qic.const_data_ptr<int64_t>(), dst, src_offset, bytes)
+  if (k <= 8) {                                                                                                   \
+    place_copy_kernel<8, V><<<grid, threads, 0, stream>>>(src, R, row_bytes, id_offset, id_bytes, k, rank, L, kk, \
+                                                          qic.const_data_ptr<int64_t>(), dst, src_offset, bytes);  \
+  } else {                                                                                                        \
+    place_copy_kernel<32, V><<<grid, threads, 0, stream>>>(src, R, row_bytes, id_offset, id_bytes, k, rank, L, kk,\
+                                                           qic.const_data_ptr<int64_t>(), dst, src_offset, bytes); \
+  }
   if (widest == 16) {
     MOECOMM_LL_COPY(uint4);
   } else if (widest == 8) {
@@ -264,7 +316,8 @@ void ll_dispatch_layout_cuda(const at::Tensor& topk_idx, const std::optional<at:
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const size_t shared = size_t(warps + 1) * size_t(world) * sizeof(int);
-  layout_kernel<<<1, warps * kWarp, shared, stream>>>(
+  auto kernel = topk_idx.size(1) <= 8 ? layout_kernel<8> : layout_kernel<32>;
+  kernel<<<1, warps * kWarp, shared, stream>>>(
       topk_idx.const_data_ptr<int64_t>(), topk_idx.size(0),
       num_tokens.has_value() ? num_tokens->const_data_ptr<int64_t>() : nullptr, num_experts, static_cast<int>(world),
       num_experts / world, M, static_cast<int>(topk_idx.size(1)), kk, staged.mutable_data_ptr<uint8_t>(),
@@ -290,7 +343,8 @@ void ll_dispatch_place_cuda(const at::Tensor& recv, int64_t id_offset, int64_t i
   const c10::cuda::CUDAGuard guard(recv.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const size_t shared = size_t(warps + 1) * size_t(L) * sizeof(int);
-  place_layout_kernel<<<1, warps * kWarp, shared, stream>>>(
+  auto kernel = k <= 8 ? place_layout_kernel<8> : place_layout_kernel<32>;
+  kernel<<<1, warps * kWarp, shared, stream>>>(
       recv.const_data_ptr<uint8_t>(), R, recv.size(1), id_offset, static_cast<int>(id_bytes), static_cast<int>(k),
       rank, L, kk, qic.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -33,6 +34,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
+constexpr int64_t kReduceGroups = 4096;  // lane groups gather_reduce_rows aims to keep busy
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -170,18 +172,20 @@ template <typename scalar_t, typename opmath_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
 gather_reduce_kernel(const scalar_t* __restrict__ src, scalar_t* __restrict__ dst,
                      const int64_t* __restrict__ index, const opmath_t* __restrict__ weight,
-                     int64_t T, int64_t K, int64_t M, int64_t row_vecs, int tpr) {
+                     int64_t T, int64_t K, int64_t M, int64_t row_vecs, int tpr, int64_t splits) {
   using V = Vec<scalar_t, VEC>;
   const V* vsrc = reinterpret_cast<const V*>(src);
   V* vdst = reinterpret_cast<V*>(dst);
   const int lane = threadIdx.x % tpr;
   const int64_t groups = static_cast<int64_t>(gridDim.x) * (kThreads / tpr);
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / tpr) + threadIdx.x / tpr; t < T;
-       t += groups) {
+  // item = (row t, column split s): a split covers the vectors s * tpr + lane + k * tpr * splits
+  for (int64_t item = static_cast<int64_t>(blockIdx.x) * (kThreads / tpr) + threadIdx.x / tpr; item < T * splits;
+       item += groups) {
+    const int64_t t = item / splits, split = item % splits;
     const int64_t* idx = index + t * K;
     const opmath_t* wt = weight == nullptr ? nullptr : weight + t * K;
     for (int64_t j = lane; j < K; j += tpr) check_row(idx[j], M);
-    for (int64_t c = lane; c < row_vecs; c += tpr) {
+    for (int64_t c = split * tpr + lane; c < row_vecs; c += tpr * splits) {
       opmath_t acc[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] = opmath_t(0);
@@ -227,10 +231,15 @@ void launch_reduce(const at::Tensor& y, const at::Tensor& index,
   const int64_t M = y.size(0), D = y.size(1), T = index.size(0), K = index.size(1);
   const int64_t row_vecs = D / VEC;
   const int tpr = threads_per_row(row_vecs);
-  gather_reduce_kernel<scalar_t, opmath_t, VEC><<<grid_for(T, tpr), kThreads, 0, stream>>>(
+  // Few wide rows (a decode batch) would leave most SMs idle with one group of lanes per row:
+  // split each row's columns over groups until there are kReduceGroups of them (the sums per
+  // element are the same: a split only changes which lanes compute which columns).
+  const int64_t splits = std::max<int64_t>(
+      1, std::min<int64_t>((row_vecs + tpr - 1) / tpr, (kReduceGroups + T - 1) / std::max<int64_t>(T, 1)));
+  gather_reduce_kernel<scalar_t, opmath_t, VEC><<<grid_for(T * splits, tpr), kThreads, 0, stream>>>(
       y.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
       index.const_data_ptr<int64_t>(),
-      weight.has_value() ? weight->const_data_ptr<opmath_t>() : nullptr, T, K, M, row_vecs, tpr);
+      weight.has_value() ? weight->const_data_ptr<opmath_t>() : nullptr, T, K, M, row_vecs, tpr, splits);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
