@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -71,6 +71,20 @@ class Transport:
     """
 
     def exchange(self, output: Tensor, input: Tensor) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def bind_rows(self, outputs: Sequence[Tensor]) -> bool:
+        """Optional: set up :meth:`exchange_rows` into these outputs (kept for good; collective,
+        called once by every rank). True where this transport moves used rows only."""
+        return False
+
+    def exchange_rows(self, index: int, input: Tensor, counts: Tensor, scale: int, row_bytes: int,
+                      recv_rows: Optional[Tensor] = None) -> None:  # pragma: no cover - interface
+        """Where :meth:`bind_rows` said True: only the first ``counts[p] * scale`` rows (of
+        ``row_bytes``) of block ``p`` of ``input`` go to rank ``p``'s output ``index``, at the
+        start of this rank's block there; the rest of that block is left as it was.
+        ``counts`` (int64 ``[W]``) is on the device; ``recv_rows`` (int64 ``[W]`` on the
+        device, or None) gets the rows each rank sent here. No host synchronisation."""
         raise NotImplementedError
 
 
@@ -108,6 +122,18 @@ class PeerMemoryTransport(Transport):
         self.comm = comm
         self._backend = backend
         self._destinations: dict = {}  # (output's address, bytes) -> where this rank's block goes in each peer's
+        self._rows = None  # FixedRows, once bound
+
+    def bind_rows(self, outputs: Sequence[Tensor]) -> bool:
+        """Used rows only where the ranks' kernels run concurrently (one GPU each, or ranks
+        sharing one under MPS): each block's used rows written by the GPU straight into the
+        peer's output and a flag after them (:class:`moecomm.backends.peer.FixedRows`)."""
+        self._rows = self._backend.fixed_rows(outputs)
+        return self._rows is not None
+
+    def exchange_rows(self, index: int, input: Tensor, counts: Tensor, scale: int, row_bytes: int,
+                      recv_rows: Optional[Tensor] = None) -> None:
+        self._rows.exchange(index, input, counts, scale, row_bytes, recv_rows)
 
     def exchange(self, output: Tensor, input: Tensor) -> None:
         block = input.nbytes // self.comm.size
@@ -257,8 +283,11 @@ class LowLatencyBuffer:
         self._alone = W == 1 and type(self.transport) is AllToAllTransport
         self._recv = z(R, self.row_bytes, dt=torch.uint8)
         self._send = self._recv if self._alone else z(R, self.row_bytes, dt=torch.uint8)
+        self._by_rows: Optional[bool] = None  # the transport moves used rows only (decided at the first dispatch)
         if native:
             self._send_tok = z(R)  # the staged row of each send row
+            self._send_counts = z(W)  # used rows of each destination's block
+            self._recv_counts = z(W)  # rows each source sent here
         else:
             self._reference_tables()
         self.counts = z(L) if native else self._ecum[R - 1, :L]
@@ -414,17 +443,24 @@ class LowLatencyBuffer:
             topk_idx = topk_idx.to(torch.int64).contiguous()  # (the one allocation: other integer dtypes)
         if num_tokens is not None and num_tokens.dtype != torch.int64:
             num_tokens = num_tokens.to(torch.int64)
+        if self._by_rows is None:  # (collective: every rank's first dispatch)
+            self._by_rows = not self._alone and self.transport.bind_rows([self._recv, self._back_recv[:-1]])
+        rows = self._by_rows
         self._stage_rows(x, T)
         ll.ll_dispatch_layout(topk_idx, num_tokens, self.num_experts, self.size, self._kk, self._xs, self._payload,
-                              self._id_bytes, self._send_tok, self._bidx)
+                              self._id_bytes, self._send_tok, self._bidx, self._send_counts if rows else None)
         torch.index_select(self._xs, 0, self._send_tok, out=self._send)
-        self._exchange(self._recv, self._send)
+        if rows:
+            self.transport.exchange_rows(0, self._send, self._send_counts, 1, self.row_bytes, self._recv_counts)
+        else:
+            self._exchange(self._recv, self._send)
+        sent = self._recv_counts if rows else None
         if self.fp8_dtype is None:
             ll.ll_dispatch_place(self._recv, self._payload, self._id_bytes, self.k, self.rank, self.local_experts,
-                                 self._out, 0, None, 0, self._qic, self.counts)
+                                 self._out, 0, None, 0, self._qic, self.counts, sent)
         else:
             ll.ll_dispatch_place(self._recv, self._payload, self._id_bytes, self.k, self.rank, self.local_experts,
-                                 self._out, 0, self._out_scales, self._scale_off, self._qic, self.counts)
+                                 self._out, 0, self._out_scales, self._scale_off, self._qic, self.counts, sent)
 
     def _dispatch_reference(self, x: Tensor, topk_idx: Tensor, num_tokens: Optional[Tensor], T: int) -> None:
         M, W, L, R, k, kk = self.max_tokens_per_rank, self.size, self.local_experts, self.max_rows, self.k, self._kk
@@ -610,7 +646,11 @@ class LowLatencyBuffer:
         T = self._check_combine(expert_y, topk_weights, handle)
         M, k, Hc = self.max_tokens_per_rank, self.k, self.combine_hidden
         torch.index_select(expert_y.view(-1, Hc), 0, self._qic.view(-1), out=self._back_send)
-        self._exchange(self._back_recv[:-1], self._back_send)
+        if self._by_rows:  # each source gets back kk rows per row it sent here
+            self.transport.exchange_rows(1, self._back_send, self._recv_counts, self._kk,
+                                         Hc * self._back_send.element_size())
+        else:
+            self._exchange(self._back_recv[:-1], self._back_send)
         if self._ll is not None:
             w = topk_weights
             if w.dtype != torch.float32 or not w.is_contiguous():

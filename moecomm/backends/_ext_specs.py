@@ -39,7 +39,7 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
         return Spec(P2P, "moecomm_p2p_cuda", "moecomm.backends._p2p_cuda", ("p2p_cuda.cu",),
                     ("-O3", "-DNDEBUG"), ("-O3", "-lineinfo", *arch_flags), (), tag,
                     ("alloc", "free", "ipc_handle", "ipc_open", "ipc_close", "gpu_counts_exchange",
-                     "launch_copy_out", "ce_exchange", "new_event", "destroy_event",
+                     "launch_copy_out", "ce_exchange", "rows_exchange", "new_event", "destroy_event",
                      "max_copy_engine_ranks", "can_access_peer"),
                     csrc=CSRC, build_seconds=90)
     raise ValueError(f"unknown transport extension kind {kind!r}; expected one of {KINDS}")

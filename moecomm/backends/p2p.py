@@ -66,6 +66,8 @@ goes whole in a second, direct exchange: :meth:`PeerTransport.finish`). Inline, 
 GPU's memory twice (into the arena, out of it) but need no host agreement, which costs more
 than a second crossing of a few MiB."""
 
+_ROWS_BLOCKS_PER_PEER = 8  # thread blocks copying one peer's rows in a used-rows exchange (decode sizes)
+
 MAPPED_PER_PEER = 16
 """Peers' output allocations a direct exchange keeps mapped, per peer (:meth:`PeerTransport.map_output`)."""
 
@@ -273,6 +275,18 @@ class PeerTransport:
                               self._ptrs[0], self.rank, self._ce_state.data_ptr(), self._ce_half, ready_slot,
                               self.region_bytes, self.ce_data_off, self.ce_header_off, self.ce_ack_off,
                               self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out)
+
+    def launch_rows_exchange(self, src: int, in_block: int, row_bytes: int, counts: int, scale: int, tables: int,
+                             my_sync: int, state: int, done: int, recv_rows: int, status: int) -> None:
+        """Enqueue a used-rows exchange on the caller's current stream (two kernels, see
+        ``rows_exchange`` in ``csrc/p2p_cuda.cu``). Raw addresses: ``tables`` is 3 x size
+        uint64 on the device (where this rank's block, flag slot and ready slot are in each
+        rank's memory); ``my_sync`` this rank's own flag slots ([size, 2] int64), then its
+        ready slots ([size] int64); ``recv_rows`` 0 for none."""
+        W = self.size
+        self._ext.rows_exchange(self._device, _cudart.current_stream(self._device), src, in_block, row_bytes, counts,
+                                scale, tables, tables + 8 * W, tables + 16 * W, my_sync, my_sync + 16 * W, state, done,
+                                W, _ROWS_BLOCKS_PER_PEER, recv_rows, status, self._timeout_ns)
 
     def export_output(self, out: torch.Tensor) -> Optional[list[int]]:
         """What a peer needs to write into ``out`` (:meth:`map_output`): the IPC handle of the

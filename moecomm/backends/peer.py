@@ -60,7 +60,7 @@ try:
 except Exception:  # noqa: BLE001 - no CUDA runtime bindings: then no peer backend (create raises)
     _cudart = None
 
-__all__ = ["PeerBackend", "DEFAULT_REGION_BYTES", "DIRECT_MIN_BYTES", "CONCURRENT_ROUND_S", "default_arena_bytes", "shared_gpus"]
+__all__ = ["PeerBackend", "FixedRows", "DEFAULT_REGION_BYTES", "DIRECT_MIN_BYTES", "CONCURRENT_ROUND_S", "default_arena_bytes", "shared_gpus"]
 
 _LOG = logging.getLogger("moecomm")
 
@@ -277,6 +277,15 @@ class PeerBackend(StreamOrdered, Backend):
         return [0 if p == me else self.transport.map_output(p, row[2:], keep=True) + me * block_bytes
                 for p, row in enumerate(table)]
 
+    def fixed_rows(self, outputs: Sequence[torch.Tensor]) -> Optional["FixedRows"]:
+        """Set up used-rows exchanges into ``outputs`` (buffers kept for good; collective, one
+        host all-gather per buffer and one for the flags): a :class:`FixedRows`, or None where
+        the ranks' kernels do not run concurrently (ranks sharing a GPU without MPS: a kernel
+        must not spin on a peer there)."""
+        if not self.concurrent:
+            return None
+        return FixedRows(self, outputs)
+
     def fixed_alltoall(self, send: torch.Tensor, recv: torch.Tensor, block_bytes: int,
                        destinations: Sequence[int]) -> Request:
         """An all-to-all of equal blocks set up by :meth:`fixed_destinations` (the same
@@ -435,3 +444,53 @@ def shared_gpus(devices: Sequence[str], hosts: Sequence[str]) -> dict[tuple[str,
     for r, key in enumerate(zip(hosts, devices)):
         where.setdefault(key, []).append(r)
     return {k: v for k, v in where.items() if len(v) > 1}
+
+
+class FixedRows:
+    """Used-rows exchanges into fixed output buffers (:meth:`PeerBackend.fixed_rows`): each
+    block's used rows (a count on the device) are written by the GPU straight into the
+    receiver's output, mapped through CUDA IPC, then a flag; the receiver's GPU waits for the
+    flags. No host agreement, nothing padded crosses the GPU, capturable (the sequence numbers
+    live on the device). Concurrent ranks only."""
+
+    def __init__(self, backend: PeerBackend, outputs: Sequence[torch.Tensor]) -> None:
+        W, me, dev = backend.size, backend.rank, backend.device
+        self.backend = backend
+        # this rank's flag slots (rows, seq) per source, then its ready slots per source
+        self._sync = torch.zeros(3 * W, dtype=torch.int64, device=dev)
+        flags = backend.fixed_destinations(self._sync, 16)  # (each rank's sync tensor: one all-gather)
+        base = self._sync.data_ptr()
+        flag_dst = [base + 16 * me if p == me else flags[p] for p in range(W)]
+        ready_dst = [f - 16 * me + 16 * W + 8 * me for f in flag_dst]
+        self._tables = []
+        for out in outputs:
+            block = out.nbytes // W
+            dst = backend.fixed_destinations(out, block)
+            dst[me] = out.data_ptr() + me * block
+            self._tables.append((out, torch.tensor([dst, flag_dst, ready_dst], dtype=torch.int64, device=dev)))
+        self._state = torch.zeros((), dtype=torch.int64, device=dev)
+        self._done = torch.zeros(W + 1, dtype=torch.int32, device=dev)
+        self._status = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+
+    def check(self) -> None:
+        """Raise where an earlier exchange's wait gave up (read from mapped host memory: no
+        synchronisation; an exchange still in flight is seen at a later call)."""
+        if int(self._status[0]):
+            self.backend.abort()
+            raise TimeoutError(f"moecomm: a used-rows exchange (peer memory) did not see every peer within the "
+                               f"timeout on rank {self.backend.rank}; the communicator was aborted")
+
+    def exchange(self, index: int, send: torch.Tensor, counts: torch.Tensor, scale: int, row_bytes: int,
+                 recv_rows: Optional[torch.Tensor] = None) -> None:
+        """Enqueue on the current stream: ``counts[p] * scale`` rows of ``row_bytes`` from block
+        ``p`` of ``send`` (``send.nbytes / size`` bytes a block) into rank ``p``'s output
+        ``index`` (the same block layout); ``recv_rows`` (int64 ``[size]`` on the device, or
+        None) gets the rows each rank sent here."""
+        self.check()
+        self.backend.check_health()
+        out, tables = self._tables[index]
+        W = self.backend.size
+        self.backend.transport.launch_rows_exchange(
+            send.data_ptr(), send.nbytes // W, row_bytes, counts.data_ptr(), scale, tables.data_ptr(),
+            self._sync.data_ptr(), self._state.data_ptr(), self._done.data_ptr(),
+            0 if recv_rows is None else recv_rows.data_ptr(), self._status.data_ptr())

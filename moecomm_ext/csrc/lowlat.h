@@ -12,13 +12,17 @@
 //     d (tokens that name one of d's experts, in token order), M (the spare row) past the end;
 //   - bidx [M, k] int64: the combine's row of slot (t, j), d * M * kk + p * kk + i, with i the
 //     place of the slot's expert among the token's distinct experts on rank d (in the order
-//     of their first slots); -1 for unused slots.
+//     of their first slots); -1 for unused slots;
+//   - send_counts [W] int64 (when given): the used rows of each destination's block.
 // ll_dispatch_place (the receiver): recv [R, row_bytes] uint8 rows from the peers (source
 //   then position). Row r's distinct experts of this rank (ids in [rank * L, rank * L + L),
 //   first slots, slot order) are its i = 0, 1, ...; the i-th goes to expert row
 //   q = e * R + (rows before r naming e). Writes qic [R, kk] int64 (q, 0 where unused),
 //   counts [L] int64, and copies bytes [src_offset, src_offset + row bytes of out) of row r to
-//   row q of out ([>= L * R, *] contiguous), likewise for out2 (FP8 scales) when given.
+//   row q of out ([>= L * R, *] contiguous), likewise for out2 (FP8 scales) when given. With
+//   recv_counts ([W] int64: the rows each source sent, a transport that moves used rows only),
+//   row r is read only when r % M < recv_counts[r / M] (the rest of a block is stale);
+//   without, unused rows carry ids -1.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,18 +35,20 @@ constexpr int64_t kLowLatencyMaxK = 32;  // the kernels keep a token's slots in 
 
 void ll_dispatch_layout_cpu(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
                             int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged, int64_t id_offset,
-                            int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx);
+                            int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx,
+                            const std::optional<at::Tensor>& send_counts);
 void ll_dispatch_place_cpu(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
                            int64_t local_experts, at::Tensor out, int64_t src_offset,
                            const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,
-                           at::Tensor counts);
+                           at::Tensor counts, const std::optional<at::Tensor>& recv_counts);
 void ll_dispatch_layout_cuda(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
                              int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged, int64_t id_offset,
-                             int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx);
+                             int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx,
+                             const std::optional<at::Tensor>& send_counts);
 void ll_dispatch_place_cuda(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
                             int64_t local_experts, at::Tensor out, int64_t src_offset,
                             const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,
-                            at::Tensor counts);
+                            at::Tensor counts, const std::optional<at::Tensor>& recv_counts);
 
 // The arguments' checks, shared by both devices (`device_ok(t, dim)` checks one tensor's device,
 // dimensions and contiguity).
@@ -50,7 +56,7 @@ template <typename DeviceOk>
 inline void check_ll_layout(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
                             int64_t num_experts, int64_t world, int64_t kk, const at::Tensor& staged,
                             int64_t id_offset, int64_t id_bytes, const at::Tensor& send_tok, const at::Tensor& bidx,
-                            DeviceOk device_ok) {
+                            const std::optional<at::Tensor>& send_counts, DeviceOk device_ok) {
   constexpr const char* fn = "ll_dispatch_layout";
   device_ok(topk_idx, 2);
   device_ok(staged, 2);
@@ -68,6 +74,11 @@ inline void check_ll_layout(const at::Tensor& topk_idx, const std::optional<at::
   TORCH_CHECK(id_offset >= 0 && id_offset + k * id_bytes <= staged.size(1), fn, ": ids do not fit a staged row");
   TORCH_CHECK(send_tok.size(0) == world * M, fn, ": send_tok must have ", world * M, " entries");
   TORCH_CHECK(bidx.size(0) == M && bidx.size(1) == k, fn, ": bidx must be [", M, ", ", k, "]");
+  if (send_counts.has_value()) {
+    device_ok(*send_counts, 1);
+    TORCH_CHECK(send_counts->scalar_type() == at::kLong && send_counts->size(0) == world, fn,
+                ": send_counts must be int64 [", world, "]");
+  }
   if (num_tokens.has_value()) {
     TORCH_CHECK(num_tokens->dim() == 0 && num_tokens->scalar_type() == at::kLong &&
                     num_tokens->device() == topk_idx.device(),
@@ -79,7 +90,8 @@ template <typename DeviceOk>
 inline void check_ll_place(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
                            int64_t local_experts, const at::Tensor& out, int64_t src_offset,
                            const std::optional<at::Tensor>& out2, int64_t src_offset2, const at::Tensor& qic,
-                           const at::Tensor& counts, DeviceOk device_ok) {
+                           const at::Tensor& counts, const std::optional<at::Tensor>& recv_counts,
+                           DeviceOk device_ok) {
   constexpr const char* fn = "ll_dispatch_place";
   device_ok(recv, 2);
   device_ok(out, 2);
@@ -100,6 +112,12 @@ inline void check_ll_place(const at::Tensor& recv, int64_t id_offset, int64_t id
                 "' rows do not fit a received row from byte ", off);
   };
   fits(out, src_offset, "out");
+  if (recv_counts.has_value()) {
+    device_ok(*recv_counts, 1);
+    const int64_t W = recv_counts->size(0);
+    TORCH_CHECK(recv_counts->scalar_type() == at::kLong && W >= 1 && R % W == 0, fn,
+                ": recv_counts must be int64 [W] with W dividing the ", R, " received rows");
+  }
   if (out2.has_value()) {
     device_ok(*out2, 2);
     fits(*out2, src_offset2, "out2");
@@ -113,9 +131,10 @@ inline void check_ll_place(const at::Tensor& recv, int64_t id_offset, int64_t id
   m.def("ll_dispatch_layout", &moecomm_ext::ll_dispatch_layout_##suffix,                                   \
         "LowLatencyBuffer.dispatch, the source: ids into the staged rows, send_tok, bidx (lowlat.h)",          \
         py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_experts"), py::arg("world"), py::arg("kk"), \
-        py::arg("staged"), py::arg("id_offset"), py::arg("id_bytes"), py::arg("send_tok"), py::arg("bidx"));  \
+        py::arg("staged"), py::arg("id_offset"), py::arg("id_bytes"), py::arg("send_tok"), py::arg("bidx"),   \
+        py::arg("send_counts") = py::none());                                                                  \
   m.def("ll_dispatch_place", &moecomm_ext::ll_dispatch_place_##suffix,                                     \
         "LowLatencyBuffer.dispatch, the receiver: rows into the expert-major output, qic, counts (lowlat.h)", \
         py::arg("recv"), py::arg("id_offset"), py::arg("id_bytes"), py::arg("k"), py::arg("rank"),             \
         py::arg("local_experts"), py::arg("out"), py::arg("src_offset"), py::arg("out2"),                       \
-        py::arg("src_offset2"), py::arg("qic"), py::arg("counts"))
+        py::arg("src_offset2"), py::arg("qic"), py::arg("counts"), py::arg("recv_counts") = py::none())

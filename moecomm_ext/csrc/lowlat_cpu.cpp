@@ -46,8 +46,10 @@ void write_id(uint8_t* p, int64_t id_bytes, int64_t v) {
 
 void ll_dispatch_layout_cpu(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
                             int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged, int64_t id_offset,
-                            int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx) {
-  check_ll_layout(topk_idx, num_tokens, num_experts, world, kk, staged, id_offset, id_bytes, send_tok, bidx, cpu_ok);
+                            int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx,
+                            const std::optional<at::Tensor>& send_counts) {
+  check_ll_layout(topk_idx, num_tokens, num_experts, world, kk, staged, id_offset, id_bytes, send_tok, bidx,
+                  send_counts, cpu_ok);
   const int64_t M = staged.size(0) - 1, T = topk_idx.size(0), k = topk_idx.size(1), row_bytes = staged.size(1);
   const int64_t E = num_experts, L = E / world;
   const int64_t n = num_tokens.has_value() ? std::clamp<int64_t>(num_tokens->item<int64_t>(), 0, T) : T;
@@ -97,14 +99,15 @@ void ll_dispatch_layout_cpu(const at::Tensor& topk_idx, const std::optional<at::
       b[t * k + j] = d * M * kk + pos[j] * kk + before;
     }
   }
+  if (send_counts.has_value()) std::copy(filled.begin(), filled.end(), send_counts->mutable_data_ptr<int64_t>());
 }
 
 void ll_dispatch_place_cpu(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
                            int64_t local_experts, at::Tensor out, int64_t src_offset,
                            const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,
-                           at::Tensor counts) {
+                           at::Tensor counts, const std::optional<at::Tensor>& recv_counts) {
   check_ll_place(recv, id_offset, id_bytes, k, rank, local_experts, out, src_offset, out2, src_offset2, qic, counts,
-                 cpu_ok);
+                 recv_counts, cpu_ok);
   const int64_t R = recv.size(0), row_bytes = recv.size(1), L = local_experts, kk = qic.size(1);
   const int64_t lo = rank * L;
   const uint8_t* rows = recv.const_data_ptr<uint8_t>();
@@ -117,7 +120,10 @@ void ll_dispatch_place_cpu(const at::Tensor& recv, int64_t id_offset, int64_t id
   const int64_t out2_bytes = out2.has_value() ? out2->size(1) * int64_t(out2->element_size()) : 0;
   uint8_t* dst2 = out2.has_value() ? static_cast<uint8_t*>(out2->mutable_data_ptr()) : nullptr;
   int64_t v[kLowLatencyMaxK];
+  const int64_t W = recv_counts.has_value() ? recv_counts->size(0) : 1, per = R / W;
+  const int64_t* sent = recv_counts.has_value() ? recv_counts->const_data_ptr<int64_t>() : nullptr;
   for (int64_t r = 0; r < R; ++r) {
+    if (sent != nullptr && r % per >= sent[r / per]) continue;  // past what the source sent: stale
     const uint8_t* row = rows + r * row_bytes;
     int64_t i = 0;
     for (int64_t j = 0; j < k; ++j) {

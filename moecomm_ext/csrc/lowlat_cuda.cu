@@ -59,7 +59,7 @@ template <int KMAX>
 __global__ void __launch_bounds__(kMaxThreads) layout_kernel(const int64_t* __restrict__ topk, int64_t T, const int64_t* __restrict__ num_tokens,
                               int64_t E, int W, int64_t L, int64_t M, int k, int64_t kk, uint8_t* __restrict__ staged,
                               int64_t row_bytes, int64_t id_offset, int id_bytes, int64_t* __restrict__ send_tok,
-                              int64_t* __restrict__ bidx) {
+                              int64_t* __restrict__ bidx, int64_t* __restrict__ send_counts) {
   extern __shared__ int shared[];
   int* base = shared;
   int* wtot = shared + W;
@@ -150,16 +150,27 @@ __global__ void __launch_bounds__(kMaxThreads) layout_kernel(const int64_t* __re
     }
     __syncthreads();  // wtot is rewritten by the next chunk
   }
+  if (send_counts != nullptr) {
+    for (int d = threadIdx.x; d < W; d += blockDim.x) send_counts[d] = base[d];
+  }
 }
 
 // Row r's slots that name a distinct expert of this rank (its first slot; at most kk of them),
 // with their local expert numbers; returns how many.
+// Whether received row r holds rows of its source (recv_counts: the rows each source sent;
+// none: every row is there, unused ones with ids -1).
+__device__ __forceinline__ bool row_sent(int64_t r, int64_t R, const int64_t* __restrict__ recv_counts, int W) {
+  if (recv_counts == nullptr) return true;
+  const int64_t per = R / W;
+  return r % per < recv_counts[r / per];
+}
+
 template <int KMAX>
 __device__ __forceinline__ int local_experts_of(const uint8_t* row, int64_t id_offset, int id_bytes, int k, int64_t lo,
-                                                int64_t L, int64_t kk, bool* take, int* le) {
+                                                int64_t L, int64_t kk, bool sent, bool* take, int* le) {
   int64_t v[KMAX];
 #pragma unroll
-  for (int j = 0; j < KMAX; ++j) v[j] = j < k ? load_id(row + id_offset + j * id_bytes, id_bytes) : -1;
+  for (int j = 0; j < KMAX; ++j) v[j] = sent && j < k ? load_id(row + id_offset + j * id_bytes, id_bytes) : -1;
   int n = 0;
 #pragma unroll
   for (int j = 0; j < KMAX; ++j) {
@@ -177,7 +188,8 @@ __device__ __forceinline__ int local_experts_of(const uint8_t* row, int64_t id_o
 template <int KMAX>
 __global__ void __launch_bounds__(kMaxThreads) place_layout_kernel(const uint8_t* __restrict__ recv, int64_t R, int64_t row_bytes, int64_t id_offset,
                                     int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
-                                    int64_t* __restrict__ qic, int64_t* __restrict__ counts) {
+                                    int64_t* __restrict__ qic, int64_t* __restrict__ counts,
+                                    const int64_t* __restrict__ recv_counts, int W) {
   extern __shared__ int shared[];
   int* base = shared;
   int* wcnt = shared + L;
@@ -190,7 +202,8 @@ __global__ void __launch_bounds__(kMaxThreads) place_layout_kernel(const uint8_t
     bool take[KMAX];
     int le[KMAX];
     int local[KMAX];
-    const int n = r < R ? local_experts_of<KMAX>(recv + r * row_bytes, id_offset, id_bytes, k, rank * L, L, kk, take, le)
+    const int n = r < R ? local_experts_of<KMAX>(recv + r * row_bytes, id_offset, id_bytes, k, rank * L, L, kk,
+                                                 row_sent(r, R, recv_counts, W), take, le)
                         : 0;
     if (r >= R) {
 #pragma unroll
@@ -239,12 +252,13 @@ template <int KMAX, typename V>
 __global__ void place_copy_kernel(const uint8_t* __restrict__ recv, int64_t R, int64_t row_bytes, int64_t id_offset,
                                   int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
                                   const int64_t* __restrict__ qic, uint8_t* __restrict__ dst, int64_t src_offset,
-                                  int64_t bytes) {
+                                  int64_t bytes, const int64_t* __restrict__ recv_counts, int W) {
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
     const uint8_t* row = recv + r * row_bytes;
     bool take[KMAX];
     int le[KMAX];
-    const int n = local_experts_of<KMAX>(row, id_offset, id_bytes, k, rank * L, L, kk, take, le);
+    const int n = local_experts_of<KMAX>(row, id_offset, id_bytes, k, rank * L, L, kk, row_sent(r, R, recv_counts, W),
+                                         take, le);
     __shared__ V* out[KMAX];
     __syncthreads();  // the previous row's destinations are read
     if (threadIdx.x < n) out[threadIdx.x] = reinterpret_cast<V*>(dst + qic[r * kk + threadIdx.x] * bytes);
@@ -263,7 +277,8 @@ struct alignas(8) Bytes8 {
 };
 
 void launch_copy(const at::Tensor& recv, int64_t id_offset, int id_bytes, int k, int64_t rank, int64_t L, int64_t kk,
-                 const at::Tensor& qic, const at::Tensor& out, int64_t src_offset, cudaStream_t stream) {
+                 const at::Tensor& qic, const at::Tensor& out, int64_t src_offset, const int64_t* recv_counts, int W,
+                 cudaStream_t stream) {
   const int64_t R = recv.size(0), row_bytes = recv.size(1);
   const int64_t bytes = out.size(1) * int64_t(out.element_size());
   if (R == 0 || bytes == 0) return;
@@ -280,10 +295,10 @@ void launch_copy(const at::Tensor& recv, int64_t id_offset, int id_bytes, int k,
 #define MOECOMM_LL_COPY(V)                                                                                        \
   if (k <= 8) {                                                                                                   \
     place_copy_kernel<8, V><<<grid, threads, 0, stream>>>(src, R, row_bytes, id_offset, id_bytes, k, rank, L, kk, \
-                                                          qic.const_data_ptr<int64_t>(), dst, src_offset, bytes);  \
+                                                          qic.const_data_ptr<int64_t>(), dst, src_offset, bytes, recv_counts, W);\
   } else {                                                                                                        \
     place_copy_kernel<32, V><<<grid, threads, 0, stream>>>(src, R, row_bytes, id_offset, id_bytes, k, rank, L, kk,\
-                                                           qic.const_data_ptr<int64_t>(), dst, src_offset, bytes); \
+                                                           qic.const_data_ptr<int64_t>(), dst, src_offset, bytes, recv_counts, W);\
   }
   if (widest == 16) {
     MOECOMM_LL_COPY(uint4);
@@ -304,8 +319,10 @@ void launch_copy(const at::Tensor& recv, int64_t id_offset, int id_bytes, int k,
 
 void ll_dispatch_layout_cuda(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
                              int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged, int64_t id_offset,
-                             int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx) {
-  check_ll_layout(topk_idx, num_tokens, num_experts, world, kk, staged, id_offset, id_bytes, send_tok, bidx, cuda_ok);
+                             int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx,
+                             const std::optional<at::Tensor>& send_counts) {
+  check_ll_layout(topk_idx, num_tokens, num_experts, world, kk, staged, id_offset, id_bytes, send_tok, bidx,
+                  send_counts, cuda_ok);
   for (const at::Tensor* t : {&staged, &send_tok, &bidx}) {
     TORCH_CHECK(t->device() == topk_idx.device(), "ll_dispatch_layout: every tensor must be on ", topk_idx.device());
   }
@@ -322,22 +339,26 @@ void ll_dispatch_layout_cuda(const at::Tensor& topk_idx, const std::optional<at:
       num_tokens.has_value() ? num_tokens->const_data_ptr<int64_t>() : nullptr, num_experts, static_cast<int>(world),
       num_experts / world, M, static_cast<int>(topk_idx.size(1)), kk, staged.mutable_data_ptr<uint8_t>(),
       staged.size(1), id_offset, static_cast<int>(id_bytes), send_tok.mutable_data_ptr<int64_t>(),
-      bidx.mutable_data_ptr<int64_t>());
+      bidx.mutable_data_ptr<int64_t>(), send_counts.has_value() ? send_counts->mutable_data_ptr<int64_t>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void ll_dispatch_place_cuda(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
                             int64_t local_experts, at::Tensor out, int64_t src_offset,
                             const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,
-                            at::Tensor counts) {
+                            at::Tensor counts, const std::optional<at::Tensor>& recv_counts) {
   check_ll_place(recv, id_offset, id_bytes, k, rank, local_experts, out, src_offset, out2, src_offset2, qic, counts,
-                 cuda_ok);
+                 recv_counts, cuda_ok);
   for (const at::Tensor* t : {&out, &qic, &counts}) {
     TORCH_CHECK(t->device() == recv.device(), "ll_dispatch_place: every tensor must be on ", recv.device());
   }
   TORCH_CHECK(!out2.has_value() || out2->device() == recv.device(), "ll_dispatch_place: out2 must be on ",
               recv.device());
   const int64_t R = recv.size(0), L = local_experts, kk = qic.size(1);
+  TORCH_CHECK(!recv_counts.has_value() || recv_counts->device() == recv.device(), "ll_dispatch_place: recv_counts "
+              "must be on ", recv.device());
+  const int64_t* sent = recv_counts.has_value() ? recv_counts->const_data_ptr<int64_t>() : nullptr;
+  const int W = recv_counts.has_value() ? static_cast<int>(recv_counts->size(0)) : 1;
   const int warps = layout_warps(R, L);
   TORCH_CHECK(warps >= 1, "ll_dispatch_place: ", L, " local experts do not fit the layout kernel's shared memory");
   const c10::cuda::CUDAGuard guard(recv.device());
@@ -346,13 +367,13 @@ void ll_dispatch_place_cuda(const at::Tensor& recv, int64_t id_offset, int64_t i
   auto kernel = k <= 8 ? place_layout_kernel<8> : place_layout_kernel<32>;
   kernel<<<1, warps * kWarp, shared, stream>>>(
       recv.const_data_ptr<uint8_t>(), R, recv.size(1), id_offset, static_cast<int>(id_bytes), static_cast<int>(k),
-      rank, L, kk, qic.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<int64_t>());
+      rank, L, kk, qic.mutable_data_ptr<int64_t>(), counts.mutable_data_ptr<int64_t>(), sent, W);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_copy(recv, id_offset, static_cast<int>(id_bytes), static_cast<int>(k), rank, L, kk, qic, out, src_offset,
-              stream);
+              sent, W, stream);
   if (out2.has_value()) {
     launch_copy(recv, id_offset, static_cast<int>(id_bytes), static_cast<int>(k), rank, L, kk, qic, *out2,
-                src_offset2, stream);
+                src_offset2, sent, W, stream);
   }
 }
 

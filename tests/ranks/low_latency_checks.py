@@ -1,7 +1,8 @@
 """moecomm.LowLatencyBuffer on real MPI ranks (run by tests/test_low_latency.py): dispatch and
 combine against a dense reference written independently (hypothesis: token counts 0..max,
 skewed routing, k 1..8, 1..32 experts per rank; native kernels and torch ops), the native
-kernels bit for bit against the torch ops, a padded batch with a device ``num_tokens``,
+kernels bit for bit against the torch ops, a transport of used rows only against the padded
+exchange, a padded batch with a device ``num_tokens``,
 the combine independent of how blocks arrive, FP8 dispatch bit-identical to quantizing with
 moecomm.quant and dispatching in BF16, no allocation after construction, views into the
 preallocated buffers, argument errors, and the MoE layer's decode path against its normal path.
@@ -220,6 +221,69 @@ class ShuffledTransport(AllToAllTransport):
             output[p * B:(p + 1) * B].copy_(landed[p * B:(p + 1) * B])
 
 
+class UsedRowsTransport(AllToAllTransport):
+    """exchange_rows as the peer-memory transport does it (used rows only; the rest of each
+    block left as it was: zeros at first, which name expert 0, then earlier calls' rows), over
+    the communicator: the buffer's used-rows path on any ranks."""
+
+    def __init__(self, comm) -> None:
+        super().__init__(comm)
+        self.outputs = None
+
+    def bind_rows(self, outputs) -> bool:
+        self.outputs = list(outputs)
+        return True
+
+    def exchange_rows(self, index, input, counts, scale, row_bytes, recv_rows=None) -> None:
+        out = self.outputs[index]
+        landed = torch.empty_like(out)
+        super().exchange(landed, input)
+        got = torch.empty_like(counts)
+        self.comm.all_to_all_single(got, counts.contiguous())
+        raw = out.view(torch.uint8).view(W, -1)
+        for q in range(W):
+            n = int(got[q]) * scale * row_bytes
+            raw[q, :n].copy_(landed.view(torch.uint8).view(W, -1)[q, :n])
+        if recv_rows is not None:
+            recv_rows.copy_(got * scale)
+
+
+def check_used_rows() -> None:
+    """The buffer over a transport that moves used rows only (stale garbage after them): the
+    same counts, expert rows and combined rows, bit for bit, as over the padded exchange; FP8,
+    a padded batch with num_tokens, skewed routing, over several calls."""
+    if moecomm_ext.implementation(DEV.type) != "native" or W == 1:
+        return
+    M, H, k, L = 5, 40, 4, 3
+    E = L * W
+    problems = []
+    for fp8 in (False, True):
+        plain = LowLatencyBuffer(COMM, M, H, E, k, torch.bfloat16, fp8_dispatch=fp8, transport=AllToAllTransport(COMM))
+        rows = LowLatencyBuffer(COMM, M, H, E, k, torch.bfloat16, fp8_dispatch=fp8,
+                                transport=UsedRowsTransport(COMM))
+        for seed, how in enumerate(["uniform", "one_rank", "holes", "one_expert", "duplicates"]):
+            T = M - seed % 3
+            x, idx = tokens(seed, R, M, H, torch.bfloat16).to(DEV), routing(seed, R, M, k, E, how).to(DEV)
+            w = weights(seed, R, M, k).to(DEV)
+            n = torch.tensor(T, device=DEV)
+            got = []
+            for buf in (plain, rows):
+                d = buf.dispatch(x, idx, num_tokens=n)
+                rows_e = [d.x[e, :int(d.counts[e])].clone() for e in range(L)]
+                ey = torch.randn(L, buf.max_rows, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+                got.append((d.counts.clone(), rows_e, buf.combine(ey.to(DEV), w, d.handle).clone()))
+            (c0, r0, y0), (c1, r1, y1) = got
+            if not torch.equal(c0, c1):
+                problems.append(f"fp8={fp8} {how}: counts {c0.tolist()} vs {c1.tolist()}")
+            elif not all(same_bits(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(r0, r1)):
+                problems.append(f"fp8={fp8} {how}: expert rows")
+            if not same_bits(y0, y1):
+                problems.append(f"fp8={fp8} {how}: combine")
+        if rows._by_rows is not True:
+            problems.append("the used-rows path was not taken")
+    collective_assert(not problems, "; ".join(problems))
+
+
 def check_arrival_order() -> None:
     """The same bits whatever order the blocks arrive in, with garbage in every unused row."""
     M, H, k, L = 5, 24, 4, 3
@@ -389,7 +453,7 @@ def check_moe_layer_decode() -> None:
 
 
 if __name__ == "__main__":
-    CHECKS = [check_against_dense, check_native_matches_torch_ops, check_num_tokens, check_arrival_order, check_fp8_dispatch, check_no_allocation,
+    CHECKS = [check_against_dense, check_native_matches_torch_ops, check_used_rows, check_num_tokens, check_arrival_order, check_fp8_dispatch, check_no_allocation,
               check_errors, check_moe_layer_decode]
     if ONLY:
         CHECKS = [c for c in CHECKS if c.__name__ == ONLY]

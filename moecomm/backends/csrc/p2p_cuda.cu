@@ -325,6 +325,113 @@ __global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, cons
   }
 }
 
+// Used rows only, GPU-initiated (moecomm.LowLatencyBuffer on the peer backend, concurrent
+// ranks): block p of the input (`in_block` bytes from p * in_block) holds counts[p] * scale
+// rows of `row_bytes` for rank p; they go straight to `dst[p]` (this rank's block in rank p's
+// output, mapped through IPC; its own output for itself). One sequence number per exchange,
+// kept on the device (`state`), so that a captured exchange replays. Two kernels, so that only
+// single blocks ever spin (ranks sharing a GPU run many grids at once: spinning grids could
+// hold the SMs their peers need):
+// - rows_ready_kernel (one block): every rank writes `seq` into each peer's ready slot
+//   (ready_dst[p]: "my stream has passed everything before this exchange: my output is free")
+//   and waits for every peer's;
+// - rows_send_wait_kernel: groups of blocks copy the rows for each peer, a group's last block
+//   writes (rows, then seq) into the peer's flag slot (flag_dst[p]); one more block waits for
+//   every peer's flag and writes the rows it got into recv_rows (when given). The last block
+//   to finish stores seq.
+// A wait past timeout_ns sets status[0] = 1 (mapped host memory) and gives up.
+__global__ void rows_ready_kernel(const uint64_t* __restrict__ ready_dst, const int64_t* my_ready,
+                                  const int64_t* state, int world, volatile int64_t* status, uint64_t timeout_ns) {
+  const int q = threadIdx.x;
+  if (q >= world) return;
+  const int64_t seq = *reinterpret_cast<volatile const int64_t*>(state) + 1;
+  __threadfence_system();  // (what this stream did before is done before the peers may write)
+  *reinterpret_cast<volatile int64_t*>(ready_dst[q]) = seq;
+  volatile const int64_t* ready = reinterpret_cast<volatile const int64_t*>(my_ready + q);
+  if (!spin_until([&] { return *ready >= seq; }, timeout_ns)) {
+    status[0] = 1;
+    __threadfence_system();
+  }
+}
+
+__global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_block, int64_t row_bytes,
+                                      const int64_t* __restrict__ counts, int64_t scale,
+                                      const uint64_t* __restrict__ dst, const uint64_t* __restrict__ flag_dst,
+                                      const int64_t* my_flags, int64_t* state, unsigned int* done, int world,
+                                      int blocks_per_peer, int64_t* recv_rows, volatile int64_t* status,
+                                      uint64_t timeout_ns) {
+  __shared__ int64_t seq;
+  if (threadIdx.x == 0) seq = *reinterpret_cast<volatile int64_t*>(state) + 1;
+  __syncthreads();
+  if (blockIdx.x == world * blocks_per_peer) {  // the wait block
+    const int q = threadIdx.x;
+    if (q < world) {
+      volatile const int64_t* flag = reinterpret_cast<volatile const int64_t*>(my_flags + 2 * q);
+      if (spin_until([&] { return flag[1] == seq; }, timeout_ns)) {
+        __threadfence_system();
+        if (recv_rows != nullptr) recv_rows[q] = flag[0];
+      } else {
+        status[0] = 1;
+        __threadfence_system();
+      }
+    }
+  } else {
+    const int p = blockIdx.x / blocks_per_peer, b = blockIdx.x % blocks_per_peer;
+    const int64_t rows = counts[p] * scale;
+    if (rows > 0 && status[0] == 0) {
+      const int64_t bytes = rows * row_bytes;
+      const char* from = src + int64_t(p) * in_block;
+      char* to = reinterpret_cast<char*>(dst[p]);
+      const int64_t first = int64_t(b) * blockDim.x + threadIdx.x, stride = int64_t(blocks_per_peer) * blockDim.x;
+      if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(from) % 16 == 0 && reinterpret_cast<uintptr_t>(to) % 16 == 0) {
+        copy_vectors(reinterpret_cast<uint4*>(to), reinterpret_cast<const uint4*>(from), bytes / 16, first, stride);
+      } else {
+        for (int64_t i = first; i < bytes; i += stride) to[i] = from[i];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // this block's rows are visible before it counts itself done
+      if (atomicAdd(&done[p], 1u) == unsigned(blocks_per_peer - 1)) {
+        done[p] = 0;
+        volatile int64_t* flag = reinterpret_cast<volatile int64_t*>(flag_dst[p]);
+        flag[0] = rows;
+        __threadfence_system();
+        flag[1] = seq;
+      }
+    }
+  }
+  if (threadIdx.x == 0) {  // the last block to finish moves the sequence on (every block has read it)
+    __threadfence();
+    if (atomicAdd(&done[world], 1u) == gridDim.x - 1) {
+      done[world] = 0;
+      *state = seq;
+    }
+  }
+}
+
+// Both kernels on `stream`. `done`: world + 1 zeroed unsigned ints of this exchange's own.
+void rows_exchange(int device, uint64_t stream_handle, uint64_t src, int64_t in_block, int64_t row_bytes,
+                   uint64_t counts, int64_t scale, uint64_t dst, uint64_t flag_dst, uint64_t ready_dst,
+                   uint64_t my_flags, uint64_t my_ready, uint64_t state, uint64_t done, int world, int blocks_per_peer,
+                   uint64_t recv_rows, uint64_t status, uint64_t timeout_ns) {
+  DeviceGuard guard(device);
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int threads = 32 * ((world + 31) / 32);
+  rows_ready_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(ready_dst),
+                                               reinterpret_cast<const int64_t*>(my_ready),
+                                               reinterpret_cast<const int64_t*>(state), world,
+                                               reinterpret_cast<volatile int64_t*>(status), timeout_ns);
+  check(cudaGetLastError(), "rows-ready kernel launch");
+  rows_send_wait_kernel<<<world * blocks_per_peer + 1, 512, 0, stream>>>(
+      reinterpret_cast<const char*>(src), in_block, row_bytes, reinterpret_cast<const int64_t*>(counts), scale,
+      reinterpret_cast<const uint64_t*>(dst), reinterpret_cast<const uint64_t*>(flag_dst),
+      reinterpret_cast<const int64_t*>(my_flags), reinterpret_cast<int64_t*>(state),
+      reinterpret_cast<unsigned int*>(done), world, blocks_per_peer, reinterpret_cast<int64_t*>(recv_rows),
+      reinterpret_cast<volatile int64_t*>(status), timeout_ns);
+  check(cudaGetLastError(), "rows-exchange kernel launch");
+}
+
 uint64_t alloc(int device, int64_t nbytes) {
   DeviceGuard guard(device);
   void* ptr = nullptr;
@@ -520,6 +627,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("destroy_event", &destroy_event, "cudaEventDestroy");
   m.def("gpu_counts_exchange", &gpu_counts_exchange, "enqueue the counts-on-the-GPU exchange (one kernel)");
   m.def("ce_exchange", &ce_exchange, "enqueue a known-counts exchange moved by copy engines");
+  m.def("rows_exchange", &rows_exchange, "enqueue a used-rows exchange into mapped peer outputs (one kernel)");
   m.def("max_copy_engine_ranks", []() { return kMaxCopyEngineRanks; });
   m.def("can_access_peer", &can_access_peer, "cudaDeviceCanAccessPeer");
   m.def("capture_id", &capture_id, "id of the CUDA graph capture a stream takes part in (0: none)");
