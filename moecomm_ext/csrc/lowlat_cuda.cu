@@ -51,6 +51,20 @@ int layout_warps(int64_t rows, int64_t per_warp) {
   return static_cast<int>(warps < fit ? warps : fit);
 }
 
+// Items counted per warp (cnt[w * n + i]) become each warp's first position: the exclusive
+// prefix over the warps on top of base[i], which moves on past them.
+__device__ __forceinline__ void prefix_over_warps(int* base, int* cnt, int64_t n, int warps) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    int run = base[i];
+    for (int w = 0; w < warps; ++w) {
+      const int here = cnt[w * n + i];
+      cnt[w * n + i] = run;
+      run += here;
+    }
+    base[i] = run;
+  }
+}
+
 // The kernels keep a token's (or row's) slots in registers: arrays of KMAX indexed only by
 // unrolled slot loops (a k above 8 takes the KMAX = 32 instances).
 
@@ -105,16 +119,7 @@ __global__ void __launch_bounds__(kMaxThreads) layout_kernel(const int64_t* __re
       if (lane == 0) wtot[warp * W + d] = __popc(ballot);
     }
     __syncthreads();
-    const int warps = blockDim.x / kWarp;
-    for (int d = threadIdx.x; d < W; d += blockDim.x) {
-      int run = base[d];
-      for (int w = 0; w < warps; ++w) {
-        const int here = wtot[w * W + d];
-        wtot[w * W + d] = run;
-        run += here;
-      }
-      base[d] = run;
-    }
+    prefix_over_warps(base, wtot, W, blockDim.x / kWarp);
     __syncthreads();
     if (active) {
 #pragma unroll
@@ -221,15 +226,7 @@ __global__ void __launch_bounds__(kMaxThreads) place_layout_kernel(const uint8_t
       __syncwarp();
     }
     __syncthreads();
-    for (int64_t e = threadIdx.x; e < L; e += blockDim.x) {
-      int run = base[e];
-      for (int w = 0; w < warps; ++w) {
-        const int here = wcnt[w * L + e];
-        wcnt[w * L + e] = run;
-        run += here;
-      }
-      base[e] = run;
-    }
+    prefix_over_warps(base, wcnt, L, warps);
     __syncthreads();
     if (r < R) {
       int i = 0;
