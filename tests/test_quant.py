@@ -101,7 +101,8 @@ def _make(seed: int, n: int, d: int, dtype: torch.dtype, zero_frac: float, block
     nb = -(-d // block)
     zero = torch.rand(n, nb, generator=g) < zero_frac
     x = x * (~zero).repeat_interleave(block, dim=1)[:, :d]
-    return x.to(dtype)
+    big = torch.finfo(dtype).max  # finite inputs only (float16's outliers would overflow to inf: undefined)
+    return x.clamp(-big, big).to(dtype)
 
 
 def _check_against_numpy(x: torch.Tensor, wire: torch.dtype, block: int, use_native) -> None:
