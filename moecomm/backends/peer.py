@@ -458,6 +458,8 @@ class FixedRows:
         self.backend = backend
         # this rank's flag slots (rows, seq) per source, then its ready slots per source
         self._sync = torch.zeros(3 * W, dtype=torch.int64, device=dev)
+        # zeroed on the GPU before any peer can write into it (they may, once the all-gather returns)
+        torch.cuda.current_stream(dev).synchronize()
         flags = backend.fixed_destinations(self._sync, 16)  # (each rank's sync tensor: one all-gather)
         base = self._sync.data_ptr()
         flag_dst = [base + 16 * me if p == me else flags[p] for p in range(W)]
