@@ -472,12 +472,13 @@ class FixedRows:
             self._tables.append((out, torch.tensor([dst, flag_dst, ready_dst], dtype=torch.int64, device=dev)))
         self._state = torch.zeros((), dtype=torch.int64, device=dev)
         self._done = torch.zeros(W + 1, dtype=torch.int32, device=dev)
-        self._status = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._status = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # the kernels write [0] = 1 on a timeout
+        self._status_np = self._status.numpy()  # read per call without a torch op
 
     def check(self) -> None:
         """Raise where an earlier exchange's wait gave up (read from mapped host memory: no
         synchronisation; an exchange still in flight is seen at a later call)."""
-        if int(self._status[0]):
+        if self._status_np[0]:
             self.backend.abort()
             raise TimeoutError(f"moecomm: a used-rows exchange (peer memory) did not see every peer within the "
                                f"timeout on rank {self.backend.rank}; the communicator was aborted")
@@ -491,6 +492,8 @@ class FixedRows:
         self.check()
         self.backend.check_health()
         out, tables = self._tables[index]
+        if send.nbytes != out.nbytes:  # (the kernel also never copies more than a block)
+            raise ValueError(f"send must have the bytes of output {index} ({out.nbytes}), got {send.nbytes}")
         W = self.backend.size
         self.backend.transport.launch_rows_exchange(
             send.data_ptr(), send.nbytes // W, row_bytes, counts.data_ptr(), scale, tables.data_ptr(),

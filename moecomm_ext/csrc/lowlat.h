@@ -33,22 +33,18 @@ namespace moecomm_ext {
 
 constexpr int64_t kLowLatencyMaxK = 32;  // the kernels keep a token's slots in registers
 
-void ll_dispatch_layout_cpu(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
-                            int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged, int64_t id_offset,
-                            int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx,
-                            const std::optional<at::Tensor>& send_counts);
-void ll_dispatch_place_cpu(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
-                           int64_t local_experts, at::Tensor out, int64_t src_offset,
-                           const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,
-                           at::Tensor counts, const std::optional<at::Tensor>& recv_counts);
-void ll_dispatch_layout_cuda(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,
-                             int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged, int64_t id_offset,
-                             int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx,
-                             const std::optional<at::Tensor>& send_counts);
-void ll_dispatch_place_cuda(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k, int64_t rank,
-                            int64_t local_experts, at::Tensor out, int64_t src_offset,
-                            const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,
-                            at::Tensor counts, const std::optional<at::Tensor>& recv_counts);
+#define MOECOMM_LL_DECLARE(suffix)                                                                            \
+  void ll_dispatch_layout_##suffix(const at::Tensor& topk_idx, const std::optional<at::Tensor>& num_tokens,     \
+                                   int64_t num_experts, int64_t world, int64_t kk, at::Tensor staged,            \
+                                   int64_t id_offset, int64_t id_bytes, at::Tensor send_tok, at::Tensor bidx,    \
+                                   const std::optional<at::Tensor>& send_counts);                               \
+  void ll_dispatch_place_##suffix(const at::Tensor& recv, int64_t id_offset, int64_t id_bytes, int64_t k,       \
+                                  int64_t rank, int64_t local_experts, at::Tensor out, int64_t src_offset,       \
+                                  const std::optional<at::Tensor>& out2, int64_t src_offset2, at::Tensor qic,   \
+                                  at::Tensor counts, const std::optional<at::Tensor>& recv_counts)
+MOECOMM_LL_DECLARE(cpu);
+MOECOMM_LL_DECLARE(cuda);
+#undef MOECOMM_LL_DECLARE
 
 // The arguments' checks, shared by both devices (`device_ok(t, dim)` checks one tensor's device,
 // dimensions and contiguity).

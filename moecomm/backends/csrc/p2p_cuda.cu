@@ -377,7 +377,8 @@ __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_b
     }
   } else {
     const int p = blockIdx.x / blocks_per_peer, b = blockIdx.x % blocks_per_peer;
-    const int64_t rows = counts[p] * scale;
+    const int64_t asked = counts[p] * scale, fit = in_block / row_bytes;  // never past a block, whatever counts say
+    const int64_t rows = asked < 0 ? 0 : (asked < fit ? asked : fit);
     if (rows > 0 && status[0] == 0) {
       const int64_t bytes = rows * row_bytes;
       const char* from = src + int64_t(p) * in_block;
