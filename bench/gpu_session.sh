@@ -11,7 +11,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/moecomm-gpu}
-RES=$OUT/files   # JSON and PNG outputs; packed into $OUT/results.tgz at the end (one file back)
+RES=$OUT/files   # JSON and PNG outputs; packed into $OUT/results.tgz after each step (one file back)
 rm -rf "$RES"; mkdir -p "$RES"  # only this call's files come back
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 MOECOMM_TIMEOUT=120 OMP_NUM_THREADS=4
@@ -40,6 +40,7 @@ step() {
   local rc=$?
   echo "===== $name rc=$rc $((SECONDS - start))s" >> "$LOG"
   SUMMARY+=("$name rc=$rc $((SECONDS - start))s")
+  tar czf "$OUT/results.tgz" -C "$RES" .  # after every step: a call cut off at its limit still sends back what it measured
 }
 
 run_step() {
