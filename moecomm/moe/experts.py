@@ -337,7 +337,7 @@ class BatchedExperts(nn.Module):
         El, D = seg.num_local, x.shape[1]
         if seg.uniform is not None:
             C = seg.uniform
-            nb = len(seg.counts)
+            nb = seg.num_blocks
             xb = x.view(nb, El, C, D).transpose(0, 1).reshape(El, nb * C, D)
             y = self.module(xb)
             self._check(y, El, nb * C)

@@ -82,7 +82,8 @@ def _make_offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tens
         return torch.cumsum(seg.counts_dev[b] if b is not None else seg.counts_dev.reshape(-1), 0,
                             dtype=torch.int32)
     ends, acc = [], 0
-    for n in (seg.counts[b] if b is not None else [n for block in seg.counts for n in block]):
+    counts = seg.host_counts()
+    for n in (counts[b] if b is not None else [n for block in counts for n in block]):
         acc += n
         ends.append(acc)
     t = torch.tensor(ends, dtype=torch.int32)
@@ -243,7 +244,7 @@ def seg_sum(g: Tensor, seg: Segments) -> Tensor:
         # seg_wgrad's, so no host sync (torch.segment_reduce synchronises) and no atomics
         ones = torch.ones(g.shape[0], width, dtype=g.dtype, device=g.device)
         sums = torch._grouped_mm(ones.t(), g, offs=_offsets(seg, None, g.device))[:, 0]  # [blocks * El, B]
-        if len(seg.counts) == 1:
+        if seg.num_blocks == 1:
             return sums
         return sums.view(-1, El, B).sum(0, dtype=acc).to(g.dtype)
     if g.is_cuda:  # no grouped GEMM for this dtype: one reduction per segment (host counts, no sync)

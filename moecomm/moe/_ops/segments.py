@@ -32,10 +32,15 @@ def uniform_row_expert(blocks: int, num_local: int, capacity: int, device: torch
 
 @dataclass
 class Segments:
-    """Row layout of an expert input: ``len(counts)`` blocks, block ``b`` holding
-    ``counts[b][e]`` rows of local expert ``e`` for ``e = 0..num_local-1``, in that order."""
+    """Row layout of an expert input: ``num_blocks`` blocks, block ``b`` holding
+    ``counts[b][e]`` rows of local expert ``e`` for ``e = 0..num_local-1``, in that order.
 
-    counts: list[list[int]]
+    ``counts`` may be None when ``counts_dev`` and ``block_totals`` (the rows of each block)
+    are given: the layout's counts then stay on the device, and the grouped GEMMs run from
+    them with no host synchronisation; a path that needs the counts on the host
+    (:meth:`host_counts`) copies them once (one host sync)."""
+
+    counts: Optional[list[list[int]]]
     num_local: int
     uniform: Optional[int] = None
     """Every count equals this (the padded capacity layout)."""
@@ -45,6 +50,8 @@ class Segments:
     """Shared by the stages of one pipelined call: see :class:`WeightGradSum`."""
     consts: Optional["StepConstants"] = field(default=None, compare=False, repr=False)
     """A layer's cache of constant tensors (the uniform layout's row map), if any."""
+    block_totals: Optional[list[int]] = None
+    """The rows of each block: needed (and only read) when ``counts`` is None."""
     rows: int = field(init=False)
     _row_expert: Optional[Tensor] = field(default=None, init=False, repr=False, compare=False)
     offsets_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -54,10 +61,45 @@ class Segments:
         # A negative count (from ranks out of step: a count exchange that met another
         # collective) would make rows smaller than the segments' extent, and the row map's
         # repeat_interleave(output_size=rows) write past its buffer.
-        for b, block in enumerate(self.counts):
+        if self.counts is None:
+            if self.counts_dev is None or self.block_totals is None:
+                raise ValueError("Segments: counts=None needs counts_dev and block_totals")
+            if self.counts_dev.dim() != 2 or tuple(self.counts_dev.shape) != (len(self.block_totals), self.num_local):
+                raise ValueError(f"Segments: counts_dev must be [blocks={len(self.block_totals)}, "
+                                 f"num_local={self.num_local}], got {tuple(self.counts_dev.shape)}")
+            self.rows = sum(self.block_totals)
+            return
+        self._check_counts(self.counts)
+        self.rows = sum(sum(b) for b in self.counts)
+
+    @staticmethod
+    def _check_counts(counts: list[list[int]]) -> None:
+        for b, block in enumerate(counts):
             if block and min(block) < 0:
                 raise ValueError(f"Segments: counts[{b}] = {list(block)} has a negative row count")
-        self.rows = sum(sum(b) for b in self.counts)
+
+    @classmethod
+    def on_device(cls, counts_dev: Tensor, block_totals: list[int], num_local: int,
+                  wgrad_sum: Optional["WeightGradSum"] = None) -> "Segments":
+        """A layout whose per-expert counts (``counts_dev``, int64 ``[blocks, num_local]``) stay
+        on the device; ``block_totals``: each block's rows, known on the host."""
+        return cls(None, num_local, counts_dev=counts_dev, wgrad_sum=wgrad_sum, block_totals=list(block_totals))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.counts) if self.counts is not None else len(self.block_totals)
+
+    def host_counts(self) -> list[list[int]]:
+        """``counts`` on the host: for a layout made :meth:`on_device`, copied from the device
+        once (a host synchronisation) and checked as the constructor checks given counts."""
+        if self.counts is None:
+            counts = self.counts_dev.tolist()
+            self._check_counts(counts)
+            if [sum(b) for b in counts] != self.block_totals:
+                raise ValueError(f"Segments: the device counts add up to {[sum(b) for b in counts]} rows per "
+                                 f"block, not block_totals={self.block_totals}")
+            self.counts = counts
+        return self.counts
 
     @classmethod
     def uniform_blocks(cls, blocks: int, num_local: int, capacity: int,
@@ -67,19 +109,22 @@ class Segments:
                    wgrad_sum=wgrad_sum, consts=consts)
 
     def block_rows(self) -> list[int]:
+        if self.counts is None:
+            return list(self.block_totals)
         return [sum(b) for b in self.counts]
 
     def items(self):
         """``(expert, first_row, rows)`` of every non-empty segment, in row order."""
         start = 0
-        for block in self.counts:
+        for block in self.host_counts():
             for e, n in enumerate(block):
                 if n:
                     yield e, start, n
                 start += n
 
     def per_expert(self) -> list[int]:
-        return [sum(b[e] for b in self.counts) for e in range(self.num_local)]
+        counts = self.host_counts()
+        return [sum(b[e] for b in counts) for e in range(self.num_local)]
 
     def row_expert(self, device: torch.device) -> Tensor:
         """``[rows]`` int64 local expert of every row (on ``device``, no host sync; kept for
@@ -91,7 +136,7 @@ class Segments:
 
     def _make_row_expert(self, device: torch.device) -> Tensor:
         if self.uniform is not None:  # built on the device: no host copy (safe in CUDA graph capture)
-            blocks, El, C = len(self.counts), self.num_local, self.uniform
+            blocks, El, C = self.num_blocks, self.num_local, self.uniform
             if self.consts is None:
                 return uniform_row_expert(blocks, El, C, device)
             return self.consts.row_expert(blocks, El, C, device)

@@ -36,7 +36,7 @@ class DataParallelPath:
         if r.capacity is None:
             sm = dropless_slots(r, 1, 1)
             counts = r.counts.view(1, E)
-            seg = Segments([counts[0].tolist()], E, counts_dev=counts)
+            seg = Segments.on_device(counts, [r.topk_idx.numel()], E)  # every route kept: no host sync
         else:
             sm = capacity_slots(r, r.capacity, E, 1, 1)
             seg = Segments.uniform_blocks(1, E, r.capacity)

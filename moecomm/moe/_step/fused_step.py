@@ -311,7 +311,8 @@ class _CapacityStep(torch.autograd.Function):
 class _DroplessStep(torch.autograd.Function):
     """The dropless step: every route sent, the experts' grouped GEMMs over the received
     counts (:func:`~moecomm.moe.experts.ffn_forward`), after the step's one host
-    synchronisation (the counts, for the exchanges' split sizes and the segments)."""
+    synchronisation (the counts, for the exchanges' split sizes and the segments); on one
+    rank none where the grouped GEMMs run (the counts stay on the device)."""
 
     @staticmethod
     def forward(ctx, call: StepCall, experts: FFNExperts, x, wg, w1, b1, w2, b2):  # type: ignore[override]
@@ -324,13 +325,13 @@ class _DroplessStep(torch.autograd.Function):
             host = torch.cat([counts, recv_counts]).tolist()  # the step's one host synchronisation
             mine, theirs = host[:W * El], host[W * El:]
             check_received_counts(theirs, call.comm, El)
-        else:
-            recv_counts = counts
-            mine = theirs = counts.tolist()
-        blocks = [theirs[w * El:(w + 1) * El] for w in range(W)]
-        call.send_splits = [sum(mine[w * El:(w + 1) * El]) for w in range(W)]
-        call.recv_splits = [sum(b) for b in blocks]
-        seg = Segments(blocks, El, counts_dev=recv_counts.view(W, El))
+            blocks = [theirs[w * El:(w + 1) * El] for w in range(W)]
+            call.send_splits = [sum(mine[w * El:(w + 1) * El]) for w in range(W)]
+            call.recv_splits = [sum(b) for b in blocks]
+            seg = Segments(blocks, El, counts_dev=recv_counts.view(W, El))
+        else:  # every route stays here: the rows are known, the experts' counts stay on the device (no sync)
+            call.send_splits = call.recv_splits = [slot_token.shape[0]]
+            seg = Segments.on_device(counts.view(1, El), call.send_splits, El)
         got = call.dispatch(send, x, slot_token)
         ye, kept = ffn_forward(got, w1, b1, w2, b2, seg, call.act, 1.0)
         back = call.exchange(ye, False)
