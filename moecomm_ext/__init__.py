@@ -14,6 +14,8 @@ checkout used through ``PYTHONPATH``), the first use builds them just in time wi
   the same with every route kept
 * :func:`route_backward`     the router logits' gradient from the gates' (and the GShard
   loss's), through the top-k selection and the softmax
+* :func:`glu_forward`        ``out = f(h[:, :H]) * h[:, H:]`` (SwiGLU, GeGLU, ReGLU)      ``[N, H]``;
+  :func:`glu_backward` its gradient ``[N, 2H]`` and the output again, in one pass
 
 An index entry of ``-1`` always means "no row".  Arithmetic is done in float32
 (float64 for float64 inputs) and rounded once to the output dtype.
@@ -62,6 +64,7 @@ from ._autograd import combine, dispatch, dispatch_backward
 from ._ops import gather_reduce_rows, gather_rowdot, gather_rows
 from ._slots import invert_slots, slot_positions
 from ._route import CapacityRoutes, route_backward, route_capacity, route_dropless
+from ._glu import GLU_CODES, glu_backward, glu_forward
 from . import unchecked
 
 __all__ = [
@@ -77,6 +80,9 @@ __all__ = [
     "route_dropless",
     "route_backward",
     "CapacityRoutes",
+    "glu_forward",
+    "glu_backward",
+    "GLU_CODES",
     "unchecked",
     "native_available",
     "implementation",

@@ -348,3 +348,30 @@ def step_route_backward(grad_send: Tensor | None, token_slots: Tensor, grad_gate
             gw = gl.t().mm(x.float())
             gwg = gw if wg.dtype == torch.float32 else gw.to(wg.dtype)
     return [gx, gwg]
+
+
+_GLU_GATES = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
+    "relu": torch.relu,
+}
+
+
+def glu_forward(h: Tensor, act: str) -> Tensor:
+    """``f(h[:, :H]) * h[:, H:]`` of ``h`` ``[N, 2H]`` (``f`` named by ``act``: ``"silu"``,
+    ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``), computed in the opmath dtype, rounded once."""
+    H = h.shape[1] // 2
+    hf = h.to(opmath_dtype(h.dtype))
+    return (_GLU_GATES[act](hf[:, :H]) * hf[:, H:]).to(h.dtype)
+
+
+def glu_backward(grad: Tensor, h: Tensor, act: str, need_out: bool) -> tuple[Tensor, Tensor | None]:
+    """``(grad_h [N, 2H], glu_forward(h) or None)`` for ``grad`` ``[N, H]``, the gradient of
+    :func:`glu_forward`'s output (autograd in the opmath dtype, each output rounded once)."""
+    H = h.shape[1] // 2
+    with torch.enable_grad():
+        hf = h.detach().to(opmath_dtype(h.dtype)).requires_grad_(True)
+        a = _GLU_GATES[act](hf[:, :H]) * hf[:, H:]
+        (gh,) = torch.autograd.grad(a, hf, grad.to(hf.dtype))
+    return gh.to(h.dtype), (a.detach().to(h.dtype) if need_out else None)

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import moecomm_ext
+from moecomm_ext import unchecked
+
 from ._ops.seg_gemm import WeightGradSum, grouped_mm_available, seg_mm, seg_sum, seg_wgrad
 from ._ops.segments import Segments
 
@@ -119,6 +122,25 @@ def _lookup(act: Callable) -> Optional[Callable[[Tensor, Tensor], Tensor]]:
         return None
 
 
+# the gate functions of a GatedActivation that moecomm_ext's one-pass GLU kernels compute
+_GLU_NATIVE: dict[Callable, str] = {F.silu: "silu", F.gelu: "gelu", _gelu_tanh: "gelu_tanh", F.relu: "relu"}
+
+
+def _native_glu(act: Callable, h: Tensor) -> Optional[tuple]:
+    """``(module, code)`` of the native one-pass kernels for a gated ``act`` whose gate they
+    know, on ``h``'s device, else None (torch operations then)."""
+    if not isinstance(act, GatedActivation):
+        return None
+    try:
+        name = _GLU_NATIVE.get(act.fn)
+    except TypeError:  # an unhashable callable object
+        return None
+    if name is None:
+        return None
+    mod = unchecked.glu_ops(h.device, None)
+    return None if mod is None else (mod, moecomm_ext.GLU_CODES[name])
+
+
 def _recompute(act: Callable, h: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
     """``(act(h), the map from its gradient to h's)``: one aten backward kernel for the named
     activations (gated or not), torch.autograd through ``act`` for any other callable."""
@@ -161,7 +183,11 @@ def ffn_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Opt
     needs alone, else the pre-activation, from which the activation is recomputed)."""
     w1, b1 = _flat(w1, b1)
     h = seg_mm(x, w1, seg, b1)
-    a = h.relu_() if act is F.relu else act(h)
+    glu = None if act is F.relu else _native_glu(act, h)
+    if glu is not None:
+        a = glu[0].glu_forward(h.contiguous(), glu[1])
+    else:
+        a = h.relu_() if act is F.relu else act(h)
     y = seg_mm(a, w2, seg, b2, b2_scale)
     if seg.wgrad_sum is not None:
         seg.wgrad_sum.join()
@@ -177,19 +203,28 @@ def ffn_backward(gy: Tensor, x: Tensor, kept: Tensor, w1: Tensor, w2: Tensor, se
     w1_shape = w1.shape
     w1 = _flat(w1, None)[0]
     relu = act is F.relu
-    if relu:
-        a = kept  # the saved ReLU output
-    else:
-        a, act_back = _recompute(act, kept)
     share = seg.wgrad_sum
 
     def wgrad(key: str, rows: Tensor, grad: Tensor) -> Tensor:
         return seg_wgrad(rows, grad, seg) if share is None else share.add(key, rows, grad, seg)
 
-    gw2 = wgrad("w2", a, gy) if need[3] else None
-    gb2 = seg_sum(gy, seg) if has_b2 and need[4] else None
-    ga = seg_mm(gy, w2, seg, transpose_w=True)
-    gh = torch.ops.aten.threshold_backward(ga, a, 0) if relu else act_back(ga)
+    glu = None if relu else _native_glu(act, kept)
+    if glu is not None and kept.dtype == gy.dtype:
+        # one pass over the pre-activation gives its gradient and the activation (for w2's)
+        ga = seg_mm(gy, w2, seg, transpose_w=True)
+        out = glu[0].glu_backward(ga.contiguous(), kept.contiguous(), glu[1], bool(need[3]))
+        gh, a = out[0], (out[1] if need[3] else None)
+        gw2 = wgrad("w2", a, gy) if need[3] else None
+        gb2 = seg_sum(gy, seg) if has_b2 and need[4] else None
+    else:
+        if relu:
+            a = kept  # the saved ReLU output
+        else:
+            a, act_back = _recompute(act, kept)
+        gw2 = wgrad("w2", a, gy) if need[3] else None
+        gb2 = seg_sum(gy, seg) if has_b2 and need[4] else None
+        ga = seg_mm(gy, w2, seg, transpose_w=True)
+        gh = torch.ops.aten.threshold_backward(ga, a, 0) if relu else act_back(ga)
     del a, ga
     gw1 = wgrad("w1", x, gh) if need[1] else None
     gb1 = seg_sum(gh, seg) if has_b1 and need[2] else None

@@ -17,6 +17,7 @@ at::Tensor gather_reduce_rows_into_cuda(const at::Tensor& y, const at::Tensor& i
 at::Tensor gather_rowdot_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& index);
 }  // namespace moecomm_ext
 
+#include "glu.h"
 #include "lowlat.h"
 #include "route.h"
 #include "step.h"
@@ -36,6 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("index"));
   MOECOMM_EXT_BIND_ROUTE(m, cuda);
   MOECOMM_EXT_BIND_LOW_LATENCY(m, cuda);
+  MOECOMM_EXT_BIND_GLU(m, cuda);
   moecomm_ext::bind_step(m, {moecomm_ext::gather_rows_cuda, moecomm_ext::gather_reduce_rows_cuda,
                              moecomm_ext::gather_rowdot_cuda, moecomm_ext::route_capacity_cuda,
                              moecomm_ext::route_backward_cuda});
