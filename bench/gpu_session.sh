@@ -223,7 +223,9 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       step layer27_relu_dropless 120 python3 -m bench.moe_layer --top-k 2 --dropless --json "$RES/layer27_relu_dropless.json"
       step layer27_swiglu_dropless 180 python3 -m bench.moe_layer --top-k 2 --activation swiglu --dropless --reference \
         --json "$RES/layer27_swiglu_dropless.json"
-      step layer27_modern 120 python3 -m bench.moe_layer --top-k 2 --router modern --json "$RES/layer27_modern.json" ;;
+      for router in modern modern-routing softmax-shared; do
+        step "layer27_$router" 120 python3 -m bench.moe_layer --top-k 2 --router $router --json "$RES/layer27_$router.json"
+      done ;;
     frameworks)  # issue 28 (world size 1): the wheels of ../shared/DEVICE.md carried in .fw/
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fw .fw/*.whl >> "$LOG" 2>&1
       step frameworks_1 400 env PYTHONPATH=/tmp/fw:$PYTHONPATH torchrun --standalone --nproc-per-node 1 -m bench.frameworks \

@@ -57,10 +57,13 @@ def _own_first(text: str) -> list:
     return [v if v == "auto" else v == "1" for v in values]
 
 
+_MODERN_ROUTING = dict(score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2)
+
 ROUTERS = {
     "softmax": lambda args: {},
-    "modern": lambda args: dict(score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2,
-                                shared_expert_size=args.hidden),
+    "modern": lambda args: dict(_MODERN_ROUTING, shared_expert_size=args.hidden),
+    "modern-routing": lambda args: dict(_MODERN_ROUTING),
+    "softmax-shared": lambda args: dict(shared_expert_size=args.hidden),
 }
 """``--router``: the layer's routing options of each preset (a function of the arguments)."""
 
@@ -98,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default="softmax", choices=sorted(ROUTERS),
                    help="softmax (the layer's default); modern: sigmoid scores, an expert bias (aux-loss-free "
                         "balancing), 4 groups of which the best 2, and one shared SwiGLU expert of the experts' "
-                        "hidden size (DeepSeek-V3's routing); rows say 'router'")
+                        "hidden size (DeepSeek-V3's routing); modern-routing: the same without the shared "
+                        "expert; softmax-shared: softmax with the shared expert (the two apart, to tell the "
+                        "router's cost from the shared expert's work); rows say 'router'")
     p.add_argument("--reference", action="store_true",
                    help="one rank: also time bench.torch_moe.TorchMoE (plain torch, torchtitan's way: argsort "
                         "permutation, torch._grouped_mm) with the same shapes and activation (rows impl "
