@@ -1,4 +1,4 @@
-"""Megatron-core's MoE all-to-all on moecomm: ``enable()`` / ``disable()``.
+"""Megatron-core's MoE all-to-all (and, asked for, its MoE layer) on moecomm: ``enable()`` / ``disable()``.
 
 ``enable()`` replaces the ``forward`` of ``megatron.core.tensor_parallel.mappings._AllToAll``,
 the autograd Function behind ``mappings.all_to_all`` (and ``all_to_all_sp2hp`` /
@@ -36,6 +36,25 @@ backward, no ``index_add`` / ``scatter_add_`` atomics), the index arithmetic sta
 and the bits are Megatron's in float32/float64 (and bfloat16/float16 up to top-2 routing;
 see :mod:`moecomm.integrations._permute`). Fused calls still go to Transformer Engine.
 
+**The layer.** ``enable(layer="moecomm")`` also replaces ``MoELayer.forward`` (every layer,
+built before or after the call): Megatron's router runs as its own (probabilities, routing
+map, aux losses, z-loss, expert-bias counts), then moecomm's fused step does the rest in
+place of Megatron's permutation, dispatcher, ``SequentialMLP`` per-expert loop (with its
+host ``tolist``) and unpermutation: the routes' rows gathered by a native kernel, exchanged
+over the expert-parallel group's communicator with the counts on the device, the local
+experts run as grouped GEMMs on weights stacked from Megatron's own ``linear_fc1`` /
+``linear_fc2`` parameters (their gradients reach them), the outputs summed per token
+weighted by Megatron's probabilities; Megatron's shared experts are added as Megatron adds
+them. Results equal Megatron's own layer to float rounding (the GEMMs are blocked and the k
+routes summed in another order; tested in float32 on CPU). Supported: ``SequentialMLP``
+experts (what Megatron builds without Transformer Engine) with ``F.gelu``, ``F.silu`` or
+``F.relu``, gated (``gated_linear_unit``) or not, biases on or off; expert parallelism
+without tensor parallelism; dropless routing (no ``moe_expert_capacity_factor``) with any of
+Megatron's routers. A layer outside that (Transformer Engine experts, a capacity factor, a
+padding mask, FP8, latent MoE, recomputation, partial CUDA graphs, shared-expert overlap, ...)
+runs Megatron's own ``forward``, with one log line per layer and reason (logger ``"moecomm"``;
+:func:`layer_fallback_reason` tells it for a layer).
+
 **Versions.** megatron-core 0.19 and later (:data:`SUPPORTED`; tested: 0.19.2). ``enable()``
 refuses an older one with the README's install recipe (:func:`check_version`).
 """
@@ -50,7 +69,8 @@ import torch
 from ._groups import communicator_for_group
 from ._patch import Patch, patch_all_to_all
 
-__all__ = ["enable", "disable", "is_enabled", "permute_enabled", "SUPPORTED", "installed_version", "check_version"]
+__all__ = ["enable", "disable", "is_enabled", "permute_enabled", "layer_enabled", "layer_fallback_reason", "LAYERS",
+           "SUPPORTED", "installed_version", "check_version"]
 
 SUPPORTED = (0, 19)
 """The oldest megatron-core release moecomm supports (tested: 0.19.2). Older ones are not
@@ -63,7 +83,11 @@ INSTALL = ("pip install --no-deps --ignore-requires-python megatron-core==0.19.2
 """The README's recipe ("Megatron-core and DeepSpeed"): 0.19 declares Python >= 3.12, but runs on 3.11."""
 
 _state: dict[str, Any] = {}
-"""Explicit registry while enabled: "all_to_all" -> Patch; "permute" -> {(module, name): original}."""
+"""Explicit registry while enabled: "all_to_all" -> Patch; "permute" -> {(module, name): original};
+"layer" -> Megatron's own ``MoELayer.forward``."""
+
+LAYERS = ("megatron", "moecomm")
+"""The values of ``enable(layer=)``: Megatron's own ``MoELayer.forward``, or moecomm's."""
 
 _PERMUTE_NAMES = ("permute", "unpermute")
 
@@ -153,12 +177,40 @@ def _enable_permute() -> None:
     _state["permute"] = saved
 
 
-def enable(*, permute: bool = True) -> None:
+def _moe_layer_class() -> Any:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if "forward" not in MoELayer.__dict__:
+        raise RuntimeError("megatron.core.transformer.moe.moe_layer.MoELayer.forward not found: this megatron-core "
+                           "version is not supported by moecomm.integrations (layer='moecomm')")
+    return MoELayer
+
+
+def _enable_layer() -> None:
+    from ._megatron_layer import layer_forward
+
+    cls = _moe_layer_class()
+    original = cls.__dict__["forward"]
+
+    def forward(self: Any, hidden_states: torch.Tensor, intermediate_tensors: Any = None,
+                padding_mask: Optional[torch.Tensor] = None) -> tuple:
+        return layer_forward(original, self, hidden_states, intermediate_tensors, padding_mask)
+
+    forward.__doc__ = original.__doc__
+    cls.forward = forward
+    _state["layer"] = original
+
+
+def enable(*, permute: bool = True, layer: str = "megatron") -> None:
     """Route Megatron-core's ``_AllToAll`` (forward and backward) through moecomm.
 
     Args:
         permute: also run the dispatcher's unfused permutation and unpermutation on moecomm's
             gather kernels (see the module docstring; False: only the exchange).
+        layer: ``"moecomm"``: every ``MoELayer`` (built before or after) runs its permutation,
+            exchanges, experts and unpermutation as moecomm's fused step (see the module
+            docstring for what is supported; other layers keep Megatron's path, with one log
+            line naming why); ``"megatron"`` (the default): Megatron's own ``forward``.
 
     Call it on every rank, before or after building the model (the patch is on the class, so
     existing dispatchers are covered). Idempotent. A communicator is made for a group on its
@@ -169,10 +221,14 @@ def enable(*, permute: bool = True) -> None:
         ImportError: megatron-core is not installed (the message says so).
         RuntimeError: the installed megatron-core is older than :data:`SUPPORTED` (the message
             gives the README's install recipe), or its ``_AllToAll`` has no ``forward`` to
-            replace (or, with ``permute``, no ``moe_utils.permute`` / ``unpermute``).
+            replace (or, with ``permute``, no ``moe_utils.permute`` / ``unpermute``; with
+            ``layer="moecomm"``, no ``MoELayer.forward``).
+        TypeError: ``permute`` is not a bool. ValueError: ``layer`` is not one of :data:`LAYERS`.
     """
     if not isinstance(permute, bool):
         raise TypeError(f"enable: permute must be a bool, got {permute!r}")
+    if layer not in LAYERS:
+        raise ValueError(f"enable: layer must be one of {LAYERS}, got {layer!r}")
     if "all_to_all" not in _state:
         why = check_version(installed_version())
         if why is not None:
@@ -182,6 +238,8 @@ def enable(*, permute: bool = True) -> None:
             mappings, _forward, "megatron.core.tensor_parallel.mappings._AllToAll.forward", "megatron-core")
     if permute and "permute" not in _state:
         _enable_permute()
+    if layer == "moecomm" and "layer" not in _state:
+        _enable_layer()
 
 
 def disable() -> None:
@@ -191,12 +249,28 @@ def disable() -> None:
         patch.disable()
     for (module, name), original in _state.pop("permute", {}).items():
         setattr(module, name, original)
+    forward = _state.pop("layer", None)
+    if forward is not None:
+        _moe_layer_class().forward = forward
 
 
 def is_enabled() -> bool:
     """True between :func:`enable` and :func:`disable` (the exchange is routed)."""
     patch = _state.get("all_to_all")
     return patch is not None and patch.enabled
+
+
+def layer_enabled() -> bool:
+    """True while ``enable(layer="moecomm")`` is in effect."""
+    return "layer" in _state
+
+
+def layer_fallback_reason(layer: Any) -> Optional[str]:
+    """Why ``layer`` (a ``MoELayer``) ran Megatron's own ``forward`` at its last call under
+    ``enable(layer="moecomm")``; None when it ran on moecomm's (or has not run since)."""
+    from ._megatron_layer import fallback_reason
+
+    return fallback_reason(layer)
 
 
 def permute_enabled() -> bool:
