@@ -22,6 +22,10 @@ synchronisations; times are the slowest rank's, median (and 10th/90th percentile
   and ``moecomm-a2a`` (``enable(permute=False)``: the exchange only). ``a2a_ms``: forward ``token_dispatch`` +
   ``token_combine`` (the tokens, probabilities and combine exchanges; CUDA events around
   them); ``step_ms``: the whole pipeline forward + backward. Ratios: moecomm / nccl (and moecomm-a2a / nccl).
+* **megatron_layer**: Megatron-core's own ``MoELayer`` (its TopKRouter, alltoall dispatcher and
+  ``SequentialMLP`` experts, built without Transformer Engine; top ``--megatron-k``): methods
+  ``megatron``, ``moecomm`` (``enable()``) and ``moecomm-layer`` (``enable(layer="moecomm")``:
+  the layer on moecomm's fused step); ``step_ms`` forward + backward. Ratios: each / megatron.
 * **deepspeed**: ``deepspeed.moe.layer.MoE`` (capacity factor 1.0, a two-layer GELU expert)
   at each ``--ks``; methods ``native`` (DeepSpeed's sparse encode/decode and its exchange),
   ``tutel`` (``use_tutel=True`` on moecomm's kernels, DeepSpeed's exchange) and
@@ -259,6 +263,65 @@ def bench_megatron(args: argparse.Namespace, device: torch.device, dtype: torch.
             "methods": res, "ratio_moecomm_over_nccl": ratios, "ratio_moecomm_a2a_over_nccl": ratios_a2a}
 
 
+def bench_megatron_layer(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                         rng: random.Random) -> dict:
+    """Megatron-core's own ``MoELayer`` (TopKRouter, alltoall dispatcher, ``SequentialMLP``
+    GELU experts, built without Transformer Engine), forward + backward: ``megatron`` (its own
+    forward), ``moecomm`` (``enable()``: the exchange and the permutation) and
+    ``moecomm-layer`` (``enable(layer="moecomm")``)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moecomm.integrations import megatron
+
+    W, R = dist.get_world_size(), dist.get_rank()
+    E, M, H, T, k = args.experts, args.model_dim, args.hidden, args.tokens, args.megatron_k
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=W)
+    cfg = TransformerConfig(num_layers=1, hidden_size=M, num_attention_heads=1, num_moe_experts=E,
+                            ffn_hidden_size=H, moe_ffn_hidden_size=H, moe_router_topk=k,
+                            moe_token_dispatcher_type="alltoall", moe_permute_fusion=False,
+                            expert_model_parallel_size=W, add_bias_linear=False, moe_router_pre_softmax=k == 1,
+                            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+                            params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                            use_cpu_initialization=device.type == "cpu")
+    torch.manual_seed(args.seed)
+    layer = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)(
+        config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    layer.set_layer_number(1)
+    layer = layer.to(device, dtype).train()
+    g = torch.Generator(device="cpu").manual_seed(args.seed * 1000 + R)
+    x = torch.randn(T, 1, M, generator=g).to(device, dtype).requires_grad_(True)
+    grad = torch.randn(T, 1, M, generator=g).to(device, dtype)
+
+    def method(**kw: Any) -> Callable[[_Clock], dict]:
+        def timed(clock: _Clock) -> dict:
+            if kw:
+                megatron.enable(**kw)
+            try:
+                def run() -> None:
+                    y, _ = layer(x)
+                    y.backward(grad)
+                    x.grad = None
+                    for p in layer.parameters():
+                        p.grad = None
+                return {"step_ms": clock.run(run)}
+            finally:
+                megatron.disable()
+        return timed
+
+    res = _rounds({"megatron": method(), "moecomm": method(permute=True), "moecomm-layer": method(layer="moecomm")},
+                  clock=_Clock(device), args=args, rng=rng)
+    why = megatron.layer_fallback_reason(layer)
+    return {"config": {"k": k, "tokens": T, "model_dim": M, "hidden": H, "experts": E, "dtype": str(dtype),
+                       "experts_module": type(layer.experts).__name__},
+            "methods": res, "moecomm_layer_fallback": why,
+            "ratio_over_megatron": {n: res[n]["step_ms"]["median_ms"] / res["megatron"]["step_ms"]["median_ms"]
+                                    for n in ("moecomm", "moecomm-layer")}}
+
+
 # ---------------------------------------------------------------------------------------
 # DeepSpeed
 
@@ -349,6 +412,7 @@ def main(argv: Optional[list] = None) -> dict:
     if args.only in (None, "megatron"):
         with _megatron_cpu_standins(device.type == "cpu"):
             report["megatron"] = bench_megatron(args, device, dtype, rng)
+            report["megatron_layer"] = bench_megatron_layer(args, device, dtype, rng)
     if args.only in (None, "deepspeed"):
         report["deepspeed"] = bench_deepspeed(args, device, dtype, rng)
     why_not = frameworks_torchtitan.unsupported()
@@ -362,6 +426,10 @@ def main(argv: Optional[list] = None) -> dict:
             ra = report["megatron"]["ratio_moecomm_a2a_over_nccl"]
             print(f"megatron dispatcher: a2a (dispatch + combine) moecomm/nccl = {r['a2a_ms']:.3f}, "
                   f"step = {r['step_ms']:.3f} (exchange only, permute=False: step = {ra['step_ms']:.3f})", flush=True)
+        if "megatron_layer" in report:
+            r = report["megatron_layer"]["ratio_over_megatron"]
+            print(f"megatron MoELayer (SequentialMLP): step moecomm/megatron = {r['moecomm']:.3f}, "
+                  f"layer='moecomm'/megatron = {r['moecomm-layer']:.3f}", flush=True)
         for key, res in report.get("deepspeed", {}).get("by_k", {}).items():
             ratios = ", ".join(f"{n}/native = {v:.3f}" for n, v in res["ratio_over_native"].items())
             print(f"deepspeed MoE {key}: {ratios}", flush=True)

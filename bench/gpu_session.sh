@@ -229,7 +229,7 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
     frameworks)  # issue 28 (world size 1): the wheels of ../shared/DEVICE.md carried in .fw/
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fw .fw/*.whl >> "$LOG" 2>&1
       step frameworks_1 400 env PYTHONPATH=/tmp/fw:$PYTHONPATH torchrun --standalone --nproc-per-node 1 -m bench.frameworks \
-        --json "$RES/frameworks_1.json" ;;
+        ${FW_ONLY:+--only $FW_ONLY} --json "$RES/frameworks_1${FW_ONLY:+_$FW_ONLY}.json" ;;
     decode)  # issue 30: LowLatencyBuffer, DeepSeek-V3's decode shape, ranks sharing GPU 0 under MPS
       mps_on
       for n in ${DECODE_RANKS:-1 2 4 8}; do
