@@ -243,7 +243,8 @@ def enable(*, permute: bool = True, layer: str = "megatron") -> None:
 
 
 def disable() -> None:
-    """Put Megatron's own ``_AllToAll.forward`` and ``permute`` / ``unpermute`` back (no-op when not enabled)."""
+    """Put Megatron's own ``_AllToAll.forward``, ``permute`` / ``unpermute`` and ``MoELayer.forward`` back
+    (no-op when not enabled)."""
     patch: Optional[Patch] = _state.pop("all_to_all", None)
     if patch is not None:
         patch.disable()
