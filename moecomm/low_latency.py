@@ -444,6 +444,10 @@ class LowLatencyBuffer:
         if num_tokens is not None and num_tokens.dtype != torch.int64:
             num_tokens = num_tokens.to(torch.int64)
         if self._by_rows is None:  # (collective: every rank's first dispatch)
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LowLatencyBuffer.dispatch: the first dispatch sets up the exchange with the peers "
+                                   "(host agreement, a synchronize), which a CUDA graph capture cannot hold: run one "
+                                   "dispatch and combine eagerly before capturing")
             self._by_rows = not self._alone and self.transport.bind_rows([self._recv, self._back_recv[:-1]])
         rows = self._by_rows
         self._stage_rows(x, T)

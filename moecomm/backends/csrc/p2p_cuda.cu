@@ -350,8 +350,8 @@ __global__ void rows_ready_kernel(const uint64_t* __restrict__ ready_dst, const 
   volatile const int64_t* ready = reinterpret_cast<volatile const int64_t*>(my_ready + q);
   if (!spin_until([&] { return *ready >= seq; }, timeout_ns)) {
     status[0] = 1;
-    __threadfence_system();
   }
+  __threadfence_system();  // the peer's earlier writes are seen before this exchange writes into its output
 }
 
 __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_block, int64_t row_bytes,
@@ -361,7 +361,11 @@ __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_b
                                       int blocks_per_peer, int64_t* recv_rows, volatile int64_t* status,
                                       uint64_t timeout_ns) {
   __shared__ int64_t seq;
-  if (threadIdx.x == 0) seq = *reinterpret_cast<volatile int64_t*>(state) + 1;
+  __shared__ int failed;  // status read once per block (mapped host memory): one answer for the block
+  if (threadIdx.x == 0) {
+    seq = *reinterpret_cast<volatile int64_t*>(state) + 1;
+    failed = status[0] != 0;
+  }
   __syncthreads();
   if (blockIdx.x == world * blocks_per_peer) {  // the wait block
     const int q = threadIdx.x;
@@ -369,17 +373,20 @@ __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_b
       volatile const int64_t* flag = reinterpret_cast<volatile const int64_t*>(my_flags + 2 * q);
       if (spin_until([&] { return flag[1] == seq; }, timeout_ns)) {
         __threadfence_system();
-        if (recv_rows != nullptr) recv_rows[q] = flag[0];
+        const int64_t got = flag[0];
+        if (got < 0) status[0] = 1;  // the peer gave up on this exchange: its rows never came
+        if (recv_rows != nullptr) recv_rows[q] = got < 0 ? 0 : got;
       } else {
         status[0] = 1;
-        __threadfence_system();
+        if (recv_rows != nullptr) recv_rows[q] = 0;
       }
+      __threadfence_system();
     }
   } else {
     const int p = blockIdx.x / blocks_per_peer, b = blockIdx.x % blocks_per_peer;
     const int64_t asked = counts[p] * scale, fit = in_block / row_bytes;  // never past a block, whatever counts say
     const int64_t rows = asked < 0 ? 0 : (asked < fit ? asked : fit);
-    if (rows > 0 && status[0] == 0) {
+    if (rows > 0 && !failed) {
       const int64_t bytes = rows * row_bytes;
       const char* from = src + int64_t(p) * in_block;
       char* to = reinterpret_cast<char*>(dst[p]);
@@ -396,7 +403,7 @@ __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_b
       if (atomicAdd(&done[p], 1u) == unsigned(blocks_per_peer - 1)) {
         done[p] = 0;
         volatile int64_t* flag = reinterpret_cast<volatile int64_t*>(flag_dst[p]);
-        flag[0] = rows;
+        flag[0] = failed ? -1 : rows;  // -1: this rank timed out and sent nothing; the peer raises too
         __threadfence_system();
         flag[1] = seq;
       }
@@ -416,6 +423,13 @@ void rows_exchange(int device, uint64_t stream_handle, uint64_t src, int64_t in_
                    uint64_t counts, int64_t scale, uint64_t dst, uint64_t flag_dst, uint64_t ready_dst,
                    uint64_t my_flags, uint64_t my_ready, uint64_t state, uint64_t done, int world, int blocks_per_peer,
                    uint64_t recv_rows, uint64_t status, uint64_t timeout_ns) {
+  if (world < 1 || world > 512 || row_bytes <= 0 || blocks_per_peer < 1 || in_block < 0 || scale < 1) {
+    throw std::invalid_argument("rows_exchange: world must be in [1, 512], row_bytes and scale positive, "
+                                "blocks_per_peer at least 1 and in_block not negative; got world " +
+                                std::to_string(world) + ", row_bytes " + std::to_string(row_bytes) +
+                                ", blocks_per_peer " + std::to_string(blocks_per_peer) + ", in_block " +
+                                std::to_string(in_block) + ", scale " + std::to_string(scale));
+  }
   DeviceGuard guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int threads = 32 * ((world + 31) / 32);
