@@ -286,7 +286,7 @@ def bench_megatron_layer(args: argparse.Namespace, device: torch.device, dtype: 
                             expert_model_parallel_size=W, add_bias_linear=False, moe_router_pre_softmax=k == 1,
                             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
                             params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                            use_cpu_initialization=device.type == "cpu")
+                            use_cpu_initialization=True)  # (GPU initialization needs Megatron's CUDA RNG tracker)
     torch.manual_seed(args.seed)
     layer = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)(
         config=cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())

@@ -100,10 +100,10 @@ def test_dropless_bias_gradient_sums(blocks):
 
 
 @pytest.mark.parametrize("dropless", [False, True])
-def test_modern_router_step_synchronises_only_for_the_counts(comm, dropless):
+def test_modern_router_step_never_synchronises(comm, dropless):
     """Sigmoid scores with expert bias, group-limited routing, the switch, sequence and z
     losses, a gated shared expert on its side stream, and update_expert_bias (issue 27): no
-    host synchronisation beyond the dropless counts."""
+    host synchronisation, dropless included (one rank, bf16)."""
     from moecomm.moe import MoELayer
 
     layer = MoELayer(D, D, E, k=4, dropless=dropless, seed=3, comm=comm, dtype=torch.bfloat16, device="cuda",
@@ -114,5 +114,5 @@ def test_modern_router_step_synchronises_only_for_the_counts(comm, dropless):
     x = torch.randn(8, T // 8, D, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     gy = torch.randn(8, T // 8, D, generator=g).to("cuda", torch.bfloat16)
     fwd, bwd = _step_syncs(layer, x, gy, lambda: layer.update_expert_bias(1e-3))
-    want = 1 if dropless else 0
+    want = 0  # bf16 on one rank: the dropless step's grouped GEMMs read the counts on the GPU
     assert len(fwd) == want and not bwd, f"forward {len(fwd)} (want {want}): {fwd}; backward {len(bwd)}: {bwd}"

@@ -66,7 +66,8 @@ goes whole in a second, direct exchange: :meth:`PeerTransport.finish`). Inline, 
 GPU's memory twice (into the arena, out of it) but need no host agreement, which costs more
 than a second crossing of a few MiB."""
 
-_ROWS_BLOCKS_PER_PEER = 8  # thread blocks copying one peer's rows in a used-rows exchange (decode sizes)
+_ROWS_BLOCKS = 128  # thread blocks (of 512 threads) copying a used-rows exchange's rows, over all peers
+_ROWS_MIN_BLOCKS_PER_PEER = 8  # (8 blocks a peer moved 15 MB in ~100 us on an H200: far too few; session-66)
 
 MAPPED_PER_PEER = 16
 """Peers' output allocations a direct exchange keeps mapped, per peer (:meth:`PeerTransport.map_output`)."""
@@ -286,7 +287,8 @@ class PeerTransport:
         W = self.size
         self._ext.rows_exchange(self._device, _cudart.current_stream(self._device), src, in_block, row_bytes, counts,
                                 scale, tables, tables + 8 * W, tables + 16 * W, my_sync, my_sync + 16 * W, state, done,
-                                W, _ROWS_BLOCKS_PER_PEER, recv_rows, status, self._timeout_ns)
+                                W, max(_ROWS_MIN_BLOCKS_PER_PEER, _ROWS_BLOCKS // W), recv_rows, status,
+                                self._timeout_ns)
 
     def export_output(self, out: torch.Tensor) -> Optional[list[int]]:
         """What a peer needs to write into ``out`` (:meth:`map_output`): the IPC handle of the
