@@ -30,11 +30,11 @@ ALLOWED = {
     # torchtitan's own test for "trace with the functional collective" (torch has no public name
     # for non-strict tracing); its dispatcher's methods are replaced by name from a tuple
     ("moecomm/integrations/torchtitan.py", "compiler._is_non_strict_tracing"),
-    # enable(layer="moecomm"): torch has no public way to ask whether a module has forward hooks
-    # (a hooked expert must run DeepSpeed's own forward, which calls them)
-    ("moecomm/integrations/deepspeed.py", "m._forward_hooks"),
-    ("moecomm/integrations/deepspeed.py", "m._forward_hooks_with_kwargs"),
-    ("moecomm/integrations/deepspeed.py", "m._forward_pre_hooks"),
+    # enable(layer="moecomm") of DeepSpeed and Megatron: torch has no public way to ask whether a
+    # module has forward hooks (a hooked expert must run its framework's own forward, which calls them)
+    ("moecomm/integrations/_patch.py", "m._forward_hooks"),
+    ("moecomm/integrations/_patch.py", "m._forward_pre_hooks"),
+    ("moecomm/integrations/_patch.py", "m._forward_hooks_with_kwargs"),
     # ... and its rows cross the ranks through DeepSpeed's own _AllToAll, the one _patch.py
     # replaces, so that enable()'s exchange choice applies to it too
     ("moecomm/integrations/deepspeed.py", "sharded_moe._AllToAll"),

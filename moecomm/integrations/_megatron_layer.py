@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ._patch import has_forward_hooks
+
 __all__ = ["plan", "layer_forward", "fallback_reason"]
 
 _log = logging.getLogger("moecomm")
@@ -62,8 +64,8 @@ def plan(layer: Any, hidden_states: torch.Tensor, intermediate_tensors: Any, pad
         return f"its fwd_execution_map is {getattr(layer, 'fwd_execution_map', None)!r}"
     if getattr(cfg, "cuda_graph_impl", "none") not in (None, "none"):
         return f"cuda_graph_impl={cfg.cuda_graph_impl!r}"
-    if hasattr(layer, "_inference_token_dispatcher"):
-        return "it has an inference token dispatcher (transformer_impl='inference_optimized')"
+    if getattr(cfg, "transformer_impl", None) == "inference_optimized":
+        return "transformer_impl='inference_optimized' (its inference token dispatcher)"
     if layer.training and layer.moe_layer_recompute:
         return "moe_layer_recompute is on"
     for name in ("moe_latent_size", "moe_expert_capacity_factor", "fp8", "fp4"):
@@ -96,7 +98,7 @@ def plan(layer: Any, hidden_states: torch.Tensor, intermediate_tensors: Any, pad
         if p.dtype != hidden_states.dtype or p.device != hidden_states.device:
             return f"an expert parameter is {p.dtype} on {p.device}, the input {hidden_states.dtype} on " \
                    f"{hidden_states.device}"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in experts.modules()):
+    if has_forward_hooks(experts):
         return "its experts have forward hooks"
     return act, fc1, fc2
 

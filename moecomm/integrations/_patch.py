@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["Patch", "patch_all_to_all"]
+__all__ = ["Patch", "patch_all_to_all", "has_forward_hooks"]
+
+
+def has_forward_hooks(module: Any) -> bool:
+    """Whether ``module`` or a submodule has forward (pre-)hooks: such experts must run their
+    framework's own forward, which calls them (torch has no public way to ask)."""
+    return any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
+               for m in module.modules())
 
 
 class Patch:

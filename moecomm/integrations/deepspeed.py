@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from ._groups import communicator_for_group
-from ._patch import patch_all_to_all
+from ._patch import has_forward_hooks, patch_all_to_all
 
 __all__ = ["enable", "disable", "is_enabled", "tutel_kernels_enabled", "layer_enabled", "layer_fallback_reason",
            "LAYERS"]
@@ -125,11 +125,6 @@ def _activation(module: nn.Module) -> Optional[Callable[[torch.Tensor], torch.Te
             nn.Tanh: ACTIVATIONS["tanh"], nn.Identity: ACTIVATIONS["identity"]}.get(kind)
 
 
-def _hooked(module: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
-               for m in module.modules())
-
-
 def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
     """``(activation, fc1 list, fc2 list)`` when moecomm can run ``layer``'s experts on ``x``,
     else the reason it cannot (a sentence)."""
@@ -175,7 +170,7 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
             return f"an expert parameter is {p.dtype} on {p.device}, the input {x.dtype} on {x.device}"
         if hasattr(p, "ds_id"):
             return "its expert parameters are ZeRO-3 partitioned"
-    if _hooked(experts):
+    if has_forward_hooks(experts):
         return "its experts have forward hooks"
     return act, fc1, fc2
 
