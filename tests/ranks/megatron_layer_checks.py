@@ -17,31 +17,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import warnings
 
 import torch
 import torch.nn.functional as F
 
+from tests.ranks.megatron_parity import megatron_modules
+
 TOL = dict(rtol=2e-5, atol=3e-6)
 
 
-def _megatron():
-    warnings.filterwarnings("ignore")
-    try:
-        torch.cuda.current_device = lambda: "cpu"  # Megatron's router buffers and gating device
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.transformer.moe import moe_utils, router
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except Exception as exc:  # noqa: BLE001 - any import failure means: skip
-        print(f"megatron-core not importable: {type(exc).__name__}: {exc}")
-        sys.exit(77)
-    return parallel_state, get_moe_module_spec, ProcessGroupCollection, moe_utils, router, TransformerConfig
-
-
 def main() -> None:
-    parallel_state, get_moe_module_spec, PGC, moe_utils, router_mod, TransformerConfig = _megatron()
+    m = megatron_modules()
+    parallel_state, get_moe_module_spec, PGC = m.parallel_state, m.get_moe_module_spec, m.ProcessGroupCollection
+    moe_utils, router_mod, TransformerConfig = m.moe_utils, m.router, m.TransformerConfig
     import torch.distributed as dist
 
     import moecomm

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +23,13 @@ import torch.nn.functional as F
 TOL = dict(rtol=2e-5, atol=2e-6)
 
 
-def _megatron():
+def megatron_modules() -> SimpleNamespace:
+    """Megatron-core's modules these checks use (exit status 77 with the reason where it cannot
+    be imported); points ``torch.cuda.current_device`` at the CPU first, which Megatron's router
+    buffers and gating read."""
     warnings.filterwarnings("ignore")
     try:
-        import torch.distributed as dist
-
-        torch.cuda.current_device = lambda: "cpu"  # Megatron's router buffers and gating device
+        torch.cuda.current_device = lambda: "cpu"
         from megatron.core import parallel_state
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -36,11 +38,21 @@ def _megatron():
     except Exception as exc:  # noqa: BLE001 - any import failure means: skip
         print(f"megatron-core not importable: {type(exc).__name__}: {exc}")
         sys.exit(77)
+    return SimpleNamespace(parallel_state=parallel_state, get_moe_module_spec=get_moe_module_spec,
+                           ProcessGroupCollection=ProcessGroupCollection, moe_utils=moe_utils, router=router,
+                           TransformerConfig=TransformerConfig)
+
+
+def _megatron():
+    import torch.distributed as dist
+
+    m = megatron_modules()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 2000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    return TransformerConfig, get_moe_module_spec, ProcessGroupCollection.use_mpu_process_groups(), moe_utils, router
+    m.parallel_state.initialize_model_parallel()
+    return (m.TransformerConfig, m.get_moe_module_spec, m.ProcessGroupCollection.use_mpu_process_groups(), m.moe_utils,
+            m.router)
 
 
 def main() -> None:
