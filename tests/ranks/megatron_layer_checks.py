@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tests.ranks.megatron_parity import megatron_modules
+from tests.ranks.megatron_parity import closeness_recorder, megatron_modules
 
 TOL = dict(rtol=2e-5, atol=3e-6)
 
@@ -107,13 +107,8 @@ def main() -> None:
             results.append((y.detach(), xx.grad, {n: p.grad for n, p in layer.named_parameters()},
                             list(captured), None if mode == "megatron" else megatron.layer_fallback_reason(layer)))
         (ym, gm, pm, am, _), (yo, go, po, ao, why) = results
-        errs = []
-
-        def cmp(what, got, want):
-            try:
-                torch.testing.assert_close(got, want, **TOL)
-            except AssertionError as e:
-                errs.append(f"{what}: {str(e).splitlines()[0:3]}")
+        errs: list = []
+        cmp = closeness_recorder(errs, TOL)
 
         if why is not None:
             errs.append(f"fell back: {why}")

@@ -43,6 +43,17 @@ def megatron_modules() -> SimpleNamespace:
                            TransformerConfig=TransformerConfig)
 
 
+def closeness_recorder(errs: list, tol: dict):
+    """``cmp(what, got, want)``: appends to ``errs`` a line naming ``what`` where ``got`` is not
+    close to ``want`` (``torch.testing.assert_close`` with ``tol``)."""
+    def cmp(what, got, want):
+        try:
+            torch.testing.assert_close(got, want, **tol)
+        except AssertionError as e:
+            errs.append(f"{what}: {str(e).splitlines()[0:3]}")
+    return cmp
+
+
 def _megatron():
     import torch.distributed as dist
 
@@ -127,14 +138,8 @@ def main() -> None:
         mine = x.clone().requires_grad_(True)
         y = ours(mine)
         ((y * gy).sum() + ours.aux_loss).backward()
-        errs = []
-
-        def cmp(what, got, want):
-            try:
-                torch.testing.assert_close(got, want, **TOL)
-            except AssertionError as e:
-                errs.append(f"{what}: {str(e).splitlines()[0:3]}")
-
+        errs: list = []
+        cmp = closeness_recorder(errs, TOL)
         cmp("output", y, ym)
         want_aux = sum(captured)
         cmp("aux_loss (sum)", ours.aux_loss, want_aux)
