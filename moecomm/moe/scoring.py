@@ -3,7 +3,9 @@ Megatron-core's ``TopKRouter`` (score function, softmax before or after the top-
 scaling, an expert bias for choosing only, group-limited routing), and the aux losses that
 use those scores (the Switch/Megatron load-balancing loss, its sequence-level variant).
 
-Everything runs on the logits' device as torch operations, without host synchronisation.
+Everything runs on the logits' device without host synchronisation: the choice and the gates
+(:func:`select_experts`) as one native kernel each way where ``moecomm_ext`` has them
+(:func:`select_experts_torch` is the reference), the losses as torch operations.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["SCORE_FUNCTIONS", "RouterOptions", "select_experts", "loss_scores", "switch_loss", "seq_switch_loss",
+from moecomm_ext import select_experts as select_native
+
+__all__ = ["SCORE_FUNCTIONS", "RouterOptions", "select_experts", "select_experts_torch", "loss_scores", "switch_loss", "seq_switch_loss",
            "group_limited_topk", "updated_expert_bias"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -86,6 +90,17 @@ def select_experts(logits: Tensor, k: int, opts: RouterOptions,
     if T == 0:
         idx = torch.empty(0, k, dtype=torch.int64, device=logits.device)
         return logits.gather(1, idx), idx
+    native = select_native(logits, k, opts.score_function, opts.pre_softmax, opts.normalize, opts.scaling_factor,
+                           opts.num_groups, opts.group_topk, expert_bias)
+    if native is not None:  # one kernel each way in place of the operations below (same values)
+        return native
+    return select_experts_torch(logits, k, opts, expert_bias)
+
+
+def select_experts_torch(logits: Tensor, k: int, opts: RouterOptions,
+                         expert_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """:func:`select_experts` as torch operations (the native kernels' reference; ties between
+    equal scores as ``torch.topk`` breaks them)."""
     fn = opts.score_function
     if fn == "softmax" and not opts.pre_softmax:
         sel = logits.detach() if expert_bias is None else logits.detach() + expert_bias
