@@ -47,7 +47,8 @@ def select_experts(logits: Tensor, k: int, score_function: str, pre_softmax: boo
     them (gates differentiable to ``logits``), from the native kernels; None where they do not
     cover the call (softmax after the top-k, k > 32, more than 64 groups, a dtype other than
     float32/float64, a device without the kernels): the caller then runs the torch operations.
-    Ties between equal scores go to the lower expert index."""
+    Ties between equal scores go to the lower expert index; NaN ranks above every value, as in
+    ``torch.topk``."""
     code = SELECT_SCORES.get(score_function)
     if code is None or (code == 0 and not pre_softmax) or logits.dim() != 2 or logits.dtype not in (
             torch.float32, torch.float64) or not 1 <= k <= min(_MAX_K, logits.shape[1]):
@@ -58,10 +59,12 @@ def select_experts(logits: Tensor, k: int, score_function: str, pre_softmax: boo
         # (fewer routes than groups kept, or more than their experts: torch's tie order decides)
         if groups > _MAX_GROUPS or group_topk is None or E % groups or not group_topk <= k <= group_topk * (E // groups):
             return None
+    if expert_bias is not None and (expert_bias.dim() != 1 or expert_bias.numel() != logits.shape[1]):
+        return None  # (a broadcastable bias of another shape: the torch operations take it)
     mod = module_for(logits.device.type, use_native)
     if mod is None or not hasattr(mod, "select_experts"):
         return None
-    bias = None if expert_bias is None else expert_bias.detach().to(logits.dtype).contiguous()
+    bias = None if expert_bias is None else expert_bias.detach().to(logits.device, logits.dtype).contiguous()
     scale = 1.0 if scaling_factor is None else float(scaling_factor)
     return _Select.apply(logits.contiguous(), bias, mod, int(k), code, bool(normalize), scale, groups,
                          int(group_topk or 0))

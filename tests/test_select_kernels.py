@@ -77,3 +77,31 @@ def test_cuda_selection_matches_torch_operations(fn, groups, gk, k):
     for dtype in (torch.float32, torch.float64):
         _compare(dict(E=64, k=k, fn=fn, groups=groups, gk=gk, normalize=True, scaling=2.5, bias=True, T=4096,
                       dtype=dtype, seed=k), device="cuda")
+
+
+@pytest.mark.parametrize("fn", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("groups,gk", [(None, None), (4, 2)])
+def test_nan_logits_stay_in_their_row(fn, groups, gk):
+    """A NaN logit ranks above every value (as in torch.topk): the chosen experts stay in range
+    and the other tokens' gates and gradients are the torch operations' ones."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    logits[1, 0] = float("nan")
+    logits[3, 5] = float("nan")
+    lg = logits.clone().requires_grad_(True)
+    gates, idx = moecomm_ext.select_experts(lg, 2, fn, True, True, None, groups, gk, None)
+    assert int(idx.min()) >= 0 and int(idx.max()) < 8
+    opts = RouterOptions(fn, True, True, None, groups, gk)
+    lt = logits.clone().requires_grad_(True)
+    want_g, want_i = select_experts_torch(lt, 2, opts)
+    clean = [0, 2, 4, 5]
+    assert torch.equal(idx[clean], want_i[clean]) or fn == "softmax"  # (softmax: NaN spreads over the row only)
+    w = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    (torch.nan_to_num(gates) * w).sum().backward()
+    (torch.nan_to_num(want_g) * w).sum().backward()
+    torch.testing.assert_close(lg.grad[clean], lt.grad[clean])
+
+
+def test_a_bias_of_another_shape_takes_the_torch_operations():
+    logits = torch.randn(4, 8)
+    assert moecomm_ext.select_experts(logits, 2, "sigmoid", True, True, None, None, None, torch.zeros(1, 8)) is None

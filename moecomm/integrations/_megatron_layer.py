@@ -11,7 +11,8 @@ experts run as Megatron's own and are added.
 
 The experts' weights are stacked from Megatron's own ``linear_fc1`` / ``linear_fc2``
 parameters at every call (a differentiable ``torch.stack``), so the parameters the
-optimizer holds stay Megatron's and their gradients reach them.
+optimizer holds stay Megatron's and their gradients reach them. The cost: the stacked copy
+(the size of the layer's local expert weights) lives from the forward to the backward.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def plan(layer: Any, hidden_states: torch.Tensor, intermediate_tensors: Any, pad
         return "transformer_impl='inference_optimized' (its inference token dispatcher)"
     if layer.training and layer.moe_layer_recompute:
         return "moe_layer_recompute is on"
-    for name in ("moe_latent_size", "moe_expert_capacity_factor", "fp8", "fp4"):
+    for name in ("moe_latent_size", "moe_expert_capacity_factor"):
+        if getattr(cfg, name, None) is not None:
+            return f"{name}={getattr(cfg, name)!r}"
+    for name in ("fp8", "fp4"):
         if getattr(cfg, name, None):
             return f"{name}={getattr(cfg, name)!r}"
     for name in ("moe_apply_probs_on_input", "moe_shared_expert_overlap", "overlap_dispatch_backward_with_experts_wgrad",
@@ -143,6 +147,8 @@ def layer_forward(original: Callable, self: Any, hidden_states: torch.Tensor, in
     # per token without a capacity factor or padding mask, both refused above)
     topk_idx = routing_map.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, :k]
     gates = probs.gather(1, topk_idx)
+    if gates.dtype not in (torch.float32, torch.float64):  # (moe_router_dtype unset: the router's probs in bf16)
+        gates = gates.float()  # the routing kernels take float32; the gradient goes back to bf16 through autograd
     ep = self.ep_group
     comm = communicator_for_group(ep) if _size(ep) > 1 else _ONE_RANK
     consts = self.__dict__.get("_moecomm_consts")

@@ -215,7 +215,8 @@ def enable(*, permute: bool = True, layer: str = "megatron") -> None:
     Call it on every rank, before or after building the model (the patch is on the class, so
     existing dispatchers are covered). Idempotent. A communicator is made for a group on its
     first exchange; call :func:`moecomm.init` first to have the default one reused.
-    A later call with ``permute=True`` adds the permutation if it was left out.
+    A later call adds what it asks for (``permute=True``, ``layer="moecomm"``) and never takes
+    away (``layer="megatron"`` leaves an enabled moecomm layer on): :func:`disable` removes all.
 
     Raises:
         ImportError: megatron-core is not installed (the message says so).

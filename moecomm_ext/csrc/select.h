@@ -45,10 +45,23 @@ MOECOMM_SELECT_HD T select_score(int64_t score, T l, T mx, T sum) {
   return exp(l - mx) / sum;
 }
 
+// a total order of the values, NaN above everything (as torch.topk ranks it)
+template <typename T>
+MOECOMM_SELECT_HD bool select_greater(T a, T b) {
+  const bool an = a != a, bn = b != b;
+  return (an || bn) ? (an && !bn) : a > b;
+}
+
+template <typename T>
+MOECOMM_SELECT_HD bool select_equal(T a, T b) {
+  const bool an = a != a, bn = b != b;
+  return (an || bn) ? (an && bn) : a == b;
+}
+
 // (v, i) comes after (pv, pi) in the order "value descending, then index ascending"
 template <typename T>
 MOECOMM_SELECT_HD bool select_after(T v, int64_t i, T pv, int64_t pi) {
-  return v < pv || (v == pv && i > pi);
+  return select_greater(pv, v) || (select_equal(v, pv) && i > pi);
 }
 
 // One token: the k experts (idx, in descending order of score + bias, ties to the lower
@@ -149,7 +162,7 @@ MOECOMM_SELECT_HD void select_token_backward(const T* gg, const T* row, const in
   T s[kSelectMaxK], ds[kSelectMaxK];
   T total = T(0), dot = T(0);
   for (int64_t j = 0; j < k; ++j) {
-    s[j] = select_score(score, row[idx[j]], mx, sum);
+    s[j] = idx[j] >= 0 && idx[j] < E ? select_score(score, row[idx[j]], mx, sum) : T(0);
     total += s[j];
   }
   for (int64_t j = 0; j < k; ++j) {
@@ -167,10 +180,13 @@ MOECOMM_SELECT_HD void select_token_backward(const T* gg, const T* row, const in
     T inner = T(0);
     for (int64_t j = 0; j < k; ++j) inner += ds[j] * s[j];
     for (int64_t e = 0; e < E; ++e) out[e] = -select_score(score, row[e], mx, sum) * inner;
-    for (int64_t j = 0; j < k; ++j) out[idx[j]] += s[j] * ds[j];
+    for (int64_t j = 0; j < k; ++j) {
+      if (idx[j] >= 0 && idx[j] < E) out[idx[j]] += s[j] * ds[j];
+    }
     return;
   }
   for (int64_t j = 0; j < k; ++j) {
+    if (idx[j] < 0 || idx[j] >= E) continue;  // (never from select_token: a total order always finds k)
     const T l = row[idx[j]];
     if (score == kSelectSigmoid) {
       out[idx[j]] = ds[j] * s[j] * (T(1) - s[j]);
@@ -198,8 +214,9 @@ inline void check_select(const at::Tensor& logits, const std::optional<at::Tenso
   }
   if (bias.has_value()) {
     device_ok(*bias, 1);
-    TORCH_CHECK(bias->size(0) == E && bias->scalar_type() == logits.scalar_type(),
-                "select_experts: bias must be [E] of the logits' dtype");
+    TORCH_CHECK(bias->size(0) == E && bias->scalar_type() == logits.scalar_type() &&
+                    bias->device() == logits.device(),
+                "select_experts: bias must be [E] of the logits' dtype and device");
   }
 }
 
