@@ -64,20 +64,27 @@ MOECOMM_SELECT_HD bool select_after(T v, int64_t i, T pv, int64_t pi) {
   return select_greater(pv, v) || (select_equal(v, pv) && i > pi);
 }
 
+// softmax's row max and sum of exp(l - max) (the other scores need neither: 0 and 1)
+template <typename T>
+MOECOMM_SELECT_HD void select_softmax_stats(const T* row, int64_t E, int64_t score, T& mx, T& sum) {
+  using std::exp;
+  mx = T(0);
+  sum = T(1);
+  if (score != kSelectSoftmax) return;
+  mx = row[0];
+  for (int64_t e = 1; e < E; ++e) mx = row[e] > mx ? row[e] : mx;
+  sum = T(0);
+  for (int64_t e = 0; e < E; ++e) sum += exp(row[e] - mx);
+}
+
 // One token: the k experts (idx, in descending order of score + bias, ties to the lower
 // index) within its group_topk best groups, and their gates. `row`: the token's E logits;
 // `bias`: E values or null. Softmax's max and sum are computed here.
 template <typename T>
 MOECOMM_SELECT_HD void select_token(const T* row, const T* bias, int64_t E, int64_t k, int64_t score, bool normalize,
                                     T scale, int64_t groups, int64_t group_topk, T* gates, int64_t* idx) {
-  using std::exp;
-  T mx = T(0), sum = T(1);
-  if (score == kSelectSoftmax) {
-    mx = row[0];
-    for (int64_t e = 1; e < E; ++e) mx = row[e] > mx ? row[e] : mx;
-    sum = T(0);
-    for (int64_t e = 0; e < E; ++e) sum += exp(row[e] - mx);
-  }
+  T mx, sum;
+  select_softmax_stats(row, E, score, mx, sum);
   auto sel = [&](int64_t e) { return select_score(score, row[e], mx, sum) + (bias ? bias[e] : T(0)); };
   uint64_t allowed = ~uint64_t(0);
   if (groups > 1) {
@@ -152,13 +159,8 @@ template <typename T>
 MOECOMM_SELECT_HD void select_token_backward(const T* gg, const T* row, const int64_t* idx, int64_t E, int64_t k,
                                              int64_t score, bool normalize, T scale, T* out) {
   using std::exp;
-  T mx = T(0), sum = T(1);
-  if (score == kSelectSoftmax) {
-    mx = row[0];
-    for (int64_t e = 1; e < E; ++e) mx = row[e] > mx ? row[e] : mx;
-    sum = T(0);
-    for (int64_t e = 0; e < E; ++e) sum += exp(row[e] - mx);
-  }
+  T mx, sum;
+  select_softmax_stats(row, E, score, mx, sum);
   T s[kSelectMaxK], ds[kSelectMaxK];
   T total = T(0), dot = T(0);
   for (int64_t j = 0; j < k; ++j) {
@@ -218,6 +220,18 @@ inline void check_select(const at::Tensor& logits, const std::optional<at::Tenso
                     bias->device() == logits.device(),
                 "select_experts: bias must be [E] of the logits' dtype and device");
   }
+}
+
+template <typename DeviceOk>
+inline void check_select_backward(const at::Tensor& grad_gates, const at::Tensor& logits, const at::Tensor& idx,
+                                  int64_t score, DeviceOk device_ok) {
+  device_ok(idx, 2);
+  device_ok(grad_gates, 2);
+  check_select(logits, std::nullopt, idx.size(1), score, 0, 0, device_ok);
+  const int64_t T = logits.size(0), k = idx.size(1);
+  TORCH_CHECK(grad_gates.size(0) == T && grad_gates.size(1) == k && idx.size(0) == T &&
+                  grad_gates.scalar_type() == logits.scalar_type() && idx.scalar_type() == at::kLong,
+              "select_experts_backward: grad_gates and idx must be [T, k] (the logits' dtype, int64)");
 }
 
 }  // namespace moecomm_ext

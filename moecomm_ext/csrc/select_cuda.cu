@@ -64,13 +64,8 @@ std::vector<at::Tensor> select_experts_cuda(const at::Tensor& logits, const std:
 
 at::Tensor select_experts_backward_cuda(const at::Tensor& grad_gates, const at::Tensor& logits, const at::Tensor& idx,
                                         int64_t score, bool normalize, double scale) {
-  check_select(logits, std::nullopt, idx.size(1), score, 0, 0, cuda_ok);
-  cuda_ok(grad_gates, 2);
-  cuda_ok(idx, 2);
+  check_select_backward(grad_gates, logits, idx, score, cuda_ok);
   const int64_t T = logits.size(0), E = logits.size(1), k = idx.size(1);
-  TORCH_CHECK(grad_gates.size(0) == T && grad_gates.size(1) == k && idx.size(0) == T &&
-                  grad_gates.scalar_type() == logits.scalar_type() && idx.scalar_type() == at::kLong,
-              "select_experts_backward: grad_gates and idx must be [T, k] (the logits' dtype, int64)");
   const c10::cuda::CUDAGuard guard(logits.device());
   at::Tensor out = at::empty({T, E}, logits.options());
   if (T == 0) return out;
