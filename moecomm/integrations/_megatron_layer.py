@@ -11,8 +11,10 @@ experts run as Megatron's own and are added.
 
 The experts' weights are stacked from Megatron's own ``linear_fc1`` / ``linear_fc2``
 parameters at every call (a differentiable ``torch.stack``), so the parameters the
-optimizer holds stay Megatron's and their gradients reach them. The cost: the stacked copy
-(the size of the layer's local expert weights) lives from the forward to the backward.
+optimizer holds stay Megatron's and their gradients reach them. The stacked copy lives only
+while the forward's GEMMs use it; the backward stacks the weights again (one more copy of the
+layer's local expert weights, read and written, per backward) rather than keep it alive from
+the forward to the backward.
 """
 
 from __future__ import annotations
@@ -155,6 +157,8 @@ def layer_forward(original: Callable, self: Any, hidden_states: torch.Tensor, in
     if consts is None:
         consts = self.__dict__["_moecomm_consts"] = StepConstants()
     call = StepCall(comm, E, self.num_local_experts, k, None, None, False, False, None, consts)
+    # the backward stacks the weights again rather than keep the forward's copy alive until then
+    call.weights = lambda: (_stack(fc1, "weight"), _stack(fc2, "weight"))
     experts = SimpleNamespace(fc1_weight=_stack(fc1, "weight"), fc1_bias=_stack(fc1, "bias"),
                               fc2_weight=_stack(fc2, "weight"), fc2_bias=_stack(fc2, "bias"), act=act)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])

@@ -99,12 +99,25 @@ def main() -> None:
                 p.grad = None
             captured.clear()
             xx = x.clone().requires_grad_(True)
+            saved_shapes: list = []
+
+            def pack(t):
+                saved_shapes.append(tuple(t.shape))
+                return t
+
             try:
                 with _megatron_cpu_standins(True):
-                    y, bias = layer(xx)
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        y, bias = layer(xx)
                     (y * gy).sum().backward()
             finally:
                 megatron.disable()
+            if mode == "moecomm":  # the stacked expert weights are made again for the backward, not kept
+                El, D = layer.num_local_experts, cfg.hidden_size
+                H1 = cfg.moe_ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
+                kept = [sh for sh in saved_shapes if sh in ((El, D, H1), (El, cfg.moe_ffn_hidden_size, D))]
+                if kept:
+                    failures.append(f"rank {R} {name}: stacked expert weights kept for the backward: {kept}")
             results.append((y.detach(), xx.grad, {n: p.grad for n, p in layer.named_parameters()},
                             list(captured), None if mode == "megatron" else megatron.layer_fallback_reason(layer)))
         (ym, gm, pm, am, _), (yo, go, po, ao, why) = results

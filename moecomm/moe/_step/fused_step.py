@@ -33,7 +33,7 @@ same bits.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +147,7 @@ class StepCall:
 
     __slots__ = ("comm", "world", "num_experts", "num_local", "k", "capacity", "algorithm", "normalize",
                  "gshard", "use_native", "consts", "wire", "grad_wire", "wide", "routing", "logits", "send_splits",
-                 "recv_splits", "act", "selected_idx")
+                 "recv_splits", "act", "selected_idx", "weights")
 
     def __init__(self, comm: Any, num_experts: int, num_local: int, k: int, capacity: Optional[int],
                  algorithm: Optional[str], normalize: bool, gshard: bool, use_native: bool,
@@ -167,6 +167,9 @@ class StepCall:
         # routed by the layer (``routed_step``): the chosen experts; the Function's second input is
         # then the gates [T, k] (differentiable) in place of the gate weight
         self.selected_idx: Optional[Tensor] = None
+        # the experts' (w1, w2) made again for the backward, in place of saving the forward's:
+        # weights stacked per call from separate parameters then live only while used
+        self.weights: Optional[Callable[[], tuple]] = None
         if capacity is not None:  # the padded layout: num_local * capacity rows to and from every rank
             self.send_splits = self.recv_splits = [num_local * capacity] * self.world
 
@@ -225,6 +228,9 @@ def _keep(ctx, call: StepCall, ops, aux: Tensor, b1, b2, *saved: Tensor) -> None
     token_slots, slot_token, slot_gate, first_counts, expert input, expert activation, back)."""
     ctx.call, ctx.ops = call, ops
     ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+    if call.weights is not None:  # (w1, w2) made again in the backward: not kept from here to there
+        empty = saved[2].new_empty(0)
+        saved = saved[:2] + (empty, empty) + saved[4:]
     ctx.save_for_backward(*saved)
     if not call.gshard or call.selected_idx is not None:
         ctx.mark_non_differentiable(aux)
@@ -233,6 +239,9 @@ def _keep(ctx, call: StepCall, ops, aux: Tensor, b1, b2, *saved: Tensor) -> None
 def _combine_backward(ctx, gy: Optional[Tensor]) -> tuple:
     """``(saved tensors, the expert outputs' gradient on the experts' side, the gates')``."""
     saved = ctx.saved_tensors
+    if ctx.call.weights is not None:
+        with torch.no_grad():
+            saved = saved[:2] + tuple(ctx.call.weights()) + saved[4:]
     topv, token_slots, slot_token, slot_gate, back = saved[5], saved[7], saved[8], saved[9], saved[13]
     gy = back.new_zeros(token_slots.shape[0], back.shape[1]) if gy is None else gy.contiguous()
     g_back, g_gates = ctx.ops.step_combine_backward(gy, slot_token, slot_gate, back, token_slots, topv.dtype)
