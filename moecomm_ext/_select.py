@@ -1,7 +1,7 @@
 """The router's choice of experts and their gates in one native pass per token (``csrc/select.h``),
 as an autograd Function: :func:`select_experts` (the logits' gradient from the gates' in one
-more pass). The reference is ``moecomm.moe.scoring``'s torch operations, which callers use
-where this returns None."""
+more pass). The reference is :func:`moecomm_ext.reference.select_experts` (torch operations),
+which callers run where this returns None."""
 
 from __future__ import annotations
 

@@ -375,3 +375,56 @@ def glu_backward(grad: Tensor, h: Tensor, act: str, need_out: bool) -> tuple[Ten
         a = _GLU_GATES[act](hf[:, :H]) * hf[:, H:]
         (gh,) = torch.autograd.grad(a, hf, grad.to(hf.dtype))
     return gh.to(h.dtype), (a.detach().to(h.dtype) if need_out else None)
+
+
+def router_scores(logits: Tensor, score_function: str) -> Tensor:
+    """``[T, E]`` router scores: ``softmax(l)`` over the experts, or per expert ``sigmoid(l)``
+    or ``sqrt(softplus(l))`` (Megatron-core's score functions)."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits)
+    if score_function == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    return torch.nn.functional.softmax(logits, dim=1)
+
+
+def group_limited_topk(sel: Tensor, k: int, num_groups: int, group_topk: int) -> Tensor:
+    """``[T, k]`` int64 experts of the largest ``sel`` (``[T, E]``) within each token's
+    ``group_topk`` best groups of ``E / num_groups`` consecutive experts; a group's score is the
+    sum of its ``k // group_topk`` largest values (Megatron-core's ``group_limited_topk``)."""
+    T, E = sel.shape
+    gs = sel.view(T, num_groups, E // num_groups).topk(k // group_topk, dim=-1).values.sum(dim=-1)
+    gidx = torch.topk(gs, k=group_topk, dim=-1, sorted=False).indices
+    gmask = torch.zeros(T, num_groups, dtype=torch.bool, device=sel.device).scatter_(1, gidx, True)
+    emask = gmask.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+    return torch.topk(sel.masked_fill(~emask, float("-inf")), k=k, dim=-1).indices
+
+
+def select_experts(logits: Tensor, k: int, score_function: str, pre_softmax: bool, normalize: bool,
+                   scaling_factor: float | None, num_groups: int | None, group_topk: int | None,
+                   expert_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(gates [T, k], topk_idx [T, k])`` as :func:`moecomm_ext.select_experts` computes them
+    (gates differentiable to ``logits``), as torch operations: the top-k of the scores plus
+    ``expert_bias`` (within the best groups when ``num_groups``), gates from the unbiased scores
+    (softmax after the top-k: of the chosen logits), renormalised (softmax: by
+    ``max(sum, eps)``; the others: by ``sum + 1e-20``) when ``normalize`` and ``k > 1``, times
+    ``scaling_factor``."""
+    def top(sel: Tensor) -> Tensor:
+        if num_groups is not None:
+            return group_limited_topk(sel, k, num_groups, group_topk)
+        return torch.topk(sel, k, dim=1).indices
+
+    if score_function == "softmax" and not pre_softmax:
+        idx = top(logits.detach() if expert_bias is None else logits.detach() + expert_bias)
+        gates = torch.nn.functional.softmax(logits.gather(1, idx), dim=1)
+    else:
+        s = router_scores(logits, score_function)
+        idx = top(s.detach() if expert_bias is None else s.detach() + expert_bias)
+        gates = s.gather(1, idx)
+        if normalize and k > 1:
+            if score_function == "softmax":
+                gates = gates / gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
+            else:
+                gates = gates / (gates.sum(dim=1, keepdim=True) + 1e-20)
+    if scaling_factor is not None:
+        gates = gates * scaling_factor
+    return gates, idx

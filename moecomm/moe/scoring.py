@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from moecomm_ext import reference
 from moecomm_ext import select_experts as select_native
+from moecomm_ext.reference import group_limited_topk
 
 __all__ = ["SCORE_FUNCTIONS", "RouterOptions", "select_experts", "select_experts_torch", "loss_scores", "switch_loss", "seq_switch_loss",
            "group_limited_topk", "updated_expert_bias"]
@@ -43,32 +44,6 @@ class RouterOptions:
         """Tutel's router (softmax, then top-k, then renormalised or not; no groups, no scaling)."""
         return (self.score_function == "softmax" and self.pre_softmax and self.scaling_factor is None
                 and self.num_groups is None)
-
-
-def group_limited_topk(sel: Tensor, k: int, num_groups: int, group_topk: int) -> Tensor:
-    """``[T, k]`` int64 experts of the largest ``sel`` (``[T, E]``) within each token's
-    ``group_topk`` best groups of ``E / num_groups`` consecutive experts; a group's score is the
-    sum of its ``k // group_topk`` largest values (Megatron-core's ``group_limited_topk``)."""
-    T, E = sel.shape
-    gs = sel.view(T, num_groups, E // num_groups).topk(k // group_topk, dim=-1).values.sum(dim=-1)
-    gidx = torch.topk(gs, k=group_topk, dim=-1, sorted=False).indices
-    gmask = torch.zeros(T, num_groups, dtype=torch.bool, device=sel.device).scatter_(1, gidx, True)
-    emask = gmask.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
-    return torch.topk(sel.masked_fill(~emask, float("-inf")), k=k, dim=-1).indices
-
-
-def _topk_idx(sel: Tensor, k: int, opts: RouterOptions) -> Tensor:
-    if opts.num_groups is not None:
-        return group_limited_topk(sel, k, opts.num_groups, opts.group_topk)
-    return torch.topk(sel, k, dim=1).indices
-
-
-def _raw_scores(logits: Tensor, score_function: str) -> Tensor:
-    if score_function == "sigmoid":
-        return torch.sigmoid(logits)
-    if score_function == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    return F.softmax(logits, dim=1)
 
 
 def select_experts(logits: Tensor, k: int, opts: RouterOptions,
@@ -99,33 +74,17 @@ def select_experts(logits: Tensor, k: int, opts: RouterOptions,
 
 def select_experts_torch(logits: Tensor, k: int, opts: RouterOptions,
                          expert_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """:func:`select_experts` as torch operations (the native kernels' reference; ties between
-    equal scores as ``torch.topk`` breaks them)."""
-    fn = opts.score_function
-    if fn == "softmax" and not opts.pre_softmax:
-        sel = logits.detach() if expert_bias is None else logits.detach() + expert_bias
-        idx = _topk_idx(sel, k, opts)
-        gates = F.softmax(logits.gather(1, idx), dim=1)
-    else:
-        s = _raw_scores(logits, fn)
-        sel = s.detach() if expert_bias is None else s.detach() + expert_bias
-        idx = _topk_idx(sel, k, opts)
-        gates = s.gather(1, idx)
-        if opts.normalize and k > 1:
-            if fn == "softmax":
-                gates = gates / gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).eps)
-            else:
-                gates = gates / (gates.sum(dim=1, keepdim=True) + 1e-20)
-    if opts.scaling_factor is not None:
-        gates = gates * opts.scaling_factor
-    return gates, idx
+    """:func:`select_experts` as torch operations (``moecomm_ext.reference.select_experts``,
+    the native kernels' reference; ties between equal scores as ``torch.topk`` breaks them)."""
+    return reference.select_experts(logits, k, opts.score_function, opts.pre_softmax, opts.normalize,
+                                    opts.scaling_factor, opts.num_groups, opts.group_topk, expert_bias)
 
 
 def loss_scores(logits: Tensor, score_function: str) -> Tensor:
     """``[T, E]`` per-token probabilities for the balance losses: ``softmax(l)``, or the
     elementwise scores divided by their sum over the experts (``+ 1e-20``), as Megatron-core's
     ``compute_routing_scores_for_aux_loss``."""
-    s = _raw_scores(logits, score_function)
+    s = reference.router_scores(logits, score_function)
     if score_function != "softmax":
         s = s / (s.sum(dim=-1, keepdim=True) + 1e-20)
     return s
