@@ -97,8 +97,11 @@ def main(argv: Optional[list] = None) -> list:
     torch.set_num_threads(1)
     comm = moecomm.init()
     rows = []
+    modern = dict(score_function="sigmoid", expert_bias=True, num_groups=4, group_topk=2)
     for name, kw in (("capacity k=2", dict(k=2)), ("capacity k=3", dict(k=3)),
-                     ("op-by-op k=2", dict(k=2, fused_step=False)), ("dropless k=2", dict(k=2, dropless=True))):
+                     ("op-by-op k=2", dict(k=2, fused_step=False)), ("dropless k=2", dict(k=2, dropless=True)),
+                     ("swiglu dropless k=2", dict(k=2, dropless=True, activation="swiglu")),
+                     ("modern-routing k=2", dict(k=2, **modern))):
         layer = MoELayer(a.dim, a.dim, a.experts, seed=0, comm=comm, **kw)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(a.tokens, a.dim, generator=g).requires_grad_(True)
@@ -106,7 +109,7 @@ def main(argv: Optional[list] = None) -> list:
         r = count_ops(layer, x, gy)
         r["case"] = name
         rows.append(r)
-        print(f"{name:14s} aten_ops {r['aten_ops']:5d}  python_calls {r['python_calls']:5d}  "
+        print(f"{name:20s} aten_ops {r['aten_ops']:5d}  python_calls {r['python_calls']:5d}  "
               f"autograd_nodes {r['autograd_nodes']:3d}  host_ms {r['host_ms']:.3f} (min {r['host_ms_min']:.3f})")
     if a.json:
         with open(a.json, "w") as f:
