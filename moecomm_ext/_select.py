@@ -57,7 +57,8 @@ def select_experts(logits: Tensor, k: int, score_function: str, pre_softmax: boo
     if groups:
         E = logits.shape[1]
         # (fewer routes than groups kept, or more than their experts: torch's tie order decides)
-        if groups > _MAX_GROUPS or group_topk is None or E % groups or not group_topk <= k <= group_topk * (E // groups):
+        if (groups > _MAX_GROUPS or group_topk is None or E % groups
+                or not group_topk <= k <= group_topk * (E // groups)):
             return None
     if expert_bias is not None and (expert_bias.dim() != 1 or expert_bias.numel() != logits.shape[1]):
         return None  # (a broadcastable bias of another shape: the torch operations take it)

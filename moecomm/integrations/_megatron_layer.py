@@ -77,8 +77,8 @@ def plan(layer: Any, hidden_states: torch.Tensor, intermediate_tensors: Any, pad
     for name in ("fp8", "fp4"):
         if getattr(cfg, name, None):
             return f"{name}={getattr(cfg, name)!r}"
-    for name in ("moe_apply_probs_on_input", "moe_shared_expert_overlap", "overlap_dispatch_backward_with_experts_wgrad",
-                 "use_te_activation_func"):
+    for name in ("moe_apply_probs_on_input", "moe_shared_expert_overlap",
+                 "overlap_dispatch_backward_with_experts_wgrad", "use_te_activation_func"):
         if getattr(cfg, name, False):
             return f"{name} is on"
     if _size(layer.tp_group) > 1 or _size(getattr(layer.experts, "tp_group", None)) > 1:

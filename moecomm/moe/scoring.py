@@ -20,8 +20,8 @@ from moecomm_ext import reference
 from moecomm_ext import select_experts as select_native
 from moecomm_ext.reference import group_limited_topk
 
-__all__ = ["SCORE_FUNCTIONS", "RouterOptions", "select_experts", "select_experts_torch", "loss_scores", "switch_loss", "seq_switch_loss",
-           "group_limited_topk", "updated_expert_bias"]
+__all__ = ["SCORE_FUNCTIONS", "RouterOptions", "select_experts", "select_experts_torch", "loss_scores", "switch_loss",
+           "seq_switch_loss", "group_limited_topk", "updated_expert_bias"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 """Score functions (Megatron-core's names): ``softmax`` over the experts, or per expert
