@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27, hostdiag,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -226,6 +226,12 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       for router in modern modern-routing softmax-shared; do
         step "layer27_$router" 120 python3 -m bench.moe_layer --top-k 2 --router $router --json "$RES/layer27_$router.json"
       done ;;
+    hostdiag)  # issue 27: where the host time of a step goes (torch profiler's host calls), capacity, dropless, modern router
+      for cfg in "relu_cap:" "relu_dl:--dropless" "swiglu_dl:--activation swiglu --dropless" "modern:--router modern"; do
+        local name=${cfg%%:*} opts=${cfg#*:}
+        step "hostprof_$name" 90 python3 -m bench.moe_layer --top-k 2 $opts -n 3 --profile "/tmp/hp_$name.json"
+        step "hostsum_$name" 60 python3 -m bench.trace_summary --host --top 40 "/tmp/hp_$name.json"
+      done ;;
     frameworks)  # issue 28 (world size 1): the wheels of ../shared/DEVICE.md carried in .fw/
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fw .fw/*.whl >> "$LOG" 2>&1
       step frameworks_1 400 env PYTHONPATH=/tmp/fw:$PYTHONPATH torchrun --standalone --nproc-per-node 1 -m bench.frameworks \
@@ -257,8 +263,8 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       for n in ${BATCH_RANKS:-2 8}; do
         step "shared_a2a_batch_$n" 240 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
           -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
-          python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 -p uniform,random,skewed -n 20 \
-          --batch 10 --no-progress --json "$RES/shared_gpu_alltoall_${n}_batch10.json"
+          python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e ${BATCH_E:-256M} -f 4 -p uniform,random,skewed \
+          -n 20 --batch 10 --no-progress --json "$RES/shared_gpu_alltoall_${n}_batch10.json"
       done
       mps_off ;;
     sharedmoeprof)  # issue 26: where a step of the layer spends its host time, 2 ranks sharing the GPU under MPS
