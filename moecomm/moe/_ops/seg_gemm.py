@@ -126,7 +126,8 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
                 outs.append(torch._grouped_mm(xb, wt, offs=_offsets(seg, b, x.device)))
         out = x.new_empty(0, B) if not outs else (outs[0] if len(outs) == 1 else torch.cat(outs))
         if bias is not None:
-            out += bias.index_select(0, seg.row_expert(x.device)) * bias_scale
+            rows_bias = bias.index_select(0, seg.row_expert(x.device))
+            out += rows_bias if bias_scale == 1.0 else rows_bias * bias_scale
         return out
     out = torch.empty(R, B, dtype=x.dtype, device=x.device)
     for e, s, n in seg.items():
@@ -242,7 +243,9 @@ def seg_sum(g: Tensor, seg: Segments) -> Tensor:
     if _grouped(g, width, B):
         # one grouped GEMM over every (block, expert) segment: ones[width, rows] @ g, as
         # seg_wgrad's, so no host sync (torch.segment_reduce synchronises) and no atomics
-        ones = torch.ones(g.shape[0], width, dtype=g.dtype, device=g.device)
+        n = g.shape[0] * width
+        ones = (seg.consts.ones(n, g.dtype, g.device) if seg.consts is not None else
+                torch.ones(n, dtype=g.dtype, device=g.device)).view(g.shape[0], width)
         sums = torch._grouped_mm(ones.t(), g, offs=_offsets(seg, None, g.device))[:, 0]  # [blocks * El, B]
         if seg.num_blocks == 1:
             return sums
