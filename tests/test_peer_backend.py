@@ -6,6 +6,7 @@ of backend on shared GPUs (the GPUs faked). The backend itself runs in the devic
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import torch
@@ -165,13 +166,31 @@ def _backend_with(others: list[list[int]]):
 
 
 def _record(call, row_bytes, send, recv):
-    return agreement_record(call, row_bytes, 0, 0, [0] * SHARED_INTS, send, recv, [0, recv[0]])
+    return agreement_record(call, row_bytes, 0, 0, [0] * SHARED_INTS, send, recv, [0, recv[0]], _described().codes)
+
+
+def _described(label=None, wire=None, dtype=torch.float32, shape=(4,)):
+    from moecomm.engine import tags
+
+    with tags.labelled(label, wire):
+        return tags.exchange_meta(dtype, shape)
+
+
+def _record_of(meta, send=(1, 1)):
+    return agreement_record(1, 16, 0, 0, [0] * SHARED_INTS, list(send), [1, 1], [0, 1], meta.codes)
 
 
 @pytest.mark.parametrize("other, words, aborted", [
     (_record(2, 16, [1, 1], [1, 1]), "different exchanges", True),         # the peer is one exchange ahead
-    (_record(1, 32, [1, 1], [1, 1]), "rows differ in size (16 to 32 bytes", True),
+    (_record(1, 32, [1, 1], [1, 1]), "rows differ in size (16 to 32 bytes", False),
     (_record(1, 16, [2, 1], [1, 1]), "rank 0 expected 1 rows from rank 1, but rank 1 sent 2", False),
+    # what the exchange is, named before its counts (issue 32: the table's cases on the peer backend)
+    (_record_of(_described(dtype=torch.int32), (2, 1)), "rank(s) [1] pass another dtype than rank 0 (torch.float32)",
+     False),
+    (_record_of(_described(shape=(2, 2))), "another row shape than rank 0 ((4,))", False),
+    (_record_of(_described(wire=torch.float8_e5m2)), "another wire dtype than rank 0 (None)", False),
+    (_record_of(_described(label="all_to_all_v backward")), "another kind of exchange than rank 0 (all_to_all_v)",
+     False),
 ])
 def test_ranks_that_disagree_raise_before_any_row_moves(other, words, aborted, monkeypatch):
     from types import SimpleNamespace
@@ -183,8 +202,8 @@ def test_ranks_that_disagree_raise_before_any_row_moves(other, words, aborted, m
     monkeypatch.setattr(peer, "_cudart", SimpleNamespace(D2D=0, copy_async=lambda *args: copies.append(args)))
     b = _backend_with([other])
     x = torch.zeros(2, 4)
-    with pytest.raises(CountMismatchError, match=words.replace("(", r"\(")):
-        b.alltoallv(x, [1, 1], x, [1, 1], 16)
+    with pytest.raises(CountMismatchError, match=re.escape(words)):
+        b.alltoallv(x, [1, 1], x, [1, 1], 16, meta=_described())
     assert b._host.aborted is aborted and b._aborted is aborted
     assert len(copies) == 1 and copies[0][2] == 16  # the own block only: no peer's row moved
 
@@ -355,15 +374,34 @@ def test_header_mismatch_names_the_first_peer_with_another_dtype_or_shape():
     disagreement): another dtype first, then another row shape; None where all agree."""
     from moecomm.collectives.flat import _header_mismatch
 
+    from moecomm.engine.tags import exchange_meta
+
+    bf16, f32 = exchange_meta(torch.bfloat16, (8,)), exchange_meta(torch.float32, (4,))
     table = np.array([[5, 7, 16, 0], [5, 7, 16, 1], [5, 7, 16, 0]])
-    assert _header_mismatch(1, table, (5, 7), 16, torch.bfloat16) is None
+    assert _header_mismatch(1, table, (5, 7), 16, bf16) is None
     table[2] = [5, 8, 16, 0]
-    assert "rank 2 sent rows of another shape than rank 0" in _header_mismatch(0, table, (5, 7), 16, torch.float32)
+    assert "rank 2 sent rows of another shape than rank 0" in _header_mismatch(0, table, (5, 7), 16, f32)
     table[1] = [9, 7, 32, 0]
-    got = _header_mismatch(0, table, (5, 7), 16, torch.bfloat16)
-    assert "rank 1 sent rows of another dtype than rank 0's torch.bfloat16 (rows of 32 bytes against 16)" in got
+    got = _header_mismatch(0, table, (5, 7), 16, bf16)
+    assert ("rank 1 sent rows of another dtype, wire dtype or kind of exchange than rank 0's (torch.bfloat16, wire "
+            "dtype None, all_to_all_v; rows of 32 bytes against 16)") in got
     # the odd rank itself names the first peer that differs from it
-    assert "rank 0 sent rows of another dtype" in _header_mismatch(1, table, (9, 7), 32, torch.float32)
+    assert "rank 0 sent rows of another dtype" in _header_mismatch(1, table, (9, 7), 32, f32)
+
+
+def test_header_codes_tell_wire_dtypes_and_kinds_of_exchange_apart():
+    """The counts-on-the-GPU headers' first code covers the dtype, the wire dtype and the kind
+    of exchange (a backward meeting a forward); the second the row shape alone."""
+    from moecomm.collectives.flat import _kind_code
+    from moecomm.engine import tags
+
+    def code(dtype=torch.uint8, label=None, wire=None):
+        with tags.labelled(label, wire):
+            return _kind_code(tags.exchange_meta(dtype, (8,)))
+
+    codes = {code(), code(torch.int8), code(wire=torch.float8_e4m3fn), code(wire=torch.float8_e5m2),
+             code(label="all_to_all_v backward"), code(label="all_to_all_single")}
+    assert len(codes) == 6 and code() == code() and all(0 <= c < 2 ** 31 for c in codes)
 
 
 def test_header_error_bad_counts_raise_on_every_rank_before_any_disagreement():
@@ -373,19 +411,22 @@ def test_header_error_bad_counts_raise_on_every_rank_before_any_disagreement():
     from moecomm.backends._p2p_limits import BAD_COUNTS, OVERFLOWS
     from moecomm.collectives.flat import _header_error
 
+    from moecomm.engine.tags import exchange_meta
+
+    f32 = exchange_meta(torch.float32, (4,))
     table = np.array([[5, 7, 16, OVERFLOWS], [5, 7, 16, 0], [5, 7, 16, 0]])
-    assert _header_error(0, table, (5, 7), 16, torch.float32, [1, 2, 3], 6) is None
+    assert _header_error(0, table, (5, 7), 16, f32, [1, 2, 3], 6) is None
     table[2, 3] = BAD_COUNTS | OVERFLOWS
     table[1] = [9, 7, 32, 0]
     for me in (0, 1):
-        err = _header_error(me, table, (5, 7), 16, torch.float32, [1, 2, 3], 6)
+        err = _header_error(me, table, (5, 7), 16, f32, [1, 2, 3], 6)
         assert isinstance(err, moecomm.CountMismatchError) and "rank 2's send_splits" in str(err), err
-    err = _header_error(2, table, (5, 7), 16, torch.float32, [1, 2, 4], 6)
+    err = _header_error(2, table, (5, 7), 16, f32, [1, 2, 4], 6)
     assert type(err) is ValueError and "sum to the 6 rows of input" in str(err) and "sums to 7" in str(err)
-    err = _header_error(2, table, (5, 7), 16, torch.float32, [1, -2, 7], 6)
+    err = _header_error(2, table, (5, 7), 16, f32, [1, -2, 7], 6)
     assert type(err) is ValueError and "must be >= 0, got [1, -2, 7]" in str(err)
     table[2, 3] = OVERFLOWS
-    err = _header_error(0, table, (5, 7), 16, torch.float32, [1, 2, 3], 6)
+    err = _header_error(0, table, (5, 7), 16, f32, [1, 2, 3], 6)
     assert isinstance(err, moecomm.CountMismatchError) and "another dtype" in str(err)
 
 

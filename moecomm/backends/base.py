@@ -117,6 +117,10 @@ class Backend(abc.ABC):
     """True where :meth:`exchange_tagged` exists: one tagged message per peer (MPI; see
     :mod:`moecomm.engine.tags`). Elsewhere row exchanges carry no description of themselves."""
 
+    carries_meta: bool = False
+    """True where :meth:`alltoallv` takes ``meta=`` (a :class:`moecomm.engine.tags.ExchangeMeta`)
+    and compares it between the ranks before any row moves (the peer backend's records)."""
+
     timeout_s: float = 600.0
     """Seconds any wait of this backend may last: the communicator's ``timeout``, kept here
     only (the engine reads and sets it), so that the backend's own waits (NCCL's watchdog,

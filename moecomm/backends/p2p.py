@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -216,14 +216,16 @@ class PeerTransport:
         return _HostFlagRequest(self._host_np, 2 * self.size + 1, self._seq)
 
     def exchange(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]], out: torch.Tensor,
-                 recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int) -> Request:
+                 recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int, meta: Any = None) -> Request:
         """Known-counts exchange by copy engines, on the backend's stream: ``send[p]`` rows from
         row ``send_displs[p]`` of ``x`` to rank ``p``, ``recv[p]`` rows from rank ``p`` to row
         ``recv_displs[p]`` of ``out`` (displacements None: blocks back to back). Collective:
         every rank calls it, also with nothing to move. Rows beyond a region's capacity go
-        through NCCL afterwards, on the same stream."""
+        through NCCL afterwards, on the same stream. ``meta`` (what the exchange is,
+        :class:`moecomm.engine.tags.ExchangeMeta`) is compared between the ranks on the peer
+        backend (its records), not carried over NCCL."""
         if self.collective:
-            return self._backend.alltoallv(x, send, out, recv, row_bytes, send_displs, recv_displs)
+            return self._backend.alltoallv(x, send, out, recv, row_bytes, send_displs, recv_displs, meta=meta)
         me = self.rank
         b = self._backend
         # x and out are recorded on the backend's stream only: it waits for the own-block

@@ -122,6 +122,7 @@ class PeerBackend(StreamOrdered, Backend):
     supports_displacements = True
     collective_exchanges = True
     """Every rank takes part in every exchange, also with nothing to move (rounds are collective)."""
+    carries_meta = True
 
     def __init__(self, host: Any, device: torch.device, timeout_s: float) -> None:
         if _cudart is None:
@@ -197,7 +198,8 @@ class PeerBackend(StreamOrdered, Backend):
         (concurrent ranks only), else None (the counts then cross the host first)."""
         return self.transport if self.concurrent else None
 
-    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None) -> Request:
+    def alltoallv(self, send, send_counts, recv, recv_counts, row_bytes, send_displs=None, recv_displs=None,
+                  meta=None) -> Request:
         t, me = self.transport, self.rank
         send_counts, recv_counts = list(send_counts), list(recv_counts)
         sd = split_offsets(send_counts) if send_displs is None else list(send_displs)
@@ -214,9 +216,9 @@ class PeerBackend(StreamOrdered, Backend):
                                own * row_bytes, _cudart.D2D, h)
         flag, shared = self._share_output(recv, recv_counts, row_bytes)
         record = agreement_record(self._calls, row_bytes, rounds_needed(send_counts, recv_counts, me, cap), flag,
-                                  shared, send_counts, recv_counts, rd)
+                                  shared, send_counts, recv_counts, rd, *(() if meta is None else (meta.codes,)))
         table = self._agree(self._host.allgather, record, what="all_to_all_v (peer memory)")
-        found = disagreement(table, me)
+        found = disagreement(table, me, None if meta is None else meta.words)
         if found is not None:
             out_of_step, what = found
             if out_of_step:

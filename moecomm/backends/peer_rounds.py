@@ -10,7 +10,8 @@ The rank's own block never enters a round: it is one device-local copy.
 
 Before any row moves the ranks all-gather one *record* each (:func:`agreement_record`):
 the call number, the row size, the rounds, whether the peers may write straight into its
-output (and where it lies), its counts and displacements. Every rank checks the same table
+output (and where it lies), its counts and displacements, and what the exchange is (its
+kind, dtype, row shape and wire dtype as codes: :data:`META_INTS`). Every rank checks the same table
 (:func:`disagreement`) and reads from it where its rows go (:func:`direct_destinations`).
 
 Pure Python on host integers, importable without CUDA (tested on the CPU against a
@@ -21,12 +22,17 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Sequence
 
-__all__ = ["Round", "rounds_needed", "round_blocks", "SHARED_INTS", "agreement_record", "disagreement",
+__all__ = ["Round", "rounds_needed", "round_blocks", "SHARED_INTS", "META_INTS", "agreement_record", "disagreement",
            "is_direct", "most_rounds", "direct_destinations"]
 
 SHARED_INTS = 9
 """Where a rank's output lies, for peers to map: an IPC handle (8 int64) and a byte offset."""
 
+META_INTS = 4
+"""What the exchange is: codes of its kind, dtype, row shape and wire dtype
+(:func:`moecomm.engine.tags.exchange_meta`; zeros where the caller gives none)."""
+
+_META_NAMES = ("kind of exchange", "dtype", "row shape", "wire dtype")
 _HEAD = 4  # call number, row bytes, rounds, share flag
 
 
@@ -67,30 +73,43 @@ def round_blocks(send: Sequence[int], send_displs: Sequence[int], recv: Sequence
 
 
 def agreement_record(call: int, row_bytes: int, rounds: int, flag: int, shared: Sequence[int],
-                     send: Sequence[int], recv: Sequence[int], recv_displs: Sequence[int]) -> list[int]:
+                     send: Sequence[int], recv: Sequence[int], recv_displs: Sequence[int],
+                     meta: Sequence[int] = (0,) * META_INTS) -> list[int]:
     """This rank's record: ``flag`` 1 (its output is ``shared``), 0 (its blocks from peers
     are small: they go through its regions), -1 (it cannot share its output: every rank
     then goes through the arenas, in rounds); ``shared``: :data:`SHARED_INTS` ints (zeros
-    unless ``flag`` is 1)."""
+    unless ``flag`` is 1); ``meta``: :data:`META_INTS` codes of what the exchange is."""
     if len(shared) != SHARED_INTS:
         raise ValueError(f"shared must hold {SHARED_INTS} ints, got {len(shared)}")
-    return [call, row_bytes, rounds, flag, *shared, *send, *recv, *recv_displs]
+    if len(meta) != META_INTS:
+        raise ValueError(f"meta must hold {META_INTS} ints, got {len(meta)}")
+    return [call, row_bytes, rounds, flag, *shared, *send, *recv, *recv_displs, *meta]
 
 
-def disagreement(table: Sequence[Sequence[int]], me: int) -> Optional[tuple[bool, str]]:
+def disagreement(table: Sequence[Sequence[int]], me: int,
+                 meta_words: Optional[Sequence[str]] = None) -> Optional[tuple[bool, str]]:
     """What the ranks' records disagree about, the same on every rank, or None: (True, what)
-    where the ranks are out of step (different call numbers or row sizes: the communicator
-    must be aborted), (False, what) where a sender and a receiver count a block differently
-    (nothing has moved). This rank's own disagreements are named first."""
+    where the ranks are out of step (different call numbers: the communicator must be
+    aborted), (False, what) where they describe the exchange differently (its kind, dtype,
+    row shape or wire dtype; ``meta_words``: this rank's, in words, for the message), their
+    rows differ in size, or a sender and a receiver count a block differently (nothing has
+    moved but the rank's own block). This rank's own disagreements are named first."""
     W = len(table)
     calls = [row[0] for row in table]
     sizes = [row[1] for row in table]
     if min(calls) != max(calls):
         return True, (f"the ranks are in different exchanges (numbers {min(calls)} to {max(calls)}; rank {me} is in "
                       f"{table[me][0]})")
+    meta_at = _HEAD + SHARED_INTS + 3 * W
+    for i, name in enumerate(_META_NAMES):
+        others = [r for r in range(W) if table[r][meta_at + i] != table[me][meta_at + i]]
+        if others:
+            mine = f" ({meta_words[i]})" if meta_words is not None else ""
+            return False, (f"rank(s) {others} pass another {name} than rank {me}{mine}: every rank must pass the "
+                           f"same (found before any row moved)")
     if min(sizes) != max(sizes):
-        return True, (f"the ranks' rows differ in size ({min(sizes)} to {max(sizes)} bytes; rank {me}'s: "
-                      f"{table[me][1]})")
+        return False, (f"the ranks' rows differ in size ({min(sizes)} to {max(sizes)} bytes; rank {me}'s: "
+                       f"{table[me][1]}; found before any row moved)")
     sent_at, expect_at = _HEAD + SHARED_INTS, _HEAD + SHARED_INTS + W
     for r in [me, *range(W)]:
         for s in range(W):

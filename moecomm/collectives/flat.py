@@ -9,12 +9,14 @@ sub-communicator) it runs on.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from ..engine.peer_check import PeerCheck, row_codes
+from ..engine import tags as _tags
+from ..engine.peer_check import PeerCheck
 from ..errors import CountMismatchError
 from ..engine.requests import CheckedRequest, RaiseAfter
 from ..backends._p2p_limits import BAD_COUNTS, OVERFLOWS, ROW_ALIGN as PEER_ROW_ALIGN
@@ -195,7 +197,8 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
     c = counts.to(device=engine.device, dtype=torch.int64).contiguous()  # the kernels read them on this GPU
     if x.data_ptr() % PEER_ROW_ALIGN:
         x = x.clone()  # the kernels move 16-byte vectors
-    codes = row_codes(x.dtype, x.shape[1:])
+    meta = _tags.exchange_meta(x.dtype, x.shape[1:])
+    codes = (_kind_code(meta), meta.codes[2])  # the headers carry two codes: the row shape apart
     request = engine.peer.start(x, c, row_bytes, codes)
     engine.wait_host(request, f"{op} (peer memory)", None)
     send, recv, timed_out = engine.peer.counts()
@@ -204,7 +207,7 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
         raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
                            f"{engine.timeout:g} s on rank {engine.rank}; the communicator was aborted")
     senders = engine.peer.senders()
-    error = _header_error(engine.rank, senders, codes, row_bytes, x.dtype, send, x.shape[0])
+    error = _header_error(engine.rank, senders, codes, row_bytes, meta, send, x.shape[0])
     if error is not None:  # every rank read every header: all raise, none is left waiting
         raise error
     problem = check_exchanged_counts(engine, send, recv, x.shape[0], "the rows")
@@ -215,7 +218,12 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
     return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes, bool((senders[:, 3] & OVERFLOWS).any()))
 
 
-def _header_error(me: int, senders: Any, codes: tuple[int, int], row_bytes: int, dtype: torch.dtype,
+def _kind_code(meta: _tags.ExchangeMeta) -> int:
+    """One code of an exchange's dtype, wire dtype and kind (its label)."""
+    return zlib.crc32("|".join((meta.words[1], meta.words[3], meta.words[0])).encode()) & 0x7FFFFFFF
+
+
+def _header_error(me: int, senders: Any, codes: tuple[int, int], row_bytes: int, meta: _tags.ExchangeMeta,
                   send: list[int], rows: int) -> Optional[Exception]:
     """The error every rank raises after a counts-on-the-GPU exchange whose headers
     (``senders``, :meth:`moecomm.backends.p2p.PeerTransport.senders`) show bad counts or a
@@ -231,25 +239,27 @@ def _header_error(me: int, senders: Any, codes: tuple[int, int], row_bytes: int,
     if bad.size:
         return CountMismatchError(f"moecomm: {op}: rank {int(bad[0])}'s send_splits are negative or do not add up "
                                   f"to its input's rows; nothing was returned")
-    mismatch = _header_mismatch(me, senders, codes, row_bytes, dtype)
+    mismatch = _header_mismatch(me, senders, codes, row_bytes, meta)
     if mismatch is not None:
         return CountMismatchError(f"moecomm: {op}: {mismatch}; nothing was returned")
     return None
 
 
 def _header_mismatch(me: int, senders: Any, codes: tuple[int, int], row_bytes: int,
-                     dtype: torch.dtype) -> Optional[str]:
+                     meta: _tags.ExchangeMeta) -> Optional[str]:
     """What the peers' headers of a counts-on-the-GPU exchange (``senders``: ``[size, 4]``,
     :meth:`moecomm.backends.p2p.PeerTransport.senders`) say that disagrees with this rank's
-    rows (dtype, row shape), or None."""
+    rows (dtype, wire dtype or kind of exchange; row shape), or None."""
     other = (senders[:, 0] != codes[0]) | (senders[:, 1] != codes[1])
     if not other.any():
         return None
     p = int(other.nonzero()[0][0])  # (never this rank: its own header carries its codes)
     their_bytes = int(senders[p, 2])
     if senders[p, 0] != codes[0]:
-        return (f"rank {p} sent rows of another dtype than rank {me}'s {dtype} "
-                f"(rows of {their_bytes} bytes against {row_bytes}): every rank must pass the same dtype")
+        label, dtype, _, wire = meta.words
+        return (f"rank {p} sent rows of another dtype, wire dtype or kind of exchange than rank {me}'s ({dtype}, "
+                f"wire dtype {wire}, {label}; rows of {their_bytes} bytes against {row_bytes}): every rank must pass "
+                f"the same")
     return (f"rank {p} sent rows of another shape than rank {me} (rows of {their_bytes} bytes against "
             f"{row_bytes}): every rank must pass the same row shape")
 
@@ -292,10 +302,13 @@ def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tenso
             request = engine.backend.alltoallv(x, [0] * engine.size, out, [0] * engine.size, 1)
         else:
             request = engine.backend.barrier() if engine.size > 1 else DoneRequest()
-    elif engine.peer is not None and max(sum(send), sum(recv)) * row_bytes >= engine.copy_engine_min_bytes:
-        request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes)
     else:
-        request = engine.backend.alltoallv(x, send, out, recv, row_bytes)
+        # what the exchange is, where the backend compares it between the ranks (peer backend)
+        meta = {"meta": _tags.exchange_meta(x.dtype, x.shape[1:])} if engine.backend.carries_meta else {}
+        if engine.peer is not None and max(sum(send), sum(recv)) * row_bytes >= engine.copy_engine_min_bytes:
+            request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes, **meta)
+        else:
+            request = engine.backend.alltoallv(x, send, out, recv, row_bytes, **meta)
     if beside is not None:
         return CheckedRequest(engine, request, check, *beside)
     if issues:

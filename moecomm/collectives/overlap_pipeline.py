@@ -62,13 +62,23 @@ class Transport:
         elif row_bytes == 0:  # the same on every rank (row shapes agree): nothing moves anywhere
             request = DoneRequest()
         elif engine.peer is not None:  # copy engines through peer memory: every rank takes part, always
-            request = engine.peer.exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes)
+            request = engine.peer.exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes,
+                                           **self._meta(send, label))
         elif b.stream_ordered and not b.collective_exchanges and not (any(send_counts) or any(recv_counts)):
             b.check_health()  # point to point: a peer expects nothing from a rank that sends nothing
             request = DoneRequest()
         else:
-            request = b.alltoallv(send, send_counts, recv, recv_counts, row_bytes, send_displs, recv_displs)
+            request = b.alltoallv(send, send_counts, recv, recv_counts, row_bytes, send_displs, recv_displs,
+                                  **self._meta(send, label))
         return Work(engine, request, self.OP, (recv, None))
+
+
+    def _meta(self, send: torch.Tensor, label: str) -> dict:
+        """``meta=`` (what the exchange is) where the backend compares it between the ranks."""
+        if not self.backend.carries_meta:
+            return {}
+        with _tags.labelled(label):
+            return {"meta": _tags.exchange_meta(send.dtype, send.shape[1:])}
 
 
 class Run:

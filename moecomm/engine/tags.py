@@ -26,14 +26,15 @@ import contextlib
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
 from .dtypes import SUPPORTED_DTYPES
 from ..errors import CountMismatchError
 
-__all__ = ["LABELS", "TagPlan", "labelled", "current", "using", "meta_code", "count_code"]
+__all__ = ["LABELS", "TagPlan", "labelled", "current", "using", "meta_code", "count_code", "META_FIELDS",
+           "ExchangeMeta", "exchange_meta"]
 
 LABELS = ("all_to_all_v", "all_to_all_v backward", "count exchange", "all_to_all_single", "all_to_all",
           "scatter_compute_gather scatter", "scatter_compute_gather gather",
@@ -77,6 +78,32 @@ def labelled(label: Optional[str] = None, wire: Optional[torch.dtype] = None) ->
 
 def meta_code(dtype: torch.dtype, row_shape: Sequence[int], wire: Optional[torch.dtype]) -> int:
     return zlib.crc32(f"{dtype}|{tuple(int(s) for s in row_shape)}|{wire}".encode()) & 0xFF
+
+
+META_FIELDS = ("kind of exchange", "dtype", "row shape", "wire dtype")
+"""What :func:`exchange_meta` describes, field by field."""
+
+
+class ExchangeMeta(NamedTuple):
+    """What an exchange is (:data:`META_FIELDS`): ``codes`` (non-negative 31-bit ints, equal on
+    ranks that agree) and the same in ``words`` (for errors)."""
+
+    codes: tuple[int, int, int, int]
+    words: tuple[str, str, str, str]
+
+
+def exchange_meta(dtype: torch.dtype, row_shape: Sequence[int]) -> ExchangeMeta:
+    """The exchange issued now: its label (:data:`LABELS`), dtype, row shape and wire dtype.
+    For backends that carry this description in their own agreement (the peer backend's
+    records) rather than in message tags."""
+    ctx = current()
+    shape = str(tuple(int(s) for s in row_shape))
+    words = (ctx.label, str(dtype), shape, str(ctx.wire))
+    return ExchangeMeta((LABELS.index(ctx.label), _crc(words[1]), _crc(shape), _crc(words[3])), words)
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def count_code(counts: Sequence[int]) -> int:

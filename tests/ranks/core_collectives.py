@@ -342,6 +342,56 @@ def check_peer_gpu_counts() -> None:
     peer.close()
 
 
+def _outcome(fn) -> object:
+    try:
+        fn()
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def check_peer_issue32() -> None:
+    """Issue 32's table on the peer backend with the defaults: what an exchange is (dtype,
+    row shape, wire dtype, kind) travels in its records or GPU headers, so a rank that passes
+    another is named on every rank (CountMismatchError) before its rows are used, and the
+    communicator stays usable (a disagreement inside scatter_compute_gather aborts it)."""
+    if BACKEND != "peer" or W == 1:
+        return
+    import moecomm.distributed as mdist
+
+    m = count_matrix(31, W, 3, 0.0) + 1
+    send, recv = m[R].tolist(), m[:, R].tolist()
+    x = input_for(31, R, m, (8,), torch.float32).to(DEV)
+    cases = [
+        ("drop-in, int32 on the last rank", "another dtype",
+         lambda: mdist.all_to_all_single(torch.empty((sum(recv), 8), dtype=torch.int32 if R == W - 1 else x.dtype,
+                                                     device=DEV), x.view(torch.int32) if R == W - 1 else x,
+                                         recv, send, group=COMM)),
+        ("known counts, e5m2 on the last rank", "another wire dtype",
+         lambda: COMM.all_to_all_v(torch.randn(sum(send), 128, device=DEV), send, recv,
+                                   wire_dtype=torch.float8_e5m2 if R == W - 1 else torch.float8_e4m3fn)),
+        ("counts on the GPU, e5m2 on the last rank", "another dtype, wire dtype or kind of exchange",
+         lambda: COMM.all_to_all_v(torch.randn(sum(send), 128, device=DEV), torch.tensor(send, device=DEV),
+                                   wire_dtype=torch.float8_e5m2 if R == W - 1 else torch.float8_e4m3fn)),
+    ]
+    for name, words, fn in cases:
+        got = _outcome(fn)
+        ok = isinstance(got, moecomm.CountMismatchError) and words in str(got) and not COMM.closed
+        collective_assert(ok, f"peer, {name}: rank {R} got {got!r}")
+        out, _ = COMM.all_to_all_v(x, send, recv)  # the next call works
+        collective_assert(np.array_equal(as_bytes(out), expected_bytes(31, R, m, (8,), torch.float32)),
+                          f"peer, the call after {name}")
+    c = make_comm(timeout=30, set_default=False)
+
+    def fn(rows, chunk):
+        return (rows * 2).double() if R == W - 1 else rows * 2
+    got = _outcome(lambda: c.scatter_compute_gather(x, send, fn, recv_splits=recv))
+    collective_assert(isinstance(got, moecomm.CountMismatchError) and "another dtype" in str(got),
+                      f"peer, scatter_compute_gather fn returns float64 on the last rank: rank {R} got {got!r}")
+    c.abort()
+    world_barrier()
+
+
 def check_peer_memory_mismatch() -> None:
     """Copy engines: a rank sending another count than its peer expects is named by the peer
     (CountMismatchError at its next call, the communicator aborted), not silently truncated."""
@@ -488,7 +538,8 @@ def check_torch_dropin() -> None:
 if __name__ == "__main__":
     ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
-               check_max_ctas, check_peer_memory, check_peer_gpu_counts, check_cuda_graph, check_torch_dropin]
+               check_max_ctas, check_peer_memory, check_peer_gpu_counts, check_peer_issue32, check_cuda_graph,
+               check_torch_dropin]
     if ONLY and ONLY.startswith("-"):
         ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
     elif ONLY:
