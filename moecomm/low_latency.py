@@ -78,13 +78,19 @@ class Transport:
         called once by every rank). True where this transport moves used rows only."""
         return False
 
+    gathers_rows: bool = False
+    """True where :meth:`exchange_rows` takes ``gather=``."""
+
     def exchange_rows(self, index: int, input: Tensor, counts: Tensor, scale: int, row_bytes: int,
-                      recv_rows: Optional[Tensor] = None) -> None:  # pragma: no cover - interface
+                      recv_rows: Optional[Tensor] = None,
+                      gather: Optional[Tensor] = None) -> None:  # pragma: no cover - interface
         """Where :meth:`bind_rows` said True: only the first ``counts[p] * scale`` rows (of
         ``row_bytes``) of block ``p`` of ``input`` go to rank ``p``'s output ``index``, at the
         start of this rank's block there; the rest of that block is left as it was.
         ``counts`` (int64 ``[W]``) is on the device; ``recv_rows`` (int64 ``[W]`` on the
-        device, or None) gets the rows each rank sent here. No host synchronisation."""
+        device, or None) gets the rows each rank sent here. Where :attr:`gathers_rows`,
+        ``gather`` (int64, one per row of the output) makes the blocks ``input[gather]``,
+        gathered on the way rather than first. No host synchronisation."""
         raise NotImplementedError
 
 
@@ -131,9 +137,11 @@ class PeerMemoryTransport(Transport):
         self._rows = self._backend.fixed_rows(outputs)
         return self._rows is not None
 
+    gathers_rows = True
+
     def exchange_rows(self, index: int, input: Tensor, counts: Tensor, scale: int, row_bytes: int,
-                      recv_rows: Optional[Tensor] = None) -> None:
-        self._rows.exchange(index, input, counts, scale, row_bytes, recv_rows)
+                      recv_rows: Optional[Tensor] = None, gather: Optional[Tensor] = None) -> None:
+        self._rows.exchange(index, input, counts, scale, row_bytes, recv_rows, gather)
 
     def exchange(self, output: Tensor, input: Tensor) -> None:
         block = input.nbytes // self.comm.size
@@ -318,6 +326,11 @@ class LowLatencyBuffer:
         """Whether dispatch and combine run :mod:`moecomm_ext`'s kernels (else torch ops)."""
         return self._ll is not None
 
+    def _gather_rows(self, src: Tensor, row_bytes: int) -> bool:
+        """Whether the transport can pick the send rows from ``src`` on the way (no gather first)."""
+        return (self.transport.gathers_rows and src.is_contiguous() and row_bytes % 16 == 0
+                and src.data_ptr() % 16 == 0)
+
     def _exchange(self, output: Tensor, input: Tensor) -> None:
         if not self._alone:
             self.transport.exchange(output, input)
@@ -453,10 +466,14 @@ class LowLatencyBuffer:
         self._stage_rows(x, T)
         ll.ll_dispatch_layout(topk_idx, num_tokens, self.num_experts, self.size, self._kk, self._xs, self._payload,
                               self._id_bytes, self._send_tok, self._bidx, self._send_counts if rows else None)
-        torch.index_select(self._xs, 0, self._send_tok, out=self._send)
-        if rows:
+        if rows and self._gather_rows(self._xs, self.row_bytes):  # the send rows picked on the way
+            self.transport.exchange_rows(0, self._xs, self._send_counts, 1, self.row_bytes, self._recv_counts,
+                                         gather=self._send_tok)
+        elif rows:
+            torch.index_select(self._xs, 0, self._send_tok, out=self._send)
             self.transport.exchange_rows(0, self._send, self._send_counts, 1, self.row_bytes, self._recv_counts)
         else:
+            torch.index_select(self._xs, 0, self._send_tok, out=self._send)
             self._exchange(self._recv, self._send)
         sent = self._recv_counts if rows else None
         if self.fp8_dtype is None:
@@ -649,11 +666,16 @@ class LowLatencyBuffer:
         """
         T = self._check_combine(expert_y, topk_weights, handle)
         M, k, Hc = self.max_tokens_per_rank, self.k, self.combine_hidden
-        torch.index_select(expert_y.view(-1, Hc), 0, self._qic.view(-1), out=self._back_send)
-        if self._by_rows:  # each source gets back kk rows per row it sent here
-            self.transport.exchange_rows(1, self._back_send, self._recv_counts, self._kk,
-                                         Hc * self._back_send.element_size())
+        rows = expert_y.view(-1, Hc)
+        back_bytes = Hc * self._back_send.element_size()
+        if self._by_rows and self._gather_rows(rows, back_bytes):  # each source gets back kk rows per row it
+            self.transport.exchange_rows(1, rows, self._recv_counts, self._kk, back_bytes,  # sent here, picked
+                                         gather=self._qic.view(-1))                    # on the way
+        elif self._by_rows:
+            torch.index_select(rows, 0, self._qic.view(-1), out=self._back_send)
+            self.transport.exchange_rows(1, self._back_send, self._recv_counts, self._kk, back_bytes)
         else:
+            torch.index_select(rows, 0, self._qic.view(-1), out=self._back_send)
             self._exchange(self._back_recv[:-1], self._back_send)
         if self._ll is not None:
             w = topk_weights

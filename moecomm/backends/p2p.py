@@ -280,15 +280,18 @@ class PeerTransport:
                               self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out)
 
     def launch_rows_exchange(self, src: int, in_block: int, row_bytes: int, counts: int, scale: int, tables: int,
-                             my_sync: int, state: int, done: int, recv_rows: int, status: int) -> None:
+                             my_sync: int, state: int, done: int, recv_rows: int, status: int,
+                             src_index: int = 0, src_rows: int = 0) -> None:
         """Enqueue a used-rows exchange on the caller's current stream (two kernels, see
         ``rows_exchange`` in ``csrc/p2p_cuda.cu``). Raw addresses: ``tables`` is 3 x size
         uint64 on the device (where this rank's block, flag slot and ready slot are in each
         rank's memory); ``my_sync`` this rank's own flag slots ([size, 2] int64), then its
-        ready slots ([size] int64); ``recv_rows`` 0 for none."""
+        ready slots ([size] int64); ``recv_rows`` 0 for none; ``src_index`` (int64, one per
+        row of the blocks; 0 for none): the blocks' rows gathered from ``src`` (``src_rows``
+        rows) on the way."""
         W = self.size
-        self._ext.rows_exchange(self._device, _cudart.current_stream(self._device), src, in_block, row_bytes, counts,
-                                scale, tables, tables + 8 * W, tables + 16 * W, my_sync, my_sync + 16 * W, state, done,
+        self._ext.rows_exchange(self._device, _cudart.current_stream(self._device), src, in_block, row_bytes,
+                                src_index, src_rows, counts, scale, tables, tables + 8 * W, tables + 16 * W, my_sync, my_sync + 16 * W, state, done,
                                 W, max(_ROWS_MIN_BLOCKS_PER_PEER, _ROWS_BLOCKS // W), recv_rows, status,
                                 self._timeout_ns)
 

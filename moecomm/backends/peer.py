@@ -60,7 +60,7 @@ try:
 except Exception:  # noqa: BLE001 - no CUDA runtime bindings: then no peer backend (create raises)
     _cudart = None
 
-__all__ = ["PeerBackend", "FixedRows", "DEFAULT_REGION_BYTES", "DIRECT_MIN_BYTES", "CONCURRENT_ROUND_S", "default_arena_bytes", "shared_gpus"]
+__all__ = ["PeerBackend", "FixedRows", "rows_gatherable", "DEFAULT_REGION_BYTES", "DIRECT_MIN_BYTES", "CONCURRENT_ROUND_S", "default_arena_bytes", "shared_gpus"]
 
 _LOG = logging.getLogger("moecomm")
 
@@ -448,6 +448,13 @@ def shared_gpus(devices: Sequence[str], hosts: Sequence[str]) -> dict[tuple[str,
     return {k: v for k, v in where.items() if len(v) > 1}
 
 
+def rows_gatherable(send: torch.Tensor, row_bytes: int) -> bool:
+    """Whether :meth:`FixedRows.exchange` can gather rows of ``row_bytes`` from ``send``:
+    contiguous, 16-byte rows at a 16-byte aligned address."""
+    return (send.is_contiguous() and row_bytes > 0 and row_bytes % 16 == 0 and send.nbytes % row_bytes == 0
+            and send.data_ptr() % 16 == 0)
+
+
 class FixedRows:
     """Used-rows exchanges into fixed output buffers (:meth:`PeerBackend.fixed_rows`): each
     block's used rows (a count on the device) are written by the GPU straight into the
@@ -486,18 +493,32 @@ class FixedRows:
                                f"timeout on rank {self.backend.rank}; the communicator was aborted")
 
     def exchange(self, index: int, send: torch.Tensor, counts: torch.Tensor, scale: int, row_bytes: int,
-                 recv_rows: Optional[torch.Tensor] = None) -> None:
+                 recv_rows: Optional[torch.Tensor] = None, gather: Optional[torch.Tensor] = None) -> None:
         """Enqueue on the current stream: ``counts[p] * scale`` rows of ``row_bytes`` from block
         ``p`` of ``send`` (``send.nbytes / size`` bytes a block) into rank ``p``'s output
         ``index`` (the same block layout); ``recv_rows`` (int64 ``[size]`` on the device, or
-        None) gets the rows each rank sent here."""
+        None) gets the rows each rank sent here. With ``gather`` (int64, one per row of the
+        output), the blocks are ``send[gather]``, gathered on the way (``send``: any rows of
+        ``row_bytes``; an index outside them copies nothing)."""
         self.check()
         self.backend.check_health()
         out, tables = self._tables[index]
-        if send.nbytes != out.nbytes:  # (the kernel also never copies more than a block)
-            raise ValueError(f"send must have the bytes of output {index} ({out.nbytes}), got {send.nbytes}")
         W = self.backend.size
+        if gather is None:
+            if send.nbytes != out.nbytes:  # (the kernel also never copies more than a block)
+                raise ValueError(f"send must have the bytes of output {index} ({out.nbytes}), got {send.nbytes}")
+            src_index = src_rows = 0
+        else:
+            if gather.dtype != torch.int64 or not gather.is_contiguous() or gather.device != send.device or \
+                    gather.numel() * row_bytes != out.nbytes:
+                raise ValueError(f"gather must be contiguous int64 on {send.device} with one index per row of "
+                                 f"output {index} ({out.nbytes // row_bytes} rows of {row_bytes} bytes), got "
+                                 f"{gather.dtype} {tuple(gather.shape)} on {gather.device}")
+            if not rows_gatherable(send, row_bytes):
+                raise ValueError(f"send must be contiguous rows of {row_bytes} bytes (a multiple of 16) at a 16-byte "
+                                 f"aligned address to gather from, got {send.nbytes} bytes at {send.data_ptr():#x}")
+            src_index, src_rows = gather.data_ptr(), send.nbytes // row_bytes
         self.backend.transport.launch_rows_exchange(
-            send.data_ptr(), send.nbytes // W, row_bytes, counts.data_ptr(), scale, tables.data_ptr(),
+            send.data_ptr(), out.nbytes // W, row_bytes, counts.data_ptr(), scale, tables.data_ptr(),
             self._sync.data_ptr(), self._state.data_ptr(), self._done.data_ptr(),
-            0 if recv_rows is None else recv_rows.data_ptr(), self._status.data_ptr())
+            0 if recv_rows is None else recv_rows.data_ptr(), self._status.data_ptr(), src_index, src_rows)

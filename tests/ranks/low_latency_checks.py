@@ -226,16 +226,22 @@ class UsedRowsTransport(AllToAllTransport):
     block left as it was: zeros at first, which name expert 0, then earlier calls' rows), over
     the communicator: the buffer's used-rows path on any ranks."""
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, gathers_rows: bool = False) -> None:
         super().__init__(comm)
         self.outputs = None
+        self.gathers_rows = gathers_rows
+        self.gathered = 0
 
     def bind_rows(self, outputs) -> bool:
         self.outputs = list(outputs)
         return True
 
-    def exchange_rows(self, index, input, counts, scale, row_bytes, recv_rows=None) -> None:
+    def exchange_rows(self, index, input, counts, scale, row_bytes, recv_rows=None, gather=None) -> None:
         out = self.outputs[index]
+        if gather is not None:  # (the peer kernel picks these rows on the way)
+            assert self.gathers_rows and gather.numel() == out.shape[0], "gather: one index per output row"
+            input = input.index_select(0, gather)
+            self.gathered += 1
         landed = torch.empty_like(out)
         super().exchange(landed, input)
         got = torch.empty_like(counts)
@@ -251,16 +257,17 @@ class UsedRowsTransport(AllToAllTransport):
 def check_used_rows() -> None:
     """The buffer over a transport that moves used rows only (stale garbage after them): the
     same counts, expert rows and combined rows, bit for bit, as over the padded exchange; FP8,
-    a padded batch with num_tokens, skewed routing, over several calls."""
+    a padded batch with num_tokens, skewed routing, over several calls; with the send rows
+    gathered first and picked by the transport on the way (gather=)."""
     if moecomm_ext.implementation(DEV.type) != "native" or W == 1:
         return
-    M, H, k, L = 5, 40, 4, 3
+    M, k, L = 5, 4, 3
     E = L * W
     problems = []
-    for fp8 in (False, True):
+    for fp8, gathers, H in ((False, False, 40), (True, False, 40), (False, True, 64), (True, True, 64)):
         plain = LowLatencyBuffer(COMM, M, H, E, k, torch.bfloat16, fp8_dispatch=fp8, transport=AllToAllTransport(COMM))
         rows = LowLatencyBuffer(COMM, M, H, E, k, torch.bfloat16, fp8_dispatch=fp8,
-                                transport=UsedRowsTransport(COMM))
+                                transport=UsedRowsTransport(COMM, gathers))
         for seed, how in enumerate(["uniform", "one_rank", "holes", "one_expert", "duplicates"]):
             T = M - seed % 3
             x, idx = tokens(seed, R, M, H, torch.bfloat16).to(DEV), routing(seed, R, M, k, E, how).to(DEV)
@@ -274,13 +281,15 @@ def check_used_rows() -> None:
                 got.append((d.counts.clone(), rows_e, buf.combine(ey.to(DEV), w, d.handle).clone()))
             (c0, r0, y0), (c1, r1, y1) = got
             if not torch.equal(c0, c1):
-                problems.append(f"fp8={fp8} {how}: counts {c0.tolist()} vs {c1.tolist()}")
+                problems.append(f"fp8={fp8} gathers={gathers} {how}: counts {c0.tolist()} vs {c1.tolist()}")
             elif not all(same_bits(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(r0, r1)):
                 problems.append(f"fp8={fp8} {how}: expert rows")
             if not same_bits(y0, y1):
                 problems.append(f"fp8={fp8} {how}: combine")
         if rows._by_rows is not True:
             problems.append("the used-rows path was not taken")
+        if gathers and rows.transport.gathered < 5:  # (the combine's rows at least: 128 bytes)
+            problems.append(f"fp8={fp8}: the rows were picked on the way in {rows.transport.gathered} exchanges")
     collective_assert(not problems, "; ".join(problems))
 
 

@@ -354,7 +354,22 @@ __global__ void rows_ready_kernel(const uint64_t* __restrict__ ready_dst, const 
   __threadfence_system();  // the peer's earlier writes are seen before this exchange writes into its output
 }
 
+// The used rows of one block gathered from `src` by `index` (row i of the block is src row
+// index[i]; an index outside [0, src_rows) copies nothing): 16-byte vectors, row by row.
+__device__ __forceinline__ void gather_rows_to(char* to, const char* __restrict__ src, const int64_t* __restrict__ index,
+                                               int64_t src_rows, int64_t rows, int64_t row_bytes, int64_t first,
+                                               int64_t stride) {
+  const int64_t per_row = row_bytes / 16, n = rows * per_row;
+  for (int64_t i = first; i < n; i += stride) {
+    const int64_t r = i / per_row, v = i - r * per_row;
+    const int64_t from = index[r];
+    if (from < 0 || from >= src_rows) continue;
+    reinterpret_cast<uint4*>(to + r * row_bytes)[v] = reinterpret_cast<const uint4*>(src + from * row_bytes)[v];
+  }
+}
+
 __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_block, int64_t row_bytes,
+                                      const int64_t* __restrict__ src_index, int64_t src_rows,
                                       const int64_t* __restrict__ counts, int64_t scale,
                                       const uint64_t* __restrict__ dst, const uint64_t* __restrict__ flag_dst,
                                       const int64_t* my_flags, int64_t* state, unsigned int* done, int world,
@@ -391,7 +406,9 @@ __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_b
       const char* from = src + int64_t(p) * in_block;
       char* to = reinterpret_cast<char*>(dst[p]);
       const int64_t first = int64_t(b) * blockDim.x + threadIdx.x, stride = int64_t(blocks_per_peer) * blockDim.x;
-      if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(from) % 16 == 0 && reinterpret_cast<uintptr_t>(to) % 16 == 0) {
+      if (src_index != nullptr) {  // (row_bytes and the addresses 16-byte aligned: checked by the launcher)
+        gather_rows_to(to, src, src_index + int64_t(p) * fit, src_rows, rows, row_bytes, first, stride);
+      } else if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(from) % 16 == 0 && reinterpret_cast<uintptr_t>(to) % 16 == 0) {
         copy_vectors(reinterpret_cast<uint4*>(to), reinterpret_cast<const uint4*>(from), bytes / 16, first, stride);
       } else {
         for (int64_t i = first; i < bytes; i += stride) to[i] = from[i];
@@ -419,7 +436,10 @@ __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_b
 }
 
 // Both kernels on `stream`. `done`: world + 1 zeroed unsigned ints of this exchange's own.
+// `src_index` (0: none): block p's row i is row src_index[p * in_block / row_bytes + i] of `src`
+// (`src_rows` rows), gathered on the way; else block p is `in_block` bytes from src + p * in_block.
 void rows_exchange(int device, uint64_t stream_handle, uint64_t src, int64_t in_block, int64_t row_bytes,
+                   uint64_t src_index, int64_t src_rows,
                    uint64_t counts, int64_t scale, uint64_t dst, uint64_t flag_dst, uint64_t ready_dst,
                    uint64_t my_flags, uint64_t my_ready, uint64_t state, uint64_t done, int world, int blocks_per_peer,
                    uint64_t recv_rows, uint64_t status, uint64_t timeout_ns) {
@@ -430,6 +450,11 @@ void rows_exchange(int device, uint64_t stream_handle, uint64_t src, int64_t in_
                                 ", blocks_per_peer " + std::to_string(blocks_per_peer) + ", in_block " +
                                 std::to_string(in_block) + ", scale " + std::to_string(scale));
   }
+  if (src_index != 0 && (row_bytes % 16 != 0 || src % 16 != 0 || src_rows < 0)) {
+    throw std::invalid_argument("rows_exchange: gathering rows needs row_bytes and the source address 16-byte "
+                                "aligned and src_rows not negative; got row_bytes " + std::to_string(row_bytes) +
+                                ", src_rows " + std::to_string(src_rows));
+  }
   DeviceGuard guard(device);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int threads = 32 * ((world + 31) / 32);
@@ -439,7 +464,8 @@ void rows_exchange(int device, uint64_t stream_handle, uint64_t src, int64_t in_
                                                reinterpret_cast<volatile int64_t*>(status), timeout_ns);
   check(cudaGetLastError(), "rows-ready kernel launch");
   rows_send_wait_kernel<<<world * blocks_per_peer + 1, 512, 0, stream>>>(
-      reinterpret_cast<const char*>(src), in_block, row_bytes, reinterpret_cast<const int64_t*>(counts), scale,
+      reinterpret_cast<const char*>(src), in_block, row_bytes, reinterpret_cast<const int64_t*>(src_index),
+      src_rows, reinterpret_cast<const int64_t*>(counts), scale,
       reinterpret_cast<const uint64_t*>(dst), reinterpret_cast<const uint64_t*>(flag_dst),
       reinterpret_cast<const int64_t*>(my_flags), reinterpret_cast<int64_t*>(state),
       reinterpret_cast<unsigned int*>(done), world, blocks_per_peer, reinterpret_cast<int64_t*>(recv_rows),
