@@ -23,8 +23,9 @@ Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCC
                  the rows move through peer memory with the counts still on the GPU)
   moecomm-p2p-known  as ``moecomm-known`` on that communicator: the rows move by copy engines
   moecomm-known-unchecked  ``--check-cost``: as ``moecomm-known`` without the default check
-                 (MPI: the rows as one ``Ialltoallv``, not tagged messages, see moecomm/engine/tags.py),
-                 to time what the check costs
+                 (MPI: the rows as one ``Ialltoallv``, not tagged messages, see moecomm/engine/tags.py;
+                 peer backend: the agreement record without what the exchange is), to time what
+                 the check costs
   copy           one device copy of the same bytes (``torch.empty_like(x).copy_(x)``): the
                  floor where the ranks share one device's memory (ranks sharing a GPU)
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,

@@ -18,14 +18,15 @@ synchronisations; times are the slowest rank's, median (and 10th/90th percentile
 * **megatron**: ``MoEAlltoAllTokenDispatcher`` (top ``--megatron-k``, dropless) with a
   two-matmul expert per local expert; methods ``nccl`` (Megatron's own
   ``torch.distributed.all_to_all_single`` and torch permute/unpermute), ``moecomm``
-  (:func:`moecomm.integrations.megatron.enable`: the exchange and the permutation on moecomm)
-  and ``moecomm-a2a`` (``enable(permute=False)``: the exchange only). ``a2a_ms``: forward ``token_dispatch`` +
+  (``enable(layer="megatron")``: the exchange and the permutation on moecomm) and
+  ``moecomm-a2a`` (``enable(permute=False, layer="megatron")``: the exchange only). ``a2a_ms``: forward ``token_dispatch`` +
   ``token_combine`` (the tokens, probabilities and combine exchanges; CUDA events around
   them); ``step_ms``: the whole pipeline forward + backward. Ratios: moecomm / nccl (and moecomm-a2a / nccl).
 * **megatron_layer**: Megatron-core's own ``MoELayer`` (its TopKRouter, alltoall dispatcher and
   ``SequentialMLP`` experts, built without Transformer Engine; top ``--megatron-k``): methods
-  ``megatron``, ``moecomm`` (``enable()``) and ``moecomm-layer`` (``enable(layer="moecomm")``:
-  the layer on moecomm's fused step); ``step_ms`` forward + backward. Ratios: each / megatron.
+  ``megatron``, ``moecomm`` (``enable()``, the default: the layer on moecomm's fused step) and
+  ``moecomm-exchange`` (``enable(layer="megatron")``: Megatron's forward with its exchanges and
+  permutation on moecomm); ``step_ms`` forward + backward. Ratios: each / megatron.
 * **deepspeed**: ``deepspeed.moe.layer.MoE`` (capacity factor 1.0, a two-layer GELU expert)
   at each ``--ks``; methods ``native`` (DeepSpeed's sparse encode/decode and its exchange),
   ``tutel`` (``use_tutel=True`` on moecomm's kernels, DeepSpeed's exchange) and
@@ -246,7 +247,7 @@ def bench_megatron(args: argparse.Namespace, device: torch.device, dtype: torch.
 
     def routed(permute: bool) -> Callable[[_Clock], dict]:
         def timed(clock: _Clock) -> dict:
-            megatron.enable(permute=permute)
+            megatron.enable(permute=permute, layer="megatron")
             try:
                 return step(clock)
             finally:
@@ -267,8 +268,9 @@ def bench_megatron_layer(args: argparse.Namespace, device: torch.device, dtype: 
                          rng: random.Random) -> dict:
     """Megatron-core's own ``MoELayer`` (TopKRouter, alltoall dispatcher, ``SequentialMLP``
     GELU experts, built without Transformer Engine), forward + backward: ``megatron`` (its own
-    forward), ``moecomm`` (``enable()``: the exchange and the permutation) and
-    ``moecomm-layer`` (``enable(layer="moecomm")``)."""
+    forward), ``moecomm`` (``enable()``, the default: the layer's step on moecomm) and
+    ``moecomm-exchange`` (``enable(layer="megatron")``: Megatron's forward, its exchanges and
+    permutation on moecomm)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -298,7 +300,7 @@ def bench_megatron_layer(args: argparse.Namespace, device: torch.device, dtype: 
 
     def method(**kw: Any) -> Callable[[_Clock], dict]:
         def timed(clock: _Clock) -> dict:
-            if kw:
+            if kw.pop("enabled", True):
                 megatron.enable(**kw)
             try:
                 def run() -> None:
@@ -312,14 +314,14 @@ def bench_megatron_layer(args: argparse.Namespace, device: torch.device, dtype: 
                 megatron.disable()
         return timed
 
-    res = _rounds({"megatron": method(), "moecomm": method(permute=True), "moecomm-layer": method(layer="moecomm")},
+    res = _rounds({"megatron": method(enabled=False), "moecomm": method(), "moecomm-exchange": method(layer="megatron")},
                   clock=_Clock(device), args=args, rng=rng)
     why = megatron.layer_fallback_reason(layer)
     return {"config": {"k": k, "tokens": T, "model_dim": M, "hidden": H, "experts": E, "dtype": str(dtype),
                        "experts_module": type(layer.experts).__name__},
             "methods": res, "moecomm_layer_fallback": why,
             "ratio_over_megatron": {n: res[n]["step_ms"]["median_ms"] / res["megatron"]["step_ms"]["median_ms"]
-                                    for n in ("moecomm", "moecomm-layer")}}
+                                    for n in ("moecomm", "moecomm-exchange")}}
 
 
 # ---------------------------------------------------------------------------------------
@@ -428,8 +430,8 @@ def main(argv: Optional[list] = None) -> dict:
                   f"step = {r['step_ms']:.3f} (exchange only, permute=False: step = {ra['step_ms']:.3f})", flush=True)
         if "megatron_layer" in report:
             r = report["megatron_layer"]["ratio_over_megatron"]
-            print(f"megatron MoELayer (SequentialMLP): step moecomm/megatron = {r['moecomm']:.3f}, "
-                  f"layer='moecomm'/megatron = {r['moecomm-layer']:.3f}", flush=True)
+            print(f"megatron MoELayer (SequentialMLP): step moecomm (enable())/megatron = {r['moecomm']:.3f}, "
+                  f"layer='megatron' (exchange, permute)/megatron = {r['moecomm-exchange']:.3f}", flush=True)
         for key, res in report.get("deepspeed", {}).get("by_k", {}).items():
             ratios = ", ".join(f"{n}/native = {v:.3f}" for n, v in res["ratio_over_native"].items())
             print(f"deepspeed MoE {key}: {ratios}", flush=True)

@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27, hostdiag,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -265,6 +265,15 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
           python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e ${BATCH_E:-256M} -f 4 -p uniform,random,skewed \
           -n 20 --batch 10 --no-progress --json "$RES/shared_gpu_alltoall_${n}_batch10.json"
+      done
+      mps_off ;;
+    checkcost)  # issue 32: the default check's cost (known counts, checked against unchecked), ranks sharing GPU 0 under MPS
+      mps_on
+      for n in ${CHECK_RANKS:-2 4}; do
+        step "checkcost_$n" 180 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
+          -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+          python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 1M -e 64M -f 4 -p uniform,random --check-cost \
+          -n 30 --batch 10 --no-progress --json "$RES/shared_gpu_checkcost_$n.json"
       done
       mps_off ;;
     sharedmoeprof)  # issue 26: where a step of the layer spends its host time, 2 ranks sharing the GPU under MPS

@@ -82,7 +82,8 @@ class Engine:
         # validate: off by default for their cost (README, "Bad input and faults"); a switch
         # for bench.alltoall --check-cost, which times them, and for tests.
         self.records_beside = False
-        # Row exchanges as tagged messages (moecomm.engine.tags) where the backend has them: the
+        # Row exchanges as tagged messages (moecomm.engine.tags) where the backend has them, and
+        # what an exchange is in its agreement record where the backend carries one (peer): the
         # default check; a switch for bench.alltoall --check-cost, which times it.
         self.row_tags = True
         self.seq = 0  # exchanges issued on this engine (their tags carry it)

@@ -36,24 +36,25 @@ backward, no ``index_add`` / ``scatter_add_`` atomics), the index arithmetic sta
 and the bits are Megatron's in float32/float64 (and bfloat16/float16 up to top-2 routing;
 see :mod:`moecomm.integrations._permute`). Fused calls still go to Transformer Engine.
 
-**The layer.** ``enable(layer="moecomm")`` also replaces ``MoELayer.forward`` (every layer,
-built before or after the call): Megatron's router runs as its own (probabilities, routing
-map, aux losses, z-loss, expert-bias counts), then moecomm's fused step does the rest in
-place of Megatron's permutation, dispatcher, ``SequentialMLP`` per-expert loop (with its
-host ``tolist``) and unpermutation: the routes' rows gathered by a native kernel, exchanged
-over the expert-parallel group's communicator with the counts on the device, the local
-experts run as grouped GEMMs on weights stacked from Megatron's own ``linear_fc1`` /
-``linear_fc2`` parameters (their gradients reach them), the outputs summed per token
-weighted by Megatron's probabilities; Megatron's shared experts are added as Megatron adds
+**The layer.** ``enable()`` (``layer="moecomm"``, the default) also replaces
+``MoELayer.forward`` (every layer, built before or after the call): Megatron's router runs as
+its own (probabilities, routing map, aux losses, z-loss, expert-bias counts), then moecomm's
+fused step does the rest in place of Megatron's permutation, dispatcher, ``SequentialMLP``
+per-expert loop (with its host ``tolist``) and unpermutation: the routes' rows gathered by a
+native kernel, exchanged over the expert-parallel group's communicator with the counts on the
+device, the local experts run as grouped GEMMs on weights stacked from Megatron's own
+``linear_fc1`` / ``linear_fc2`` parameters (their gradients reach them), the outputs summed per
+token weighted by Megatron's probabilities; Megatron's shared experts are added as Megatron adds
 them. Results equal Megatron's own layer to float rounding (the GEMMs are blocked and the k
-routes summed in another order; tested in float32 on CPU). Supported: ``SequentialMLP``
-experts (what Megatron builds without Transformer Engine) with ``F.gelu``, ``F.silu`` or
-``F.relu``, gated (``gated_linear_unit``) or not, biases on or off; expert parallelism
-without tensor parallelism; dropless routing (no ``moe_expert_capacity_factor``) with any of
-Megatron's routers. A layer outside that (Transformer Engine experts, a capacity factor, a
-padding mask, FP8, latent MoE, recomputation, partial CUDA graphs, shared-expert overlap, ...)
-runs Megatron's own ``forward``, with one log line per layer and reason (logger ``"moecomm"``;
-:func:`layer_fallback_reason` tells it for a layer).
+routes summed in another order; tested in float32 on CPU): ``enable(layer="megatron")`` keeps
+Megatron's forward and bits, with only the exchanges and the permutation on moecomm. Supported:
+``SequentialMLP`` experts (what Megatron builds without Transformer Engine) with ``F.gelu``,
+``F.silu`` or ``F.relu``, gated (``gated_linear_unit``) or not, biases on or off; expert
+parallelism without tensor parallelism; dropless routing (no ``moe_expert_capacity_factor``)
+with any of Megatron's routers. A layer outside that (Transformer Engine experts, a capacity
+factor, a padding mask, FP8, latent MoE, recomputation, partial CUDA graphs, shared-expert
+overlap, ...) runs Megatron's own ``forward``, with one log line per layer and reason (logger
+``"moecomm"``; :func:`layer_fallback_reason` tells it for a layer).
 
 **Versions.** megatron-core 0.19 and later (:data:`SUPPORTED`; tested: 0.19.2). ``enable()``
 refuses an older one with the README's install recipe (:func:`check_version`).
@@ -201,22 +202,25 @@ def _enable_layer() -> None:
     _state["layer"] = original
 
 
-def enable(*, permute: bool = True, layer: str = "megatron") -> None:
+def enable(*, permute: bool = True, layer: str = "moecomm") -> None:
     """Route Megatron-core's ``_AllToAll`` (forward and backward) through moecomm.
 
     Args:
         permute: also run the dispatcher's unfused permutation and unpermutation on moecomm's
             gather kernels (see the module docstring; False: only the exchange).
-        layer: ``"moecomm"``: every ``MoELayer`` (built before or after) runs its permutation,
-            exchanges, experts and unpermutation as moecomm's fused step (see the module
-            docstring for what is supported; other layers keep Megatron's path, with one log
-            line naming why); ``"megatron"`` (the default): Megatron's own ``forward``.
+        layer: ``"moecomm"`` (the default): every ``MoELayer`` (built before or after) runs its
+            permutation, exchanges, experts and unpermutation as moecomm's fused step (see the
+            module docstring for what is supported; other layers keep Megatron's path, with one
+            log line naming why); results equal Megatron's to float rounding. ``"megatron"``:
+            Megatron's own ``forward``, only its exchanges (and with ``permute``, its
+            permutation) on moecomm, with Megatron's bits.
 
     Call it on every rank, before or after building the model (the patch is on the class, so
     existing dispatchers are covered). Idempotent. A communicator is made for a group on its
     first exchange; call :func:`moecomm.init` first to have the default one reused.
     A later call adds what it asks for (``permute=True``, ``layer="moecomm"``) and never takes
-    away (``layer="megatron"`` leaves an enabled moecomm layer on): :func:`disable` removes all.
+    away (``layer="megatron"`` leaves an enabled moecomm layer on): :func:`disable` removes all,
+    and ``enable(layer="megatron")`` after it keeps Megatron's own layer.
 
     Raises:
         ImportError: megatron-core is not installed (the message says so).

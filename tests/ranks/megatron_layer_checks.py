@@ -94,7 +94,9 @@ def main() -> None:
         results = []
         for mode in ("megatron", "moecomm"):
             if mode == "moecomm":
-                megatron.enable(layer="moecomm")
+                megatron.enable()  # the default: the layer on moecomm
+                if not megatron.layer_enabled():
+                    failures.append(f"rank {R}: enable() left Megatron's own layer on")
             for p in layer.parameters():
                 p.grad = None
             captured.clear()
@@ -145,6 +147,10 @@ def main() -> None:
         layer = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)(config=cfg,
                                                                                         pg_collection=pg)
     layer.set_layer_number(1)
+    megatron.enable(layer="megatron")
+    if megatron.layer_enabled():
+        failures.append(f"rank {R}: enable(layer='megatron') put the layer on moecomm")
+    megatron.disable()
     megatron.enable(layer="moecomm")
     try:
         with _megatron_cpu_standins(True), contextlib.suppress(Exception):
