@@ -298,9 +298,9 @@ def bench_megatron_layer(args: argparse.Namespace, device: torch.device, dtype: 
     x = torch.randn(T, 1, M, generator=g).to(device, dtype).requires_grad_(True)
     grad = torch.randn(T, 1, M, generator=g).to(device, dtype)
 
-    def method(**kw: Any) -> Callable[[_Clock], dict]:
+    def method(enabled: bool = True, **kw: Any) -> Callable[[_Clock], dict]:
         def timed(clock: _Clock) -> dict:
-            if kw.pop("enabled", True):
+            if enabled:
                 megatron.enable(**kw)
             try:
                 def run() -> None:

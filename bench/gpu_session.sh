@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -276,6 +276,20 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           -n 30 --batch 10 --no-progress --json "$RES/shared_gpu_checkcost_$n.json"
       done
       mps_off ;;
+    decodeab)  # issue 30: the used-rows exchange's copy blocks (16 / 128) and gathering on the way (or not), 2 ranks, MPS
+      mps_on
+      for rb in 16 128; do
+        for g in "" "--no-gather"; do
+          step "decodeab_${rb}${g}" 90 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
+            -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+            python3 -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --rows-blocks $rb $g --json "$RES/decodeab_${rb}${g}.json"
+        done
+      done
+      mps_off ;;
+    dlsyncs)  # issue 27: host syncs and host time (cProfile) of the dropless steps, ReLU (biases) and SwiGLU
+      for cfg in "relu_dl:--dropless" "swiglu_dl:--activation swiglu --dropless"; do
+        step "dlsyncs_${cfg%%:*}" 90 python3 -m bench.moe_layer --top-k 2 ${cfg#*:} -n 3 --sync-report --host-profile
+      done ;;
     sharedmoeprof)  # issue 26: where a step of the layer spends its host time, 2 ranks sharing the GPU under MPS
       mps_on
       step shared_moe_prof_2 120 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \

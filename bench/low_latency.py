@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then profile N eager dispatch + combine calls (torch.profiler: host and device time per "
                         "op and kernel, printed by rank 0)")
+    p.add_argument("--rows-blocks", type=int, default=0, metavar="N",
+                   help="diagnostic: thread blocks of the peer backend's used-rows exchange over all peers "
+                        "(default: the library's)")
+    p.add_argument("--no-gather", action="store_true",
+                   help="diagnostic: the peer exchange copies staged send rows instead of gathering them on the way")
     p.add_argument("--json", default=None, help="write the results to this file (rank 0)")
     return p
 
@@ -122,8 +127,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
     E = args.experts or 4 * W
     dtype = DTYPES[args.dtype]
     M, H, k = args.tokens, args.hidden, args.k
+    if args.rows_blocks and dev.type == "cuda":
+        from moecomm.backends import p2p
+
+        p2p._ROWS_BLOCKS = args.rows_blocks  # private, for this measurement only
     buf = LowLatencyBuffer(comm, M, H, E, k, dtype, fp8_dispatch=args.fp8, check_routing=False,
                            use_native=False if args.torch_ops else None)
+    if args.no_gather:
+        buf.transport.gathers_rows = False  # private, for this measurement only
     L, R = buf.local_experts, buf.max_rows
     x = torch.randn(M, H, device=dev).to(dtype)
     idx = torch.zeros(M, k, dtype=torch.int64, device=dev)

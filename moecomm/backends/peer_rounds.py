@@ -101,7 +101,8 @@ def disagreement(table: Sequence[Sequence[int]], me: int,
         return True, (f"the ranks are in different exchanges (numbers {min(calls)} to {max(calls)}; rank {me} is in "
                       f"{table[me][0]})")
     meta_at = _HEAD + SHARED_INTS + 3 * W
-    for i, name in enumerate(_META_NAMES):
+    mine_meta = table[me][meta_at:meta_at + META_INTS]
+    for i, name in enumerate(_META_NAMES if any(row[meta_at:meta_at + META_INTS] != mine_meta for row in table) else ()):
         others = [r for r in range(W) if table[r][meta_at + i] != table[me][meta_at + i]]
         if others:
             mine = f" ({meta_words[i]})" if meta_words is not None else ""
@@ -111,6 +112,9 @@ def disagreement(table: Sequence[Sequence[int]], me: int,
         return False, (f"the ranks' rows differ in size ({min(sizes)} to {max(sizes)} bytes; rank {me}'s: "
                        f"{table[me][1]}; found before any row moved)")
     sent_at, expect_at = _HEAD + SHARED_INTS, _HEAD + SHARED_INTS + W
+    expected_from = list(zip(*(row[expect_at:expect_at + W] for row in table)))  # [s][r]: r expects from s
+    if all(tuple(table[s][sent_at:sent_at + W]) == expected_from[s] for s in range(W)):
+        return None
     for r in [me, *range(W)]:
         for s in range(W):
             sent, expected = table[s][sent_at + r], table[r][expect_at + s]

@@ -23,6 +23,7 @@ by their 6-bit hashes, so a disagreement is missed only where every field collid
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import zlib
 from dataclasses import dataclass
@@ -97,9 +98,14 @@ def exchange_meta(dtype: torch.dtype, row_shape: Sequence[int]) -> ExchangeMeta:
     For backends that carry this description in their own agreement (the peer backend's
     records) rather than in message tags."""
     ctx = current()
+    return _described(ctx.label, ctx.wire, dtype, tuple(row_shape))
+
+
+@functools.lru_cache(maxsize=256)  # an explicit cache: a training loop asks the same few each step
+def _described(label: str, wire: Optional[torch.dtype], dtype: torch.dtype, row_shape: tuple) -> ExchangeMeta:
     shape = str(tuple(int(s) for s in row_shape))
-    words = (ctx.label, str(dtype), shape, str(ctx.wire))
-    return ExchangeMeta((LABELS.index(ctx.label), _crc(words[1]), _crc(shape), _crc(words[3])), words)
+    words = (label, str(dtype), shape, str(wire))
+    return ExchangeMeta((LABELS.index(label), _crc(words[1]), _crc(shape), _crc(words[3])), words)
 
 
 def _crc(text: str) -> int:
