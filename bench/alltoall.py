@@ -25,7 +25,8 @@ Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCC
   moecomm-known-unchecked  ``--check-cost``: as ``moecomm-known`` without the default check
                  (MPI: the rows as one ``Ialltoallv``, not tagged messages, see moecomm/engine/tags.py;
                  peer backend: the agreement record without what the exchange is), to time what
-                 the check costs
+                 the check costs; ``moecomm-known-again`` (the same as ``moecomm-known``) beside
+                 them gives the method's own noise
   copy           one device copy of the same bytes (``torch.empty_like(x).copy_(x)``): the
                  floor where the ranks share one device's memory (ranks sharing a GPU)
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
@@ -238,6 +239,8 @@ class Bench:
         }
         if self.args.check_cost:
             methods["moecomm-known-unchecked"] = lambda: self._unchecked(x, send, recv)
+            # the same as moecomm-known under another name: the method's own noise (an A/A pair)
+            methods["moecomm-known-again"] = lambda: self.comm.all_to_all_v(x, send, recv)[0]
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
             methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]

@@ -276,9 +276,9 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           -n 30 --batch 10 --no-progress --json "$RES/shared_gpu_checkcost_$n.json"
       done
       mps_off ;;
-    decodeab)  # issue 30: the used-rows exchange's copy blocks (16 / 128) and gathering on the way (or not), 2 ranks, MPS
+    decodeab)  # issue 30: the used-rows exchange's copy blocks (AB_BLOCKS) and gathering on the way (or not), 2 ranks, MPS
       mps_on
-      for rb in 16 128; do
+      for rb in ${AB_BLOCKS:-16 32}; do
         for g in "" "--no-gather"; do
           step "decodeab_${rb}${g}" 90 mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
             -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \

@@ -10,8 +10,11 @@ capacity factor 1.0, top-2 and top-3, bf16. One *step* is ``y = layer(x)`` and t
 of ``y`` and the auxiliary loss (``x`` requires grad, parameter grads are reset to None).
 ``--steps`` steps run back to back between two synchronisations (the host runs ahead of the
 GPU, as in training); the slowest rank's time per step; median and 10th/90th percentiles
-over ``--iters`` samples. ``host_ms`` is the time the host took to issue a step (median):
-close to the step time means the step is bound by the host, not the GPU. ``--cuda-graph``
+over ``--iters`` samples. ``host_ms`` is the time the host took to issue a step (median, over
+the steps of a sample): close to the step time means the step is bound by the host, or that
+the host ran ahead until CUDA's launch queue was full and then waited for the GPU at each
+launch. ``host1_ms`` (``host_first_ms`` in JSON) is the issue time of a sample's first step,
+right after a synchronisation, when the queue is empty: the host's own cost of a step. ``--cuda-graph``
 also times each configuration captured once into a CUDA graph and replayed (mode
 ``graph``, beside ``eager``): the step's GPU work without the host's cost of issuing it.
 ``--activation swiglu --dropless --reference`` (one rank) also times a plain-torch layer
@@ -198,11 +201,13 @@ class Bench:
         self.sync()
         if self.comm.size > 1:
             self.comm.barrier()
-        samples, issue = [], []
+        samples, issue, first = [], [], []
         for _ in range(a.iters):
             self.sync()
             t0 = time.perf_counter()
-            for _ in range(a.steps):
+            run()
+            first.append(time.perf_counter() - t0)
+            for _ in range(a.steps - 1):
                 run()
             if replayed:  # replayed collectives: only this watchdog entry bounds their wait
                 self.comm.watch_stream("a replay of the captured MoE step")
@@ -211,8 +216,10 @@ class Bench:
             samples.append((time.perf_counter() - t0) / a.steps)
         s = self.slowest(samples)
         h = self.slowest(issue)
+        h1 = self.slowest(first)
         return {"median_ms": float(np.median(s)) * 1e3, "p10_ms": float(np.percentile(s, 10)) * 1e3,
-                "p90_ms": float(np.percentile(s, 90)) * 1e3, "host_ms": float(np.median(h)) * 1e3}
+                "p90_ms": float(np.percentile(s, 90)) * 1e3, "host_ms": float(np.median(h)) * 1e3,
+                "host_first_ms": float(np.median(h1)) * 1e3}
 
 
 def _time_reference(args: argparse.Namespace, b: Bench) -> list:
@@ -314,14 +321,14 @@ def main(argv: Optional[list] = None) -> list:
         lines = [head, f"# step = forward + backward; {args.steps} steps per sample, {args.iters} samples; "
                        f"slowest rank; peak memory: {'max_memory_allocated' if cuda else 'max RSS'}",
                  f"{'k':>2} {'deg':>4} {'own':>4} {'mode':>5} {'cap':>6} {'median_ms':>10} {'p10_ms':>8} {'p90_ms':>8} {'tokens/s':>11} "
-                 f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9} {'host_ms':>8}"]
+                 f"{'TFLOP/s':>8} {'useful':>7} {'peak_GiB':>9} {'host_ms':>8} {'host1_ms':>8}"]
         for r in results:
             if r["impl"] != "moecomm":
                 continue
             lines.append(f"{r['k']:>2} {str(r['overlap_degree']):>4} {str(r['own_first']):>4} {r['mode']:>5} {str(r['capacity']):>6} {r['median_ms']:>10.3f} "
                          f"{r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} {r['tokens_per_s']:>11.4g} "
                          f"{r['tflops_per_rank']:>8.2f} {r['useful_tflops_per_rank']:>7.2f} {r['peak_mem_gib']:>9.3f} "
-                         f"{r['host_ms']:>8.3f}")
+                         f"{r['host_ms']:>8.3f} {r.get('host_first_ms', float('nan')):>8.3f}")
         for r in results:
             if r["impl"] == "torch_reference":
                 mine = [q["median_ms"] for q in results if q["impl"] == "moecomm" and q["k"] == r["k"]

@@ -66,8 +66,11 @@ goes whole in a second, direct exchange: :meth:`PeerTransport.finish`). Inline, 
 GPU's memory twice (into the arena, out of it) but need no host agreement, which costs more
 than a second crossing of a few MiB."""
 
-_ROWS_BLOCKS = 128  # thread blocks (of 512 threads) copying a used-rows exchange's rows, over all peers
-_ROWS_MIN_BLOCKS_PER_PEER = 8  # (8 blocks a peer moved 15 MB in ~100 us on an H200: far too few; session-66)
+# Thread blocks (of 512 threads) copying a used-rows exchange's rows, over all peers, at least 8 a
+# peer. Ranks sharing one GPU under MPS (decode shape, 2 ranks, H100, session-69): 16 in all took
+# 116-121 us (dispatch) against 218-238 us with 128; the copies are not what bounds the time.
+_ROWS_BLOCKS = 16
+_ROWS_MIN_BLOCKS_PER_PEER = 8
 
 MAPPED_PER_PEER = 16
 """Peers' output allocations a direct exchange keeps mapped, per peer (:meth:`PeerTransport.map_output`)."""

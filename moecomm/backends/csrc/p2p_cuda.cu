@@ -355,16 +355,18 @@ __global__ void rows_ready_kernel(const uint64_t* __restrict__ ready_dst, const 
 }
 
 // The used rows of one block gathered from `src` by `index` (row i of the block is src row
-// index[i]; an index outside [0, src_rows) copies nothing): 16-byte vectors, row by row.
+// index[i]; an index outside [0, src_rows) copies nothing): a warp per row (its index read
+// once), the row's 16-byte vectors copied four in flight per lane, as copy_vectors does;
+// block b of `blocks` takes warps' rows b * warps + w, then every blocks * warps-th.
 __device__ __forceinline__ void gather_rows_to(char* to, const char* __restrict__ src, const int64_t* __restrict__ index,
-                                               int64_t src_rows, int64_t rows, int64_t row_bytes, int64_t first,
-                                               int64_t stride) {
-  const int64_t per_row = row_bytes / 16, n = rows * per_row;
-  for (int64_t i = first; i < n; i += stride) {
-    const int64_t r = i / per_row, v = i - r * per_row;
+                                               int64_t src_rows, int64_t rows, int64_t row_bytes, int b, int blocks) {
+  const int64_t per_row = row_bytes / 16;
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  for (int64_t r = int64_t(b) * warps + threadIdx.x / 32; r < rows; r += int64_t(blocks) * warps) {
     const int64_t from = index[r];
     if (from < 0 || from >= src_rows) continue;
-    reinterpret_cast<uint4*>(to + r * row_bytes)[v] = reinterpret_cast<const uint4*>(src + from * row_bytes)[v];
+    copy_vectors(reinterpret_cast<uint4*>(to + r * row_bytes), reinterpret_cast<const uint4*>(src + from * row_bytes),
+                 per_row, lane, 32);
   }
 }
 
@@ -407,7 +409,7 @@ __global__ void rows_send_wait_kernel(const char* __restrict__ src, int64_t in_b
       char* to = reinterpret_cast<char*>(dst[p]);
       const int64_t first = int64_t(b) * blockDim.x + threadIdx.x, stride = int64_t(blocks_per_peer) * blockDim.x;
       if (src_index != nullptr) {  // (row_bytes and the addresses 16-byte aligned: checked by the launcher)
-        gather_rows_to(to, src, src_index + int64_t(p) * fit, src_rows, rows, row_bytes, first, stride);
+        gather_rows_to(to, src, src_index + int64_t(p) * fit, src_rows, rows, row_bytes, b, blocks_per_peer);
       } else if (bytes % 16 == 0 && reinterpret_cast<uintptr_t>(from) % 16 == 0 && reinterpret_cast<uintptr_t>(to) % 16 == 0) {
         copy_vectors(reinterpret_cast<uint4*>(to), reinterpret_cast<const uint4*>(from), bytes / 16, first, stride);
       } else {
