@@ -19,9 +19,9 @@ synchronisations; times are the slowest rank's, median (and 10th/90th percentile
   two-matmul expert per local expert; methods ``nccl`` (Megatron's own
   ``torch.distributed.all_to_all_single`` and torch permute/unpermute), ``moecomm``
   (``enable(layer="megatron")``: the exchange and the permutation on moecomm) and
-  ``moecomm-a2a`` (``enable(permute=False, layer="megatron")``: the exchange only). ``a2a_ms``: forward ``token_dispatch`` +
-  ``token_combine`` (the tokens, probabilities and combine exchanges; CUDA events around
-  them); ``step_ms``: the whole pipeline forward + backward. Ratios: moecomm / nccl (and moecomm-a2a / nccl).
+  ``moecomm-a2a`` (``enable(permute=False, layer="megatron")``: the exchange only). ``a2a_ms``:
+  forward ``token_dispatch`` + ``token_combine`` (the tokens, probabilities and combine
+  exchanges; CUDA events around them); ``step_ms``: the whole pipeline forward + backward. Ratios: moecomm / nccl (and moecomm-a2a / nccl).
 * **megatron_layer**: Megatron-core's own ``MoELayer`` (its TopKRouter, alltoall dispatcher and
   ``SequentialMLP`` experts, built without Transformer Engine; top ``--megatron-k``): methods
   ``megatron``, ``moecomm`` (``enable()``, the default: the layer on moecomm's fused step) and
@@ -314,8 +314,8 @@ def bench_megatron_layer(args: argparse.Namespace, device: torch.device, dtype: 
                 megatron.disable()
         return timed
 
-    res = _rounds({"megatron": method(enabled=False), "moecomm": method(), "moecomm-exchange": method(layer="megatron")},
-                  clock=_Clock(device), args=args, rng=rng)
+    methods = {"megatron": method(enabled=False), "moecomm": method(), "moecomm-exchange": method(layer="megatron")}
+    res = _rounds(methods, clock=_Clock(device), args=args, rng=rng)
     why = megatron.layer_fallback_reason(layer)
     return {"config": {"k": k, "tokens": T, "model_dim": M, "hidden": H, "experts": E, "dtype": str(dtype),
                        "experts_module": type(layer.experts).__name__},

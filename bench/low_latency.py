@@ -127,12 +127,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
     E = args.experts or 4 * W
     dtype = DTYPES[args.dtype]
     M, H, k = args.tokens, args.hidden, args.k
-    if args.rows_blocks and dev.type == "cuda":
-        from moecomm.backends import p2p
-
-        p2p._ROWS_BLOCKS = args.rows_blocks  # private, for this measurement only
+    if args.rows_blocks < 0:
+        raise SystemExit(f"--rows-blocks must be 0 (the library's) or positive, got {args.rows_blocks}")
     buf = LowLatencyBuffer(comm, M, H, E, k, dtype, fp8_dispatch=args.fp8, check_routing=False,
                            use_native=False if args.torch_ops else None)
+    transport = getattr(comm.engine.backend, "transport", None)  # the peer backend's (diagnostic, this run only)
+    if args.rows_blocks and transport is not None:
+        transport.rows_blocks = args.rows_blocks
     if args.no_gather:
         buf.transport.gathers_rows = False  # private, for this measurement only
     L, R = buf.local_experts, buf.max_rows

@@ -107,6 +107,7 @@ class PeerTransport:
         # rounds there, never left to another transport
         self.collective = backend.name == "peer"
         self.size, self.rank = backend.size, backend.rank
+        self.rows_blocks = _ROWS_BLOCKS  # (bench.low_latency --rows-blocks sets another, to compare)
         self._device = backend.device.index
         W = self.size
         dev = backend.device
@@ -295,7 +296,7 @@ class PeerTransport:
         W = self.size
         self._ext.rows_exchange(self._device, _cudart.current_stream(self._device), src, in_block, row_bytes,
                                 src_index, src_rows, counts, scale, tables, tables + 8 * W, tables + 16 * W, my_sync, my_sync + 16 * W, state, done,
-                                W, max(_ROWS_MIN_BLOCKS_PER_PEER, _ROWS_BLOCKS // W), recv_rows, status,
+                                W, max(_ROWS_MIN_BLOCKS_PER_PEER, self.rows_blocks // W), recv_rows, status,
                                 self._timeout_ns)
 
     def export_output(self, out: torch.Tensor) -> Optional[list[int]]:

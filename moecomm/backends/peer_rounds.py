@@ -102,8 +102,8 @@ def disagreement(table: Sequence[Sequence[int]], me: int,
                       f"{table[me][0]})")
     meta_at = _HEAD + SHARED_INTS + 3 * W
     mine_meta = table[me][meta_at:meta_at + META_INTS]
-    for i, name in enumerate(_META_NAMES if any(row[meta_at:meta_at + META_INTS] != mine_meta for row in table) else ()):
-        others = [r for r in range(W) if table[r][meta_at + i] != table[me][meta_at + i]]
+    for i, name in enumerate(_META_NAMES):
+        others = [r for r in range(W) if table[r][meta_at + i] != mine_meta[i]]
         if others:
             mine = f" ({meta_words[i]})" if meta_words is not None else ""
             return False, (f"rank(s) {others} pass another {name} than rank {me}{mine}: every rank must pass the "

@@ -303,9 +303,7 @@ def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tenso
         else:
             request = engine.backend.barrier() if engine.size > 1 else DoneRequest()
     else:
-        # what the exchange is, where the backend compares it between the ranks (peer backend)
-        carries = engine.backend.carries_meta and engine.row_tags
-        meta = {"meta": _tags.exchange_meta(x.dtype, x.shape[1:])} if carries else {}
+        meta = engine.meta_kwargs(x)  # what the exchange is, where the backend compares it (peer)
         if engine.peer is not None and max(sum(send), sum(recv)) * row_bytes >= engine.copy_engine_min_bytes:
             request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes, **meta)
         else:

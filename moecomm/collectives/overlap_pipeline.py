@@ -75,10 +75,8 @@ class Transport:
 
     def _meta(self, send: torch.Tensor, label: str) -> dict:
         """``meta=`` (what the exchange is) where the backend compares it between the ranks."""
-        if not self.backend.carries_meta:
-            return {}
         with _tags.labelled(label):
-            return {"meta": _tags.exchange_meta(send.dtype, send.shape[1:])}
+            return self.engine.meta_kwargs(send)
 
 
 class Run:
