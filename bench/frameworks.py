@@ -5,6 +5,15 @@ Run one rank per GPU under torchrun (NCCL)::
     torchrun --nproc-per-node 2 -m bench.frameworks --json bench/results/h200x2/frameworks.json
     torchrun --nproc-per-node 2 -m bench.frameworks --p2p-bytes 2G   # moecomm with peer memory
 
+or under mpirun, also with several ranks sharing a GPU (start MPS first: ../shared/DEVICE.md)::
+
+    mpirun -n 4 python3 -m bench.frameworks --only megatron
+
+Where every rank has a GPU of its own, torch.distributed runs on NCCL and moecomm on that
+group. Where ranks share a GPU, NCCL refuses them (``Duplicate GPU detected``): torch.distributed
+then runs on gloo, so the frameworks' own exchanges (the baselines) stage through the host,
+and moecomm on its peer backend (CUDA IPC, no NCCL); the report's ``launch`` says which.
+
 CPU smoke run (gloo, tiny sizes; Megatron's CUDA-only calls get stand-ins, as in the tests)::
 
     torchrun --nproc-per-node 2 -m bench.frameworks --device cpu --tokens 64 --model-dim 16 \\
@@ -45,6 +54,7 @@ import contextlib
 import json
 import os
 import random
+import socket
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -54,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 import moecomm
+from moecomm.launch import detect_launcher
 from . import frameworks_torchtitan
 from ._common import DTYPES, FLOAT_DTYPES, prog
 
@@ -127,6 +138,7 @@ class _Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.reduce_on = device if dist.get_backend() != "gloo" else torch.device("cpu")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -137,12 +149,12 @@ class _Clock:
         t0 = time.perf_counter()
         fn()
         self.sync()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.reduce_on)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return float(dt) * 1e3
 
     def max_over_ranks(self, ms: float) -> float:
-        t = torch.tensor([ms], dtype=torch.float64, device=self.device)
+        t = torch.tensor([ms], dtype=torch.float64, device=self.reduce_on)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
@@ -338,7 +350,7 @@ def bench_deepspeed(args: argparse.Namespace, device: torch.device, dtype: torch
         import importlib
 
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
     W, R = dist.get_world_size(), dist.get_rank()
     E, M, H, T = args.experts, args.model_dim, args.hidden, args.tokens
     results: dict = {}
@@ -392,25 +404,68 @@ def bench_deepspeed(args: argparse.Namespace, device: torch.device, dtype: torch
                        "capacity_factor": 1.0}, "by_k": results}
 
 
+def _mpi_environment() -> tuple[int, int]:
+    """Under mpirun: torch.distributed's variables from MPI (rank 0's host and a free port
+    broadcast). Returns (local rank, ranks on this node)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    where = None
+    if world.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        where = ("127.0.0.1" if local_size == world.Get_size() else socket.gethostname(), port)
+    host, port = world.bcast(where, root=0)
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(world.Get_rank()),
+                      WORLD_SIZE=str(world.Get_size()), LOCAL_RANK=str(local_rank))
+    return local_rank, local_size
+
+
+def _start(args: argparse.Namespace) -> tuple[torch.device, dict]:
+    """torch.distributed and moecomm's default communicator for this launch (see the module
+    docstring). Returns the device and what was chosen."""
+    launcher = detect_launcher()
+    if launcher == "mpi" and not dist.is_initialized():
+        local_rank, local_size = _mpi_environment()
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count()
+        torch.cuda.set_device(local_rank % gpus)
+        device = torch.device("cuda", local_rank % gpus)
+        shared = local_size > gpus
+    else:
+        device, shared = torch.device("cpu"), False
+    if shared and launcher != "mpi":
+        raise RuntimeError(f"bench.frameworks: {local_size} ranks on {torch.cuda.device_count()} GPU(s) need mpirun: "
+                           "moecomm's peer backend for ranks sharing a GPU starts over MPI")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" and not shared else "gloo")
+    if shared:
+        comm = moecomm.init("peer", p2p_bytes=args.p2p_bytes)
+    else:
+        comm = moecomm.init(process_group=dist.group.WORLD, p2p_bytes=args.p2p_bytes)  # the default communicator
+    return device, {"launcher": launcher, "ranks_per_node": local_size, "ranks_share_a_gpu": shared,
+                    "torch_distributed": dist.get_backend(), "moecomm_backend": comm.backend}
+
+
 def main(argv: Optional[list] = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    moecomm.init(process_group=dist.group.WORLD, p2p_bytes=args.p2p_bytes)  # the default communicator
+    device, launch = _start(args)
     if args.experts % dist.get_world_size():
         raise ValueError(f"--experts ({args.experts}) must be a multiple of the world size ({dist.get_world_size()})")
     rng = random.Random(args.seed)  # the same method order on every rank
     report: dict = {"world_size": dist.get_world_size(), "device": torch.cuda.get_device_name(device)
-                    if device.type == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args)}
+                    if device.type == "cuda" else "cpu", "torch": torch.__version__, "launch": launch,
+                    "args": vars(args)}
     if args.only in (None, "megatron"):
         with _megatron_cpu_standins(device.type == "cpu"):
             report["megatron"] = bench_megatron(args, device, dtype, rng)
@@ -423,10 +478,14 @@ def main(argv: Optional[list] = None) -> dict:
     elif args.only in (None, "torchtitan"):
         report["torchtitan"] = frameworks_torchtitan.bench_torchtitan(args, device, dtype, rng, _Span, _Clock, _rounds)
     if dist.get_rank() == 0:
+        print(f"{dist.get_world_size()} ranks ({launch['launcher']}), torch.distributed on "
+              f"{launch['torch_distributed']}, moecomm on {launch['moecomm_backend']}"
+              + (", ranks sharing a GPU" if launch["ranks_share_a_gpu"] else ""), flush=True)
         if "megatron" in report:
             r = report["megatron"]["ratio_moecomm_over_nccl"]
             ra = report["megatron"]["ratio_moecomm_a2a_over_nccl"]
-            print(f"megatron dispatcher: a2a (dispatch + combine) moecomm/nccl = {r['a2a_ms']:.3f}, "
+            base = launch["torch_distributed"]
+            print(f"megatron dispatcher: a2a (dispatch + combine) moecomm/{base} = {r['a2a_ms']:.3f}, "
                   f"step = {r['step_ms']:.3f} (exchange only, permute=False: step = {ra['step_ms']:.3f})", flush=True)
         if "megatron_layer" in report:
             r = report["megatron_layer"]["ratio_over_megatron"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import random
 from typing import Any, Callable, Iterator, Optional
 
@@ -149,6 +150,8 @@ def bench_torchtitan(args: argparse.Namespace, device: torch.device, dtype: torc
 def unsupported() -> Optional[str]:
     """Why torchtitan's own MoE cannot run under this torch (None: it can). torchtitan 0.3.0's
     token dispatcher calls ``torch.compiler._is_non_strict_tracing``, which torch 2.11 lacks."""
+    if importlib.util.find_spec("torchtitan") is None:
+        return "torchtitan is not installed (pip install torchtitan==0.3.0; see moecomm.integrations.torchtitan)"
     if not hasattr(torch.compiler, "_is_non_strict_tracing"):
         return (f"torchtitan's token dispatcher needs torch.compiler._is_non_strict_tracing (torch >= 2.12); "
                 f"this torch is {torch.__version__}")

@@ -232,10 +232,24 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         step "hostprof_$name" 90 python3 -m bench.moe_layer --top-k 2 $opts -n 3 --profile "/tmp/hp_$name.json"
         step "hostsum_$name" 60 python3 -m bench.trace_summary --host --top 40 "/tmp/hp_$name.json"
       done ;;
-    frameworks)  # issue 28 (world size 1): the wheels of ../shared/DEVICE.md carried in .fw/
+    frameworks)  # issue 28: the wheels of ../shared/DEVICE.md carried in .fw/; world size 1 (torchrun), then
+      # FW_RANKS ranks sharing GPU 0 under MPS (mpirun: gloo for torch.distributed, moecomm's peer backend;
+      # 8192 tokens in all, each framework a run of its own)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fw .fw/*.whl >> "$LOG" 2>&1
-      step frameworks_1 400 env PYTHONPATH=/tmp/fw:$PYTHONPATH torchrun --standalone --nproc-per-node 1 -m bench.frameworks \
-        ${FW_ONLY:+--only $FW_ONLY} --json "$RES/frameworks_1${FW_ONLY:+_$FW_ONLY}.json" ;;
+      [ -z "${FW_NO_1:-}" ] && step frameworks_1 400 env PYTHONPATH=/tmp/fw:$PYTHONPATH torchrun --standalone \
+        --nproc-per-node 1 -m bench.frameworks ${FW_ONLY:+--only $FW_ONLY} --json "$RES/frameworks_1${FW_ONLY:+_$FW_ONLY}.json"
+      if [ -n "${FW_RANKS:-}" ]; then
+        mps_on
+        for n in $FW_RANKS; do
+          for fw in megatron deepspeed; do
+            step "frameworks_${n}_$fw" 200 env PYTHONPATH=/tmp/fw:$PYTHONPATH mpirun --allow-run-as-root -n $n -x PYTHONPATH \
+              -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY \
+              -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.frameworks --only $fw --tokens $((8192 / n)) --iters 10 --warmup 3 \
+              --json "$RES/frameworks_${n}_$fw.json"
+          done
+        done
+        mps_off
+      fi ;;
     decode)  # issue 30: LowLatencyBuffer, DeepSeek-V3's decode shape, ranks sharing GPU 0 under MPS
       mps_on
       for n in ${DECODE_RANKS:-1 2 4 8}; do

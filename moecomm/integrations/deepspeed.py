@@ -1,6 +1,13 @@
-"""DeepSpeed's MoE exchange (and its ``use_tutel=True`` path) on moecomm: ``enable()`` / ``disable()``.
+"""DeepSpeed's MoE layer, its exchange and its ``use_tutel=True`` path on moecomm: ``enable()`` / ``disable()``.
 
-``enable()`` replaces the ``forward`` of ``deepspeed.moe.sharded_moe._AllToAll``, the
+``enable()`` (the default, ``layer="moecomm"``) runs every DeepSpeed ``MOELayer`` on moecomm's
+dispatch, grouped experts and combine, and its exchanges on moecomm (both described below):
+on one H200 this took 0.77x (top-2) and 0.79x (top-3) of DeepSpeed's own step (issue 28,
+``bench.frameworks``). ``enable(layer="deepspeed")`` keeps DeepSpeed's forward and changes only
+the exchange (and, with ``tutel_kernels=True``, the Tutel path's kernels): its results are
+DeepSpeed's bit for bit.
+
+The exchange: ``enable()`` replaces the ``forward`` of ``deepspeed.moe.sharded_moe._AllToAll``, the
 autograd Function ``MOELayer`` sends its capacity-padded ``[E, C, M]`` buffers with (both
 exchanges, forward and backward), so its equal-split ``all_to_all_single`` runs on the
 moecomm communicator of the expert-parallel group
@@ -18,7 +25,7 @@ than DeepSpeed's native one). DeepSpeed
 reads ``TUTEL_INSTALLED`` when a layer is built: enable first, then build the model.
 ``disable()`` restores every name it changed.
 
-``enable(layer="moecomm")`` also replaces ``sharded_moe.MOELayer.forward`` (every layer, built
+The layer: ``enable(layer="moecomm")`` also replaces ``sharded_moe.MOELayer.forward`` (every layer, built
 before or after the call): the gate runs as DeepSpeed's own (its ``l_aux``, ``exp_counts`` and
 routes are DeepSpeed's), then the tokens are dispatched into the capacity-padded ``[E, C, M]``
 buffer by moecomm's dispatch kernel (:class:`moecomm.moe.tutel_functional.FastDispatcher`),
@@ -229,7 +236,7 @@ def _layer_forward(self: Any, *input: torch.Tensor, **kwargs: Any) -> torch.Tens
 
 
 def enable(tutel_kernels: bool = False, *, exchange: bool = True, check_routes: bool = False,
-           layer: str = "deepspeed") -> None:
+           layer: str = "moecomm") -> None:
     """Route DeepSpeed's MoE all-to-all through moecomm (and its Tutel path onto moecomm's kernels).
 
     Args:
@@ -239,10 +246,12 @@ def enable(tutel_kernels: bool = False, *, exchange: bool = True, check_routes: 
             DeepSpeed's own exchange, e.g. to compare the two separately).
         check_routes: make the Tutel dispatchers validate the routes in every ``update`` (a
             host sync per step; for debugging a gate other than DeepSpeed's own).
-        layer: ``"moecomm"``: every ``MOELayer`` (built before or after) runs its dispatch,
-            experts and combine on moecomm's kernels and grouped FFN (see the module
+        layer: ``"moecomm"`` (the default): every ``MOELayer`` (built before or after) runs its
+            dispatch, experts and combine on moecomm's kernels and grouped FFN (see the module
             docstring for what is supported; other layers keep DeepSpeed's path, with one log
-            line naming why); ``"deepspeed"`` (the default): DeepSpeed's own forward.
+            line naming why); results equal DeepSpeed's to float rounding. ``"deepspeed"``:
+            DeepSpeed's own forward, only its exchange (and with ``tutel_kernels``, its Tutel
+            path's kernels) on moecomm, bit for bit DeepSpeed's results.
 
     Call it on every rank. A later call adds what it asks for; ``disable()`` removes all.
 

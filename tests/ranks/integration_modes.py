@@ -18,17 +18,18 @@ MODES = ("native", "moecomm-default", "moecomm-group")
 
 
 @contextlib.contextmanager
-def integration_mode(name: str, integration: Any, default_comm: Any) -> Iterator[None]:
+def integration_mode(name: str, integration: Any, default_comm: Any, **enable_kw: Any) -> Iterator[None]:
     """native: the framework's own exchange; moecomm-default: through moecomm, with
     ``default_comm`` (the launch's MPI communicator) as the default; moecomm-group: through a
     communicator made on the framework's gloo group (no default). ``integration``: a module
-    with ``enable()``/``disable()``; ``default_comm`` is the default again afterwards."""
+    with ``enable()``/``disable()`` (called with ``enable_kw``); ``default_comm`` is the default
+    again afterwards."""
     clear_group_cache()
     if name == "native":
         yield
         return
     moecomm.set_default_communicator(default_comm if name == "moecomm-default" else None)
-    integration.enable()
+    integration.enable(**enable_kw)
     try:
         yield
     finally:

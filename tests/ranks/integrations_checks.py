@@ -169,8 +169,8 @@ def megatron_on_cpu():
 
 
 
-def mode(name: str, integration):
-    return integration_mode(name, integration, MPI_COMM)
+def mode(name: str, integration, **enable_kw):
+    return integration_mode(name, integration, MPI_COMM, **enable_kw)
 
 
 def megatron_all_to_all_run(seed: int):
@@ -315,18 +315,19 @@ def check_deepspeed() -> None:
     for k in (1, 2, 3):
         for seed in (k,):
             runs = {}
-            for name in MODES:
-                with mode(name, ds):
+            for name in MODES:  # DeepSpeed's layer with moecomm's exchange: the same bits
+                with mode(name, ds, layer="deepspeed"):
                     collective_assert((sharded_moe._AllToAll.forward is ds._forward) == (name != "native"), name)
+                    collective_assert(not ds.layer_enabled(), "layer='deepspeed' keeps DeepSpeed's forward")
                     runs[name] = deepspeed_run(seed, k, False)
                     if name != "native":
-                        ds.enable(tutel_kernels=True)
+                        ds.enable(tutel_kernels=True, layer="deepspeed")
                         runs[name + "+tutel"] = deepspeed_run(seed, k, True)
                         used = _groups._by_group.get(next(iter(ds_group_dict().values())))
                         collective_assert(used is not None and (used is MPI_COMM) == (name == "moecomm-default"),
                                           f"{name}: mapped to {used}")
             collective_assert(not sharded_moe.TUTEL_INSTALLED and not ds.is_enabled(), "disable restores")
-            ds.enable(tutel_kernels=True, exchange=False)  # moecomm's kernels, DeepSpeed's exchange
+            ds.enable(tutel_kernels=True, exchange=False, layer="deepspeed")  # moecomm's kernels, DeepSpeed's exchange
             try:
                 collective_assert(not ds.is_enabled() and ds.tutel_kernels_enabled(), "exchange=False")
                 runs["native+tutel"] = deepspeed_run(seed, k, True)
@@ -335,7 +336,7 @@ def check_deepspeed() -> None:
             what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
             if k == 2:  # no set_deepspeed_parallelism(): the group is None, the world group to DeepSpeed
                 for name in MODES:
-                    with mode(name, ds):
+                    with mode(name, ds, layer="deepspeed"):
                         runs[name + "/world"] = deepspeed_run(seed, k, False, parallelism=False)
                 for name in MODES[1:]:
                     for a, b, w in zip(runs["native/world"], runs[name + "/world"], what):
@@ -406,7 +407,8 @@ def check_deepspeed_layer() -> None:
     what = ["output", "l_aux", "exp_counts", "input grad"] + [f"param grad {i}" for i in range(99)]
     for seed, (k, tutel, expert, dtype, (H, T, local)) in enumerate(cases):
         kw = dict(expert=expert, dtype=dtype, H=H, T=T, local=local)
-        ds.enable(tutel_kernels=tutel, exchange=False)  # native: DeepSpeed's exchange, kernels as asked
+        # native: DeepSpeed's layer and exchange, the kernels as asked
+        ds.enable(tutel_kernels=tutel, exchange=False, layer="deepspeed")
         try:
             native = deepspeed_run(seed, k, tutel, **kw)
             gate = [n for n, _ in deepspeed_run.last_layer.named_parameters()].index("deepspeed_moe.gate.wg.weight")
@@ -418,7 +420,7 @@ def check_deepspeed_layer() -> None:
             ds.disable()
         for name in MODES[1:]:
             with mode(name, ds):
-                ds.enable(tutel_kernels=tutel, layer="moecomm")
+                ds.enable(tutel_kernels=tutel)  # the default: layer="moecomm"
                 collective_assert(ds.layer_enabled(), "layer_enabled")
                 got = deepspeed_run(seed, k, tutel, **kw)
                 moe = deepspeed_run.last_layer.deepspeed_moe
@@ -447,7 +449,7 @@ def check_deepspeed_layer() -> None:
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("moecomm").addHandler(handler)
-    ds.enable(layer="moecomm")
+    ds.enable()
     try:
         got = deepspeed_run(11, 2, False, expert=lambda H, s: _OtherExpert(H))
         layer = deepspeed_run.last_layer
