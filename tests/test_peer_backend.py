@@ -480,3 +480,43 @@ def test_low_latency_buffer_takes_the_peer_transport_on_the_peer_backend():
     assert isinstance(default_transport(mpi), AllToAllTransport)
     with pytest.raises(TypeError, match="peer-memory backend"):
         PeerMemoryTransport(mpi)
+
+
+@st.composite
+def _agreement_tables(draw):
+    """Records of 1-8 ranks that agree, then perhaps one field of one rank changed."""
+    W = draw(st.integers(1, 8))
+    C = np.array(draw(st.lists(st.integers(0, 9), min_size=W * W, max_size=W * W))).reshape(W, W)
+    meta = tuple(draw(st.lists(st.integers(0, 2 ** 31 - 1), min_size=4, max_size=4)))
+    table = [agreement_record(3, 16, 1, 0, [0] * SHARED_INTS, C[r].tolist(), C[:, r].tolist(),
+                              np.concatenate([[0], np.cumsum(C[:, r])[:-1]]).tolist(), meta) for r in range(W)]
+    field = draw(st.sampled_from(["none", "call", "row_bytes", "meta", "sent", "expected"]))
+    r, p, i = draw(st.integers(0, W - 1)), draw(st.integers(0, W - 1)), draw(st.integers(0, 3))
+    at = {"call": 0, "row_bytes": 1, "meta": 4 + SHARED_INTS + 3 * W + i, "sent": 4 + SHARED_INTS + p,
+          "expected": 4 + SHARED_INTS + W + p}.get(field)
+    if at is not None:
+        table[r][at] += draw(st.integers(1, 5))
+    return table, field if at is not None else "none"
+
+
+@given(_agreement_tables(), st.integers(0, 7))
+@settings(max_examples=300, deadline=None)
+def test_disagreement_finds_exactly_the_tables_that_disagree(case, me):
+    """disagreement() against a plain comparison of the records (numpy): None exactly where
+    every rank is in the same call with the same row size and description, and every block's
+    sender and receiver count it alike; else an answer naming what differs."""
+    table, changed = case
+    W = len(table)
+    me %= W
+    t = np.array(table)
+    meta_at = 4 + SHARED_INTS + 3 * W
+    sent = t[:, 4 + SHARED_INTS:4 + SHARED_INTS + W]             # [s, r]
+    expected = t[:, 4 + SHARED_INTS + W:4 + SHARED_INTS + 2 * W]  # [r, s]
+    agree = (t[:, :2] == t[0, :2]).all() and (t[:, meta_at:] == t[0, meta_at:]).all() and (sent == expected.T).all()
+    got = disagreement(table, me)
+    assert (got is None) == bool(agree), (changed, got)
+    if got is not None:
+        assert got[0] == (changed == "call")
+        word = {"call": "different exchanges", "row_bytes": "differ in size", "sent": "splits disagree",
+                "expected": "splits disagree", "meta": "pass another"}[changed]
+        assert word in got[1], got

@@ -43,7 +43,6 @@ LABELS = ("all_to_all_v", "all_to_all_v backward", "count exchange", "all_to_all
 """The exchanges a tag tells apart (its ``label`` field is the index here)."""
 
 _SEQ, _LABEL, _META, _SENT, _EXP = 5, 4, 8, 6, 6
-_local = threading.local()
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,16 @@ class Context:
     wire: Optional[torch.dtype] = None
 
 
+class _ThreadContext(threading.local):
+    ctx = Context()  # (a class default: a thread that set none reads it without a failed lookup)
+
+
+_local = _ThreadContext()
+
+
 def current() -> Context:
     """The label and wire dtype the exchanges issued now carry."""
-    return getattr(_local, "ctx", Context())
+    return _local.ctx
 
 
 @contextlib.contextmanager
@@ -97,8 +103,8 @@ def exchange_meta(dtype: torch.dtype, row_shape: Sequence[int]) -> ExchangeMeta:
     """The exchange issued now: its label (:data:`LABELS`), dtype, row shape and wire dtype.
     For backends that carry this description in their own agreement (the peer backend's
     records) rather than in message tags."""
-    ctx = current()
-    return _described(ctx.label, ctx.wire, dtype, tuple(row_shape))
+    ctx = _local.ctx
+    return _described(ctx.label, ctx.wire, dtype, row_shape if isinstance(row_shape, tuple) else tuple(row_shape))
 
 
 @functools.lru_cache(maxsize=256)  # an explicit cache: a training loop asks the same few each step
