@@ -56,7 +56,10 @@ def test_native_and_reference_match_the_definition_cpu(n, H, act, dtype, seed):
     native = _check(h, grad, act, None)
     ref = _check(h, grad, act, False)
     for x, y in zip(native, ref):  # native against reference: both rounded once from float32 math
-        torch.testing.assert_close(x.double(), y.double(), rtol=TOL[dtype], atol=TOL[dtype])
+        # each is within TOL of the definition, relative to the largest value (the float32 erf and
+        # tanh of the two differ by an ulp or two): so the two are within twice that of each other
+        scale = max(1.0, float(y.double().abs().max())) if y.numel() else 1.0
+        torch.testing.assert_close(x.double(), y.double(), rtol=TOL[dtype], atol=2 * TOL[dtype] * scale)
 
 
 def test_bad_arguments_are_named():
