@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from ._groups import communicator_for_group
-from ._patch import has_forward_hooks, patch_all_to_all
+from ._patch import patch_all_to_all
 
 __all__ = ["enable", "disable", "is_enabled", "tutel_kernels_enabled", "layer_enabled", "layer_fallback_reason",
            "LAYERS"]
@@ -135,7 +135,10 @@ def _activation(module: nn.Module) -> Optional[Callable[[torch.Tensor], torch.Te
 
 def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
     """``(activation, fc1 list, fc2 list)`` when moecomm can run ``layer``'s experts on ``x``,
-    else the reason it cannot (a sentence)."""
+    else the reason it cannot (a sentence). What the experts are made of is worked out once
+    per structure (kept on the layer, keyed by the identity of every expert module and
+    parameter); what can change between calls without that (the input, dtypes and devices,
+    hooks, ZeRO-3 partitioning, autocast, timers) is checked at every call."""
     from deepspeed.moe.experts import Experts
 
     sharded_moe = _sharded_moe()
@@ -149,6 +152,34 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
     if not isinstance(experts, Experts) or type(experts).forward is not Experts.forward:
         return f"its experts are {type(experts).__name__}, not deepspeed.moe.experts.Experts"
     mods = list(experts.deepspeed_experts)
+    parts = [c for m in mods for c in m._modules.values()]
+    params = [q for c in (experts, *mods, *parts) for q in c._parameters.values() if q is not None]
+    key = (layer.num_local_experts, id(experts.deepspeed_experts), *map(id, mods), *map(id, parts), *map(id, params))
+    cached = getattr(layer, "_moecomm_structure", None)
+    if cached is None or cached[0] != key:
+        cached = layer._moecomm_structure = (key, _structure(layer, mods))
+    plan = cached[1]
+    if isinstance(plan, str):
+        return plan
+    act, fc1, fc2 = plan
+    M = x.shape[-1]
+    a, b = fc1[0], fc2[0]
+    if a.in_features != M or b.out_features != M:
+        return (f"its experts map {a.in_features} -> {a.out_features} -> {b.out_features} features, "
+                f"not model_dim {M} -> hidden -> {M}")
+    for q in params:
+        if q.dtype != x.dtype or q.device != x.device:
+            return f"an expert parameter is {q.dtype} on {q.device}, the input {x.dtype} on {x.device}"
+        if hasattr(q, "ds_id"):
+            return "its expert parameters are ZeRO-3 partitioned"
+    if any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
+           for m in (experts, experts.deepspeed_experts, *mods, *parts)):  # (every module: parts have none)
+        return "its experts have forward hooks"
+    return plan
+
+
+def _structure(layer: Any, mods: list) -> Union[str, tuple]:
+    """The part of :func:`_plan` that depends only on what the expert modules are."""
     if len(mods) != layer.num_local_experts or not mods:
         return f"it holds {len(mods)} experts for num_local_experts={layer.num_local_experts}"
     act, fc1, fc2 = None, [], []
@@ -164,22 +195,13 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
         act = fn
         fc1.append(m[0])
         fc2.append(m[2])
-    M = x.shape[-1]
     a, b = fc1[0], fc2[0]
-    if a.in_features != M or b.out_features != M or a.out_features != b.in_features:
-        return (f"its experts map {a.in_features} -> {a.out_features} -> {b.out_features} features, "
-                f"not model_dim {M} -> hidden -> {M}")
+    if a.out_features != b.in_features:
+        return f"its experts map {a.in_features} -> {a.out_features} -> {b.out_features} features"
     for i, (p, q) in enumerate(zip(fc1, fc2)):
         if p.weight.shape != a.weight.shape or q.weight.shape != b.weight.shape or \
                 (p.bias is None) != (a.bias is None) or (q.bias is None) != (b.bias is None):
             return f"expert {i}'s shapes or biases differ from expert 0's"
-    for p in experts.parameters():
-        if p.dtype != x.dtype or p.device != x.device:
-            return f"an expert parameter is {p.dtype} on {p.device}, the input {x.dtype} on {x.device}"
-        if hasattr(p, "ds_id"):
-            return "its expert parameters are ZeRO-3 partitioned"
-    if has_forward_hooks(experts):
-        return "its experts have forward hooks"
     return act, fc1, fc2
 
 

@@ -462,8 +462,46 @@ def check_deepspeed_layer() -> None:
     collective_assert(len(records) == 1 and "_OtherExpert" in records[0].getMessage(), f"log lines {records}")
     for a, b, w in zip(native, got, what):
         same(a, b, f"layer='moecomm' fallback {w}")
+    check_deepspeed_layer_changes(ds)
     say("deepspeed layer='moecomm' vs DeepSpeed's layer, max relative difference: "
         + ", ".join(f"{d}: {v:.2e}" for d, v in worst.items()) + f"; the gate's weight gradient: {worst_gate:.2e}")
+
+
+def check_deepspeed_layer_changes(ds) -> None:
+    """What the layer path learnt of a layer's experts is kept between calls, yet a change made
+    after a call on moecomm's path is seen at the next: a forward hook on an expert's Linear, an
+    expert's activation replaced, its parameters in another dtype (each falls back to DeepSpeed's
+    own forward with its reason); undone, the layer runs on moecomm again."""
+    deepspeed_run(21, 2, False)
+    layer = deepspeed_run.last_layer
+    moe = layer.deepspeed_moe
+    x = torch.randn(2, 8, 6)
+    ds.enable()
+    try:
+        def reason() -> object:
+            layer(x)
+            return ds.layer_fallback_reason(moe)
+
+        first = reason()
+        experts = list(moe.experts.deepspeed_experts)
+        hook = experts[-1][0].register_forward_hook(lambda *a: None)
+        hooked = reason()
+        hook.remove()
+        again = reason()
+        gelu = experts[0][1]
+        experts[0][1] = torch.nn.Tanh()
+        other_act = reason()
+        experts[0][1] = gelu
+        moe.experts.double()  # (DeepSpeed's own forward fails on that too: only ask why)
+        other_dtype = ds._plan(moe, x.reshape(-1, 6))
+        moe.experts.float()
+        last = reason()
+    finally:
+        ds.disable()
+    got = (first, hooked, again, other_act, other_dtype, last)
+    ok = first is None and "forward hooks" in str(hooked) and again is None and "differs from expert 0's" in \
+        str(other_act) and "torch.float64" in str(other_dtype) and last is None
+    collective_assert(ok, f"deepspeed layer path after changes to the experts: {got}")
 
 
 def ds_group_dict():
