@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-__all__ = ["Patch", "patch_all_to_all", "has_forward_hooks"]
+__all__ = ["Patch", "patch_all_to_all", "has_forward_hooks", "any_forward_hooks"]
 
 
 def has_forward_hooks(module: Any) -> bool:
     """Whether ``module`` or a submodule has forward (pre-)hooks: such experts must run their
     framework's own forward, which calls them (torch has no public way to ask)."""
+    return any_forward_hooks(module.modules())
+
+
+def any_forward_hooks(modules: Iterable[Any]) -> bool:
+    """Whether any of ``modules`` (each alone, not its submodules) has forward (pre-)hooks."""
     return any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
-               for m in module.modules())
+               for m in modules)
 
 
 class Patch:

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from ._groups import communicator_for_group
-from ._patch import patch_all_to_all
+from ._patch import any_forward_hooks, patch_all_to_all
 
 __all__ = ["enable", "disable", "is_enabled", "tutel_kernels_enabled", "layer_enabled", "layer_fallback_reason",
            "LAYERS"]
@@ -152,12 +152,12 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
     if not isinstance(experts, Experts) or type(experts).forward is not Experts.forward:
         return f"its experts are {type(experts).__name__}, not deepspeed.moe.experts.Experts"
     mods = list(experts.deepspeed_experts)
-    parts = [c for m in mods for c in m._modules.values()]
-    params = [q for c in (experts, *mods, *parts) for q in c._parameters.values() if q is not None]
+    parts = [c for m in mods for c in m.children()]
+    params = [q for c in (experts, *mods, *parts) for q in c.parameters(recurse=False)]
     key = (layer.num_local_experts, id(experts.deepspeed_experts), *map(id, mods), *map(id, parts), *map(id, params))
-    cached = getattr(layer, "_moecomm_structure", None)
+    cached = getattr(layer, "moecomm_structure", None)
     if cached is None or cached[0] != key:
-        cached = layer._moecomm_structure = (key, _structure(layer, mods))
+        cached = layer.moecomm_structure = (key, _structure(layer, mods))
     plan = cached[1]
     if isinstance(plan, str):
         return plan
@@ -172,8 +172,7 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
             return f"an expert parameter is {q.dtype} on {q.device}, the input {x.dtype} on {x.device}"
         if hasattr(q, "ds_id"):
             return "its expert parameters are ZeRO-3 partitioned"
-    if any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
-           for m in (experts, experts.deepspeed_experts, *mods, *parts)):  # (every module: parts have none)
+    if any_forward_hooks((experts, experts.deepspeed_experts, *mods, *parts)):  # (all: parts have no children)
         return "its experts have forward hooks"
     return plan
 
