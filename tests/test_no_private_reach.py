@@ -35,6 +35,10 @@ ALLOWED = {
     ("moecomm/integrations/_patch.py", "m._forward_hooks"),
     ("moecomm/integrations/_patch.py", "m._forward_pre_hooks"),
     ("moecomm/integrations/_patch.py", "m._forward_hooks_with_kwargs"),
+    # ... and walks the experts' modules and parameters at every call: modules() / parameters()
+    # go through generators, three times as slow (module_tree's docstring)
+    ("moecomm/integrations/_patch.py", "m._modules"),
+    ("moecomm/integrations/_patch.py", "m._parameters"),
     # ... and its rows cross the ranks through DeepSpeed's own _AllToAll, the one _patch.py
     # replaces, so that enable()'s exchange choice applies to it too
     ("moecomm/integrations/deepspeed.py", "sharded_moe._AllToAll"),

@@ -1,20 +1,32 @@
-"""Swap an autograd Function's ``forward`` and put it back (the integrations' one mechanism)."""
+"""Swap an autograd Function's ``forward`` and put it back (the integrations' one mechanism),
+and the two looks at a framework's expert modules that the layer paths take at every call."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-__all__ = ["Patch", "patch_all_to_all", "has_forward_hooks", "any_forward_hooks"]
+__all__ = ["Patch", "patch_all_to_all", "any_forward_hooks", "module_tree"]
 
 
-def has_forward_hooks(module: Any) -> bool:
-    """Whether ``module`` or a submodule has forward (pre-)hooks: such experts must run their
-    framework's own forward, which calls them (torch has no public way to ask)."""
-    return any_forward_hooks(module.modules())
+def module_tree(root: Any) -> tuple[list, list]:
+    """``root`` and all its submodules, and all their parameters, read from torch's own dicts:
+    the layer paths look at their experts at every call, and ``modules()`` / ``parameters()``
+    walk the tree through generators (with them DeepSpeed's check of 16 experts took 300 us a
+    call on this project's CPU; 50 us with this and the structure kept between calls)."""
+    modules, i = [root], 0
+    while i < len(modules):  # breadth first
+        m = modules[i]
+        if m is not None:
+            modules.extend(m._modules.values())
+        i += 1
+    modules = [m for m in modules if m is not None]  # (None: a submodule slot registered empty)
+    return modules, [q for m in modules for q in m._parameters.values() if q is not None]
 
 
 def any_forward_hooks(modules: Iterable[Any]) -> bool:
-    """Whether any of ``modules`` (each alone, not its submodules) has forward (pre-)hooks."""
+    """Whether any of ``modules`` (each alone, not its submodules) has forward (pre-)hooks: such
+    experts must run their framework's own forward, which calls them (torch has no public way
+    to ask)."""
     return any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
                for m in modules)
 

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from ._groups import communicator_for_group
-from ._patch import any_forward_hooks, patch_all_to_all
+from ._patch import any_forward_hooks, module_tree, patch_all_to_all
 
 __all__ = ["enable", "disable", "is_enabled", "tutel_kernels_enabled", "layer_enabled", "layer_fallback_reason",
            "LAYERS"]
@@ -151,13 +151,11 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
     experts = layer.experts
     if not isinstance(experts, Experts) or type(experts).forward is not Experts.forward:
         return f"its experts are {type(experts).__name__}, not deepspeed.moe.experts.Experts"
-    mods = list(experts.deepspeed_experts)
-    parts = [c for m in mods for c in m.children()]
-    params = [q for c in (experts, *mods, *parts) for q in c.parameters(recurse=False)]
-    key = (layer.num_local_experts, id(experts.deepspeed_experts), *map(id, mods), *map(id, parts), *map(id, params))
+    modules, params = module_tree(experts)
+    key = (layer.num_local_experts, *map(id, modules), *map(id, params))
     cached = getattr(layer, "moecomm_structure", None)
     if cached is None or cached[0] != key:
-        cached = layer.moecomm_structure = (key, _structure(layer, mods))
+        cached = layer.moecomm_structure = (key, _structure(layer, list(experts.deepspeed_experts)))
     plan = cached[1]
     if isinstance(plan, str):
         return plan
@@ -167,12 +165,13 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
     if a.in_features != M or b.out_features != M:
         return (f"its experts map {a.in_features} -> {a.out_features} -> {b.out_features} features, "
                 f"not model_dim {M} -> hidden -> {M}")
+    dtype, device = x.dtype, x.device
     for q in params:
-        if q.dtype != x.dtype or q.device != x.device:
-            return f"an expert parameter is {q.dtype} on {q.device}, the input {x.dtype} on {x.device}"
-        if hasattr(q, "ds_id"):
+        if q.dtype != dtype or q.device != device:
+            return f"an expert parameter is {q.dtype} on {q.device}, the input {dtype} on {device}"
+        if "ds_id" in vars(q):  # (hasattr, without raising inside for every parameter)
             return "its expert parameters are ZeRO-3 partitioned"
-    if any_forward_hooks((experts, experts.deepspeed_experts, *mods, *parts)):  # (all: parts have no children)
+    if any_forward_hooks(modules):
         return "its experts have forward hooks"
     return plan
 
