@@ -217,8 +217,9 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
       fi ;;
     layer27)  # issue 27 (world size 1): every activation against ReLU, SwiGLU against torch's grouped-GEMM layer, the modern router
-      for act in relu swiglu geglu gelu silu; do
-        step "layer27_$act" 120 python3 -m bench.moe_layer --top-k 2 --activation $act --json "$RES/layer27_$act.json"
+      for act in relu swiglu geglu gelu silu lambda:relu; do  # (lambda:relu: Tutel's spelling, lambda x: F.relu(x))
+        step "layer27_${act/:/_}" 120 python3 -m bench.moe_layer --top-k 2 --activation $act \
+          --json "$RES/layer27_${act/:/_}.json"
       done
       step layer27_relu_dropless 120 python3 -m bench.moe_layer --top-k 2 --dropless --json "$RES/layer27_relu_dropless.json"
       step layer27_swiglu_dropless 180 python3 -m bench.moe_layer --top-k 2 --activation swiglu --dropless --reference \

@@ -36,7 +36,7 @@ import json
 import resource
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -71,6 +71,17 @@ ROUTERS = {
 """``--router``: the layer's routing options of each preset (a function of the arguments)."""
 
 
+def _activation(name: str) -> Any:
+    """``--activation``: a name the layer knows, or ``lambda:F`` for ``lambda x: torch.nn.functional.F(x)``
+    (Tutel's examples spell their activations so: issue 27 asks the fused step to take them)."""
+    if not name.startswith("lambda:"):
+        return name
+    fn = getattr(torch.nn.functional, name[len("lambda:"):], None)
+    if fn is None:
+        raise SystemExit(f"--activation {name!r}: torch.nn.functional has no {name[len('lambda:'):]!r}")
+    return lambda x: fn(x)
+
+
 def _ints(text: str) -> list:
     out = []
     for part in text.split(","):
@@ -100,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel-mode", default="expert", choices=("expert", "data", "auto"))
     p.add_argument("--gate", default="linear", choices=("linear", "cosine"))
     p.add_argument("--activation", default="relu",
-                   help="expert activation: relu (the layer's default), gelu, silu, swiglu, geglu, ...")
+                   help="expert activation: relu (the layer's default), gelu, silu, swiglu, geglu, ...; "
+                        "lambda:relu (any torch.nn.functional name) passes lambda x: F.relu(x)")
     p.add_argument("--router", default="softmax", choices=sorted(ROUTERS),
                    help="softmax (the layer's default); modern: sigmoid scores, an expert bias (aux-loss-free "
                         "balancing), 4 groups of which the best 2, and one shared SwiGLU expert of the experts' "
@@ -154,7 +166,7 @@ class Bench:
         dev = comm.device
         self.layer = MoELayer(args.model_dim, args.hidden, args.experts, k=max(k for k in args.top_k),
                               capacity_factor=args.capacity_factor, dropless=args.dropless, gate=args.gate,
-                              activation=args.activation, parallel_mode=args.parallel_mode,
+                              activation=_activation(args.activation), parallel_mode=args.parallel_mode,
                               algorithm=args.algorithm, seed=args.seed, comm=comm, dtype=pdtype, device=dev,
                               inequivalent_tokens=not args.equal_tokens, cuda_graph=args.layer_cuda_graph,
                               fused_step=not args.op_by_op, **ROUTERS[args.router](args))

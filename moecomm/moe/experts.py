@@ -18,6 +18,7 @@ from torch import Tensor, nn
 import moecomm_ext
 from moecomm_ext import unchecked
 
+from ._ops.activation_forms import known_form
 from ._ops.seg_gemm import WeightGradSum, grouped_mm_available, seg_mm, seg_sum, seg_wgrad
 from ._ops.segments import Segments
 
@@ -91,7 +92,9 @@ _BACKWARD: dict[Callable, Callable[[Tensor, Tensor], Tensor]] = {
 
 def resolve_activation(act: Union[str, Callable[[Tensor], Tensor], None]) -> Callable[[Tensor], Tensor]:
     """The activation function ``act`` names (a key of :data:`ACTIVATIONS`; the gated ones
-    are :class:`GatedActivation`), ``act`` itself when callable, ReLU for None.
+    are :class:`GatedActivation`), ``act`` itself when callable (or the known activation it
+    is, where its traced graph is exactly one: :mod:`moecomm.moe._ops.activation_forms`),
+    ReLU for None.
 
     Raises:
         ValueError: an unknown name. TypeError: neither a name nor a callable.
@@ -104,7 +107,11 @@ def resolve_activation(act: Union[str, Callable[[Tensor], Tensor], None]) -> Cal
             raise ValueError(f"activation {act!r} is unknown; known: {sorted(ACTIVATIONS)} (or pass a callable)")
         return fn
     if callable(act):
-        return act
+        if isinstance(act, GatedActivation) or _lookup(act) is not None:
+            return act
+        # a lambda or module that is one known activation (lambda x: F.relu(x), nn.GELU()):
+        # that activation's one backward kernel instead of autograd through the callable
+        return known_form(act, _gelu_tanh, _identity) or act
     raise TypeError(f"activation must be a name ({sorted(ACTIVATIONS)}) or a callable, got {act!r}")
 
 
