@@ -36,13 +36,13 @@ def _on_gpu(splits: Any) -> bool:
 
 
 def check_exchanged_counts(engine: Engine, send: list[int], recv: list[int], rows: int, sent: str,
-                           refuse: Optional[Callable[[], None]] = None) -> Optional[str]:
+                           x: Optional[torch.Tensor] = None) -> Optional[str]:
     """Counts from a GPU tensor, checked once they reach the host, after ``sent`` went out.
     A bad count aborts the engine (its peers have what was sent) and raises, unless
-    ``validate``, where it is returned for the cross-check to raise on every rank, or unless
-    ``refuse`` is given (backends whose every exchange every rank joins, agreeing first: the
-    rank joins the row exchange sending nothing, which its peers' agreement refuses, so every
-    rank raises and the communicator stays usable)."""
+    ``validate``, where it is returned for the cross-check to raise on every rank. On a backend
+    whose every exchange every rank joins, agreeing before any row moves (the peer backend),
+    a rank given its input ``x`` instead joins the row exchange sending nothing: its peers'
+    agreement refuses it, every rank raises and the communicator stays usable."""
     try:
         check_split_total(send, rows, "send_splits", "input")
         for name, vals in (("send_splits", send), ("recv_splits (received)", recv)):
@@ -51,33 +51,32 @@ def check_exchanged_counts(engine: Engine, send: list[int], recv: list[int], row
     except ValueError as exc:
         if engine.validate:
             return str(exc)
-        if refuse is not None:
-            try:
-                refuse()
-            except CountMismatchError:
-                pass  # (the peers raise theirs, naming this rank: what it sends disagrees with their counts)
-            bad = [p for p, v in enumerate(recv) if v < 0]
-            if min(send) >= 0 and sum(send) == rows and bad:  # not this rank's splits: a peer's
-                raise CountMismatchError(f"moecomm: all_to_all_v: rank(s) {bad}'s send_splits are negative (this rank "
-                                         f"received {recv}); nothing was sent") from None
-            raise ValueError(f"{exc}; nothing was sent (the peers' exchange was refused)") from None
-        engine.abort()
-        raise ValueError(f"{exc} (the communicator was aborted: peers had received {sent})") from None
+        if x is None or not engine.backend.collective_exchanges or engine.size == 1:
+            engine.abort()
+            raise ValueError(f"{exc} (the communicator was aborted: peers had received {sent})") from None
+        _join_sending_nothing(engine, x, recv)
+        bad = [p for p, v in enumerate(recv) if v < 0]
+        if bad and min(send) >= 0 and sum(send) == rows:  # not this rank's splits: a peer's
+            raise CountMismatchError(f"moecomm: all_to_all_v: rank(s) {bad}'s send_splits are negative (this rank "
+                                     f"received {recv}); nothing was sent") from None
+        raise ValueError(f"{exc}; nothing was sent (the peers' exchange was refused)") from None
     return None
 
 
-def _refusal(engine: Engine, x: torch.Tensor, recv: list[int], row_bytes: int) -> Optional[Callable[[], None]]:
-    """For :func:`check_exchanged_counts`: the row exchange a rank with bad counts joins, sending
-    nothing (None where the backend does not agree on every exchange before any row moves)."""
-    if not (engine.backend.collective_exchanges and row_bytes and engine.size > 1):
-        return None
-
-    def refuse() -> None:
-        out = engine.output(max(0, sum(recv)) if min(recv) >= 0 else 0, tuple(x.shape[1:]), x.dtype)
-        request = engine.backend.alltoallv(x[:0], [0] * engine.size, out, recv if min(recv) >= 0 else
-                                           [0] * engine.size, row_bytes, **engine.meta_kwargs(x))
+def _join_sending_nothing(engine: Engine, x: torch.Tensor, recv: list[int]) -> None:
+    """The row exchange of :func:`check_exchanged_counts`'s refusal: this rank sends no row (its
+    peers, expecting some, refuse it in the agreement and raise)."""
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    if row_bytes == 0:  # as the peers' exchange of rows of no bytes (alltoallv below): empty, agreed
+        expect, row_bytes, meta = [0] * engine.size, 1, {}
+    else:
+        expect, meta = (recv if min(recv) >= 0 else [0] * engine.size), engine.meta_kwargs(x)
+    out = engine.output(sum(expect), tuple(x.shape[1:]), x.dtype)
+    try:
+        request = engine.backend.alltoallv(x[:0], [0] * engine.size, out, expect, row_bytes, **meta)
         engine.wait_host(request, "all_to_all_v (refused: bad send_splits)", None)
-    return refuse
+    except CountMismatchError:
+        pass  # (the peers raise theirs, naming this rank: what it sends disagrees with their counts)
 
 
 def start_all_to_all_v(engine: Engine, input: torch.Tensor, send_splits: Splits, recv_splits: Optional[Splits]
@@ -104,7 +103,7 @@ def start_all_to_all_v(engine: Engine, input: torch.Tensor, send_splits: Splits,
         engine.check_count_tensor(send_splits, "send_splits")
         check = PeerCheck(op, engine.rank, [[0]] * engine.size, None, x.dtype, row_shape)
         send, recv, issues, stuck = exchange_records(engine, check, send_splits)
-        problem = check_exchanged_counts(engine, send, recv, rows, "the counts", _refusal(engine, x, recv, row_bytes))
+        problem = check_exchanged_counts(engine, send, recv, rows, "the counts", x)
     else:
         send = normalize_splits(send_splits, "send_splits", engine.size)
         check_split_total(send, rows, "send_splits", "input")
@@ -309,16 +308,10 @@ def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tenso
         engine.wait_host(beside[0], f"{check.op} (count records)", None)
         _, issues, stuck = check.compare(beside[2].tolist())
         beside = None
-    if issues and engine.backend.collective_exchanges and row_bytes:
-        # (the peer backend) every rank takes part in every exchange, and the backend's own
-        # agreement compares every rank's record before any row moves: all ranks raise there
-        # together, nothing moves and nothing needs aborting
-        try:
-            request = engine.backend.alltoallv(x, send, out, recv, row_bytes, **engine.meta_kwargs(x))
-        except CountMismatchError as exc:
-            raise check.error(issues, moved=False) from exc
-        return RaiseAfter(request, check.error(issues, moved=True))  # (a difference it does not compare)
-    if issues and ((stuck and not engine.tagged) or not complete):
+    # The peer backend (collective_exchanges): every rank joins every exchange, and its agreement
+    # compares every rank's record before any row moves, so it refuses a disagreement on every
+    # rank (raised below with this rank's account); nothing is stuck, nothing needs aborting.
+    if issues and not engine.backend.collective_exchanges and ((stuck and not engine.tagged) or not complete):
         # Rows that could never arrive (a side that sends or expects none posts nothing),
         # or a backend that cannot complete rows of disagreeing sizes (gloo, NCCL): raise
         # before the rows and abort; peers waiting for this rank's rows time out.
@@ -341,10 +334,15 @@ def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tenso
             request = engine.backend.barrier() if engine.size > 1 else DoneRequest()
     else:
         meta = engine.meta_kwargs(x)  # what the exchange is, where the backend compares it (peer)
-        if engine.peer is not None and max(sum(send), sum(recv)) * row_bytes >= engine.copy_engine_min_bytes:
-            request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes, **meta)
-        else:
-            request = engine.backend.alltoallv(x, send, out, recv, row_bytes, **meta)
+        try:
+            if engine.peer is not None and max(sum(send), sum(recv)) * row_bytes >= engine.copy_engine_min_bytes:
+                request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes, **meta)
+            else:
+                request = engine.backend.alltoallv(x, send, out, recv, row_bytes, **meta)
+        except CountMismatchError as exc:  # the backend's agreement refused it (the peer backend)
+            if not issues:
+                raise
+            raise check.error(issues, moved=False) from exc
     if beside is not None:
         return CheckedRequest(engine, request, check, *beside)
     if issues:

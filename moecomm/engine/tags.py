@@ -103,7 +103,7 @@ def exchange_meta(dtype: torch.dtype, row_shape: Sequence[int]) -> ExchangeMeta:
     """The exchange issued now: its label (:data:`LABELS`), dtype, row shape and wire dtype.
     For backends that carry this description in their own agreement (the peer backend's
     records) rather than in message tags."""
-    ctx = _local.ctx
+    ctx = current()
     return _described(ctx.label, ctx.wire, dtype, row_shape if isinstance(row_shape, tuple) else tuple(row_shape))
 
 

@@ -4,9 +4,9 @@
 dispatch, grouped experts and combine, and its exchanges on moecomm (both described below):
 on one H200 this took 0.77x (top-2) and 0.79x (top-3) of DeepSpeed's own step, on one H100
 (a slower host, where DeepSpeed's own step was faster) 0.98x and 0.91x (issue 28,
-``bench.frameworks``, world size 1; ``bench/results/README.md``). ``enable(layer="deepspeed")`` keeps DeepSpeed's forward and changes only
-the exchange (and, with ``tutel_kernels=True``, the Tutel path's kernels): its results are
-DeepSpeed's bit for bit.
+``bench.frameworks``, world size 1; ``bench/results/README.md``). ``enable(layer="deepspeed")``
+keeps DeepSpeed's forward and changes only the exchange (and, with ``tutel_kernels=True``, the
+Tutel path's kernels): its results are DeepSpeed's bit for bit.
 
 The exchange: ``enable()`` replaces the ``forward`` of ``deepspeed.moe.sharded_moe._AllToAll``, the
 autograd Function ``MOELayer`` sends its capacity-padded ``[E, C, M]`` buffers with (both
@@ -26,8 +26,8 @@ than DeepSpeed's native one). DeepSpeed
 reads ``TUTEL_INSTALLED`` when a layer is built: enable first, then build the model.
 ``disable()`` restores every name it changed.
 
-The layer: ``enable(layer="moecomm")`` also replaces ``sharded_moe.MOELayer.forward`` (every layer, built
-before or after the call): the gate runs as DeepSpeed's own (its ``l_aux``, ``exp_counts`` and
+The layer: ``enable(layer="moecomm")`` also replaces ``sharded_moe.MOELayer.forward`` (every
+layer, built before or after the call): the gate runs as DeepSpeed's own (its ``l_aux``, ``exp_counts`` and
 routes are DeepSpeed's), then the tokens are dispatched into the capacity-padded ``[E, C, M]``
 buffer by moecomm's dispatch kernel (:class:`moecomm.moe.tutel_functional.FastDispatcher`),
 exchanged by ``_AllToAll`` (moecomm's exchange with ``exchange=True``), run through all local
@@ -155,7 +155,8 @@ def _plan(layer: Any, x: torch.Tensor) -> Union[str, tuple]:
     key = (layer.num_local_experts, *map(id, modules), *map(id, params))
     cached = getattr(layer, "moecomm_structure", None)
     if cached is None or cached[0] != key:
-        cached = layer.moecomm_structure = (key, _structure(layer, list(experts.deepspeed_experts)))
+        # (the modules and parameters kept with the key: while cached, no new object can reuse their ids)
+        cached = layer.moecomm_structure = (key, _structure(layer, list(experts.deepspeed_experts)), modules, params)
     plan = cached[1]
     if isinstance(plan, str):
         return plan
