@@ -318,6 +318,12 @@ class Communicator(OtherCollectives):
             TypeError, ValueError: bad tensors or split sizes, named (``output`` when its size
                 cannot hold what ``input`` sends this rank itself), before anything is sent.
             CountMismatchError: as :meth:`all_to_all_v` (a peer disagrees on a block's size).
+                Equal blocks (no split sizes) on the peer backend with concurrent ranks (one GPU
+                each, or sharing one under MPS) are not agreed on first: what every rank passes
+                travels with the rows and is compared where they land, so a disagreement is
+                raised at completion (the watchdog's check, then the next call) and the
+                communicator is aborted, as NCCL reports asynchronous errors; ``validate=True``
+                agrees first.
             TimeoutError, PeerFailedError: as :meth:`all_to_all_v`.
         """
         op = "all_to_all_single"
@@ -341,7 +347,8 @@ class Communicator(OtherCollectives):
                 f"itself (input_split_sizes{'=None: equal blocks' if input_split_sizes is None else ''}), but "
                 f"output_split_sizes{'=None: equal blocks' if output_split_sizes is None else ''} gives block {r} "
                 f"{recv[r]} rows")
-        request = _flat.start_all_to_all_single(self._engine, op, x, send, y, recv)
+        request = _flat.start_all_to_all_single(self._engine, op, x, send, y, recv,
+                                                equal=input_split_sizes is None and output_split_sizes is None)
         return self._engine.finish(request, op, True if async_op else None, async_op)
 
     @collective("all_to_all")

@@ -520,3 +520,50 @@ def test_disagreement_finds_exactly_the_tables_that_disagree(case, me):
         word = {"call": "different exchanges", "row_bytes": "differ in size", "sent": "splits disagree",
                 "expected": "splits disagree", "meta": "pass another"}[changed]
         assert word in got[1], got
+
+
+@settings(max_examples=80, deadline=None)
+@given(world=st.integers(2, 7), rows=st.integers(0, 20) | st.just(0), cap=st.integers(1, 8))
+def test_equal_blocks_move_every_row_once_in_rounds_with_no_host_agreement(world, rows, cap):
+    """all_to_all_single without split sizes on the peer backend (``alltoall_equal``): every
+    rank issues the same rounds from its own arguments alone (no host collective), each
+    round's headers carry the block size, and replaying the rounds as the copy engines move
+    them (the own block whole, at most ``cap`` rows of every other block a round, each block
+    from where its sender's displacements say to where its receiver's say) gives every
+    rank what a numpy all-to-all of equal blocks gives."""
+    from types import SimpleNamespace
+
+    from moecomm.backends.peer import PeerBackend
+
+    class NoHost:
+        def __getattr__(self, name):
+            raise AssertionError(f"the host channel was used ({name})")
+
+    meta = _described(shape=(1,))
+    issued = []
+    for me in range(world):
+        b = object.__new__(PeerBackend)
+        b.rank, b.size, b._calls, b.concurrent, b._host = me, world, 0, True, NoHost()
+        rounds = []
+        b.transport = SimpleNamespace(capacity_rows=lambda row_bytes: cap, problem=lambda *a: None,
+                                      issue_round=lambda *args: rounds.append(args))
+        b.begin = lambda *tensors: 0
+        b.end = lambda op, problem=None: ("request", op)
+        assert b.alltoall_equal(None, None, rows, 8, meta)[0] == "request" and b._calls == 1
+        issued.append(rounds)
+    assert len({len(r) for r in issued}) == 1 and len(issued[0]) == max(1, -(-rows // cap))
+    data = [np.arange(world * rows) + 1000 * me for me in range(world)]  # row i of rank me's input
+    out = [np.full(world * rows, -1) for _ in range(world)]
+    for r in range(len(issued[0])):
+        for me in range(world):
+            _, _, send, sd, _, recv, rd, row_bytes, words = issued[me][r]
+            assert row_bytes == 8 and tuple(words) == (*meta.codes, rows)
+            for p in range(world):
+                n = send[p]
+                assert n == issued[p][r][5][me]  # what p expects from me this round: what I send
+                assert n <= cap or p == me
+                at = issued[p][r][6][me]
+                out[p][at:at + n] = data[me][sd[p]:sd[p] + n]
+    for me in range(world):
+        want = np.concatenate([data[q][me * rows:(me + 1) * rows] for q in range(world)])
+        assert np.array_equal(out[me], want)

@@ -55,10 +55,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..engine.engine import Engine
     from .nccl import NcclBackend
 
-__all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER", "OVERFLOWS", "BAD_COUNTS"]
+__all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER", "OVERFLOWS", "BAD_COUNTS", "META_WORDS",
+           "META_WORD_NAMES"]
 
 
 _HEADER_BYTES = 64
+
+META_WORD_NAMES = ("kind of exchange", "dtype", "row shape", "wire dtype", "block size (rows per rank)")
+"""What the meta words of a known-counts round's headers say (``MetaWords`` in
+``csrc/p2p_cuda.cu``), word by word: the codes of :func:`moecomm.engine.tags.exchange_meta`,
+then the rows of every block where blocks are equal."""
+
+META_WORDS = len(META_WORD_NAMES)
 
 INLINE_BYTES = 8 << 20
 """On the peer backend, the largest block the counts-on-the-GPU round carries (a larger one
@@ -244,10 +252,12 @@ class PeerTransport:
 
     def issue_round(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
                     out: torch.Tensor, recv: Sequence[int], recv_displs: Optional[Sequence[int]],
-                    row_bytes: int) -> None:
+                    row_bytes: int, meta: Sequence[int] = ()) -> None:
         """Enqueue one known-counts round on ``stream`` (the backend's, after its ``begin``):
         the rank's own block whole, at most a region's capacity of every other block. The
-        GPU waits for the peers' headers (spins): only for ranks that run concurrently."""
+        GPU waits for the peers' headers (spins): only for ranks that run concurrently.
+        ``meta``: at most :data:`META_WORDS` ints that travel in the headers, compared by every
+        receiver with its own (a difference is reported by :meth:`problem`)."""
         me = self.rank
         self._ce_half ^= 1
         # the ready kernel (moecomm_ext/csrc/p2p_cuda.cu) only where the exchange before this one on
@@ -257,7 +267,7 @@ class PeerTransport:
         self._ce_captured = self._ce_captured or bool(capture)
         self._ce_capture = capture
         self._ce_exchange(stream, x, send, send_displs, out, recv, recv_displs, row_bytes,
-                          1 + self._ce_half if ready else -1, (), True)
+                          1 + self._ce_half if ready else -1, (), True, meta)
 
     def issue_direct(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Sequence[int],
                      out: torch.Tensor, recv: Sequence[int], recv_displs: Sequence[int], row_bytes: int,
@@ -274,14 +284,14 @@ class PeerTransport:
 
     def _ce_exchange(self, stream: int, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],
                      out: torch.Tensor, recv: Sequence[int], recv_displs: Optional[Sequence[int]], row_bytes: int,
-                     ready_slot: int, peer_dst: Sequence[int], copy_out: bool) -> None:
+                     ready_slot: int, peer_dst: Sequence[int], copy_out: bool, meta: Sequence[int] = ()) -> None:
         self._ext.ce_exchange(self._device, stream, self._aux.cuda_stream, self._fork, self._join, x.data_ptr(),
                               out.data_ptr(), row_bytes, send, () if send_displs is None else send_displs, recv,
                               () if recv_displs is None else recv_displs,
                               self._base_list,
                               self._ptrs[0], self.rank, self._ce_state.data_ptr(), self._ce_half, ready_slot,
                               self.region_bytes, self.ce_data_off, self.ce_header_off, self.ce_ack_off,
-                              self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out)
+                              self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out, meta)
 
     def launch_rows_exchange(self, src: int, in_block: int, row_bytes: int, counts: int, scale: int, tables: int,
                              my_sync: int, state: int, done: int, recv_rows: int, status: int,
@@ -394,17 +404,24 @@ class PeerTransport:
             raise TimeoutError(f"moecomm: {op} did not complete on the GPU within {self._timeout_ns / 1e9:g} s on "
                                f"rank {self.rank}; the communicator was aborted")
 
-    def problem(self) -> Optional[BaseException]:
-        """What the copy-engine wait kernel reported (checked once an exchange completes)."""
+    def problem(self, op: str = "all_to_all_v (copy engines)",
+                meta_words: Sequence[str] = ()) -> Optional[BaseException]:
+        """What the copy-engine wait kernel reported (checked once an exchange completes),
+        named as ``op``; ``meta_words``: this rank's meta words in words, for the message."""
         codes = self._status[0::3]
         if not codes.any():
             return None
         p = int(np.flatnonzero(codes)[0])
         code, sent, expected = (int(v) for v in self._status[3 * p: 3 * p + 3])
         if code == 1:
-            return TimeoutError(f"moecomm: all_to_all_v (copy engines) on rank {self.rank} received nothing from "
+            return TimeoutError(f"moecomm: {op} on rank {self.rank} received nothing from "
                                 f"rank {p} within {self._timeout_ns / 1e9:g} s; the communicator was aborted")
-        return CountMismatchError(f"moecomm: all_to_all_v (copy engines): rank {self.rank} expected {expected} rows "
+        if code == 3:  # sent: which meta word differs
+            name = META_WORD_NAMES[sent] if 0 <= sent < len(META_WORD_NAMES) else f"meta word {sent}"
+            mine = f" ({meta_words[sent]})" if 0 <= sent < len(meta_words) else ""
+            return CountMismatchError(f"moecomm: {op}: rank {p} passes another {name} than rank {self.rank}{mine}: "
+                                      f"every rank must pass the same; the communicator was aborted")
+        return CountMismatchError(f"moecomm: {op}: rank {self.rank} expected {expected} rows "
                                   f"from rank {p}, but rank {p} sent {sent} (the ranks' splits disagree); the "
                                   f"communicator was aborted")
 

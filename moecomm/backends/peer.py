@@ -21,6 +21,12 @@ where their output lies, their counts and displacements:
 anything moves. Memory that cannot be shared that way (torch's expandable segments) goes
 through the arenas in rounds, as before.
 
+*Equal blocks* (``all_to_all_single`` without split sizes, where every rank passes the same
+block by contract; the MoE layer's capacity exchanges): every rank knows every block, so
+concurrent ranks skip the agreement (:meth:`PeerBackend.alltoall_equal`): the blocks go
+through the arenas in rounds, and what the exchange is travels in the GPU headers, compared
+where the rows land; a disagreement is raised when the exchange completes.
+
 How a round waits for the peers depends on whether the ranks' kernels run at the same time
 (:attr:`PeerBackend.concurrent`, measured at creation, below):
 
@@ -52,8 +58,8 @@ from ..errors import CommunicatorClosedError, CountMismatchError
 from ..splits import split_offsets
 from ._stream import StreamOrdered
 from .base import Backend, DoneRequest, Request
-from .peer_rounds import (SHARED_INTS, agreement_record, direct_destinations, disagreement, is_direct, most_rounds,
-                          round_blocks, rounds_needed)
+from .peer_rounds import (META_INTS, SHARED_INTS, agreement_record, direct_destinations, disagreement, is_direct,
+                          most_rounds, round_blocks, rounds_needed)
 
 try:
     from . import _cudart
@@ -250,6 +256,37 @@ class PeerBackend(StreamOrdered, Backend):
                 t.issue_round_host(h, send, part.send, part.send_displs, recv, part.recv, part.recv_displs,
                                    row_bytes, self._handshake)
         return self.end("all_to_all_v (peer memory)", t.problem if self.concurrent and rounds else None)
+
+    def alltoall_equal(self, send: torch.Tensor, recv: torch.Tensor, rows: int, row_bytes: int,
+                       meta: Any = None, op: str = "all_to_all_single") -> Optional[Request]:
+        """An all-to-all of equal blocks, as torch's ``all_to_all_single`` without split sizes:
+        ``rows`` rows of ``row_bytes`` from row ``p * rows`` of ``send`` to every rank ``p``,
+        into row ``q * rows`` of ``recv`` from every rank ``q``, every rank passing the same
+        ``rows`` (the contract of an equal split). So every rank knows every block and the
+        rounds they need: no host agreement. The blocks go through the arenas (rounds of a
+        region's capacity) and what the exchange is (``meta``'s codes and ``rows``) travels in
+        the GPU headers, compared where they land: a rank that passes another block size,
+        dtype, row shape or wire dtype is named on every rank by the request's completion
+        (``CountMismatchError``; the communicator is then aborted, as after any error the GPU
+        reports). Capturable. None where the ranks' kernels do not run concurrently (ranks
+        sharing a GPU without MPS): :meth:`alltoallv` then agrees on the host first."""
+        if not self.concurrent:
+            return None
+        t, me, W = self.transport, self.rank, self.size
+        self._calls += 1  # (every rank counts it: the agreement records' call numbers stay in step)
+        h = self.begin(send, recv)
+        cap = t.capacity_rows(row_bytes)
+        words = (*(meta.codes if meta is not None else (0,) * META_INTS), rows)
+        displs = [p * rows for p in range(W)]
+        for r in range(max(1, -(-rows // cap))):  # one round at least: its headers compare the blocks
+            n = min(cap, max(0, rows - r * cap))
+            counts = [n] * W
+            counts[me] = rows if r == 0 else 0  # the own block whole, in the first round
+            at = [d + r * cap for d in displs]
+            at[me] = displs[me]
+            t.issue_round(h, send, counts, at, recv, counts, at, row_bytes, words)
+        described = (*(meta.words if meta is not None else ("",) * META_INTS), str(rows))
+        return self.end(op, lambda: t.problem(f"{op} (peer memory)", described))
 
     def fixed_destinations(self, recv: torch.Tensor, block_bytes: int) -> list[int]:
         """Set up all-to-alls of equal blocks of ``block_bytes`` into ``recv`` on every call (a

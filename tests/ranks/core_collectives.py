@@ -444,6 +444,63 @@ def check_peer_memory_mismatch() -> None:
     world_barrier()
 
 
+def check_peer_equal_blocks() -> None:
+    """Equal blocks (all_to_all_single without split sizes) on the peer backend: under MPS no
+    host agreement, the blocks in rounds of a region (an arena small enough for three rounds),
+    equal to the reference, eagerly and replayed from a CUDA graph with new data; a rank that
+    passes another block size (also one that needs another number of rounds) or another dtype
+    of the same size is named on every rank by the next call (CountMismatchError). Without
+    MPS the ranks agree on the host first and raise at the call."""
+    if BACKEND != "peer" or W == 1:
+        return
+    arena = 4096 + 4 * W * (8 << 10)  # regions of 8 KiB: 256 rows of 32 bytes
+    c = make_comm(timeout=20, p2p_bytes=arena, set_default=False)
+    concurrent = c.engine.backend.concurrent
+    for i, per_peer in enumerate((0, 1, 7, 256, 257, 600)):
+        m = np.full((W, W), per_peer)
+        for dtype, shape in ((torch.bfloat16, (16,)), (torch.float32, (2, 4))):
+            seed = 900 + 10 * i + len(shape)
+            x = input_for(seed, R, m, shape, dtype).to(DEV)
+            out = torch.empty_like(x)
+            work = c.all_to_all_single(out, x, async_op=bool(i % 2))
+            if work is not None:
+                work.wait()
+            collective_assert(np.array_equal(as_bytes(out), expected_bytes(seed, R, m, shape, dtype)),
+                              f"equal blocks of {per_peer} rows {dtype}{shape}: data")
+    if concurrent:
+        m = np.full((W, W), 300)
+        x = torch.zeros((300 * W, 16), dtype=torch.bfloat16, device=DEV)
+        out = torch.empty_like(x)
+        torch.cuda.synchronize(DEV)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c.all_to_all_single(out, x)
+        for seed in (960, 961, 962):
+            x.copy_(input_for(seed, R, m, (16,), torch.bfloat16).to(DEV))
+            graph.replay()
+            c.watch_stream("check_peer_equal_blocks replay", timeout=30)
+            collective_assert(np.array_equal(as_bytes(out), expected_bytes(seed, R, m, (16,), torch.bfloat16)),
+                              f"equal blocks replayed (seed {seed}): data")
+        del graph
+    c.close()
+    last = R == W - 1
+    cases = (("block size", 5 + last, torch.bfloat16), ("block size and rounds", 256 + last, torch.bfloat16),
+             ("dtype", 5, torch.float16 if last else torch.bfloat16))
+    for name, rows, dtype in cases:
+        c = make_comm(timeout=20, p2p_bytes=arena, set_default=False)
+        x = torch.zeros((rows * W, 16), dtype=dtype, device=DEV)
+        got = _outcome(lambda: c.all_to_all_single(torch.empty_like(x), x))
+        if got is None:
+            torch.cuda.synchronize(DEV)
+            time.sleep(0.3)  # the watchdog looks every 50 ms
+            got = _outcome(lambda: c.all_to_all_single(torch.empty_like(x), x))
+        words = ("another dtype",) if name == "dtype" else ("another block size", "expected")
+        ok = isinstance(got, moecomm.CountMismatchError) and any(w in str(got) for w in words)
+        collective_assert(ok, f"equal blocks, {name} differs on the last rank: rank {R} got {got!r}")
+        c.abort()
+        world_barrier()
+
+
 def check_cuda_graph() -> None:
     """Known-counts exchanges captured into a CUDA graph: every replay moves the bytes the
     static input holds then (new data each replay, against the numpy reference), also with
@@ -546,8 +603,8 @@ def check_torch_dropin() -> None:
 if __name__ == "__main__":
     ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
-               check_max_ctas, check_peer_memory, check_peer_gpu_counts, check_peer_issue32, check_cuda_graph,
-               check_torch_dropin]
+               check_max_ctas, check_peer_memory, check_peer_gpu_counts, check_peer_issue32, check_peer_equal_blocks,
+               check_cuda_graph, check_torch_dropin]
     if ONLY and ONLY.startswith("-"):
         ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
     elif ONLY:

@@ -8,7 +8,8 @@
 //   [4 * W * 64, 5 * W * 64)                 copy-engine acks: source
 //   each header is 64 bytes: int64 count, then int64 sequence number (counts on the GPU: then
 //   the sender's dtype code, row-shape code, row bytes and flags: whether any of its blocks
-//   overflows the inline capacity, whether its counts were bad); an ack one int64
+//   overflows the inline capacity, whether its counts were bad; copy engines: then the
+//   exchange's meta words, see MetaWords); an ack one int64
 //   [data_off, data_off + 2 * W * region)    counts-on-the-GPU data regions: parity x source
 //   [.. + 2 * W * region, .. + 4 * W * region)  copy-engine data regions: half x source
 //
@@ -241,6 +242,14 @@ struct RankCounts {
   int64_t v[kMaxCopyEngineRanks];
 };
 
+// What a known-counts exchange is, in header words 2-6 (kind, dtype, row shape and wire dtype
+// codes, rows per block): compared by the receiver where the host did not agree on it first
+// (the peer backend's equal blocks); zeros elsewhere (equal on every rank).
+constexpr int kMetaWords = 5;
+struct MetaWords {
+  int64_t v[kMetaWords];
+};
+
 // The known-counts exchanges (copy engines) keep their state on the device, so that a CUDA
 // graph that captured them replays correctly: `state` (this GPU's memory, int64) holds
 // [0] c, the number of such exchanges completed here, [1 + q] the number of the last one
@@ -281,14 +290,17 @@ __global__ void ce_ready_kernel(const uint64_t* __restrict__ peer_bases, const c
   __threadfence_system();  // the peer's copy-out reads happened before this rank's writes that follow
 }
 
-// One block; thread p writes this rank's header of exchange seq = state[0] + 1 (count, then
-// seq) into rank p's arena, then waits for rank p's header in this rank's arena and checks
-// its count against `expected`. On a problem it writes status[3p .. 3p + 2] (host memory,
-// mapped; plain stores, never cleared): code (1 = timed out, 2 = the counts disagree), the
-// count rank p sent, the count expected. Then the state advances to seq.
+// One block; thread p writes this rank's header of exchange seq = state[0] + 1 (count, the
+// meta words, then seq) into rank p's arena, then waits for rank p's header in this rank's
+// arena and checks its count against `expected` and its meta words against this rank's. On a
+// problem it writes status[3p .. 3p + 2] (host memory, mapped; plain stores, never cleared):
+// code (1 = timed out, 2 = the counts disagree: the count rank p sent, the count expected;
+// 3 = a meta word differs: its index, rank p's value). A source whose status already holds a
+// problem is not waited for again (a rank that went on to a round its peer never runs, after
+// they disagreed, must not spin until the timeout). Then the state advances to seq.
 __global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, const char* my_base, int me, int world,
                                    int parity, int64_t hdr_off, int64_t* state, RankCounts sent, RankCounts expected,
-                                   volatile int64_t* status, uint64_t timeout_ns) {
+                                   MetaWords meta, volatile int64_t* status, uint64_t timeout_ns) {
   const int p = threadIdx.x;
   const int64_t seq = state[0] + 1;
   __syncthreads();  // every thread has read the state before thread 0 advances it below
@@ -297,12 +309,14 @@ __global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, cons
                                                                  (int64_t(parity) * world + me) * 64);
     __threadfence_system();  // the copies before this kernel on its stream have completed
     out[0] = sent.v[p];
+    for (int i = 0; i < kMetaWords; ++i) out[2 + i] = meta.v[i];
     __threadfence_system();
     out[1] = seq;
     volatile const int64_t* hdr =
         reinterpret_cast<volatile const int64_t*>(my_base + hdr_off + (int64_t(parity) * world + p) * 64);
-    const bool arrived = spin_until([&] { return hdr[1] == seq; }, timeout_ns);
-    if (!arrived) {
+    const bool known_bad = status[3 * p] != 0;
+    const bool arrived = !known_bad && spin_until([&] { return hdr[1] == seq; }, timeout_ns);
+    if (!arrived && !known_bad) {
       status[3 * p + 2] = expected.v[p];
       status[3 * p] = 1;
       __threadfence_system();
@@ -310,7 +324,16 @@ __global__ void signal_wait_kernel(const uint64_t* __restrict__ peer_bases, cons
     if (arrived) {
       __threadfence_system();
       const int64_t got = hdr[0];
-      if (got != expected.v[p]) {
+      int differs = -1;
+      for (int i = kMetaWords - 1; i >= 0; --i) {
+        if (hdr[2 + i] != meta.v[i]) differs = i;
+      }
+      if (differs >= 0) {
+        status[3 * p + 1] = differs;
+        status[3 * p + 2] = hdr[2 + differs];
+        status[3 * p] = 3;
+        __threadfence_system();
+      } else if (got != expected.v[p]) {
         status[3 * p + 1] = got;
         status[3 * p + 2] = expected.v[p];
         status[3 * p] = 2;
@@ -528,6 +551,12 @@ RankCounts pack_counts(const std::vector<int64_t>& values) {
   return out;
 }
 
+MetaWords pack_meta(const std::vector<int64_t>& values) {
+  MetaWords out{};
+  for (size_t i = 0; i < values.size() && i < size_t(kMetaWords); ++i) out.v[i] = values[i];
+  return out;
+}
+
 // Exclusive prefix sums: blocks back to back.
 std::vector<int64_t> back_to_back(const std::vector<int64_t>& counts) {
   std::vector<int64_t> out(counts.size(), 0);
@@ -544,19 +573,20 @@ std::vector<int64_t> back_to_back(const std::vector<int64_t>& counts) {
 // mapped through IPC): the block goes there whole, no region between; `copy_out` false where
 // this rank's own output was written that way (nothing to copy out of its regions). They
 // need ready_slot 0: a peer's output may be memory that work it issued before the exchange
-// still uses, until its stream reaches the exchange.
+// still uses, until its stream reaches the exchange. `meta` (at most kMetaWords, the rest
+// zero) travels in the headers and every receiver compares it with its own.
 void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64_t fork_event, uint64_t join_event,
                  uint64_t x, uint64_t out, int64_t row_bytes, const std::vector<int64_t>& send_counts,
                  const std::vector<int64_t>& send_displs, const std::vector<int64_t>& recv_counts,
                  const std::vector<int64_t>& recv_displs, const std::vector<uint64_t>& bases, uint64_t bases_device,
                  int me, uint64_t state, int parity, int ready_slot, int64_t region_bytes, int64_t data_off,
                  int64_t hdr_off, int64_t ack_off, uint64_t status, uint64_t timeout_ns,
-                 const std::vector<uint64_t>& peer_dst, bool copy_out) {
+                 const std::vector<uint64_t>& peer_dst, bool copy_out, const std::vector<int64_t>& meta) {
   const int world = static_cast<int>(bases.size());
   if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || recv_counts.size() != size_t(world) ||
       (!send_displs.empty() && send_displs.size() != size_t(world)) ||
       (!recv_displs.empty() && recv_displs.size() != size_t(world)) || row_bytes <= 0 ||
-      (!peer_dst.empty() && peer_dst.size() != size_t(world)) || ready_slot > 2) {
+      (!peer_dst.empty() && peer_dst.size() != size_t(world)) || ready_slot > 2 || meta.size() > size_t(kMetaWords)) {
     throw std::invalid_argument("moecomm p2p: ce_exchange got inconsistent arguments");
   }
   const std::vector<int64_t> send_at = send_displs.empty() ? back_to_back(send_counts) : send_displs;
@@ -601,7 +631,7 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
   }
   signal_wait_kernel<<<1, threads, 0, stream>>>(
       reinterpret_cast<const uint64_t*>(bases_device), reinterpret_cast<const char*>(bases[me]), me, world, parity,
-      hdr_off, reinterpret_cast<int64_t*>(state), pack_counts(send_counts), pack_counts(recv_counts),
+      hdr_off, reinterpret_cast<int64_t*>(state), pack_counts(send_counts), pack_counts(recv_counts), pack_meta(meta),
       reinterpret_cast<volatile int64_t*>(status), timeout_ns);
   check(cudaGetLastError(), "signal/wait kernel launch");
   for (int p = 0; p < world && copy_out; ++p) {
