@@ -203,8 +203,12 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
             ll) step "shared_ll_$n" $L "${M[@]}" python3 -m tests.ranks.low_latency_checks peer ;;
             a2a) step "shared_a2a_$n" $L "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M \
                    -f 4 -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_$n.json" ;;
-            moebench) [ $n = 2 ] || [ $n = 4 ] && step "shared_moe_layer_$n" $L "${M[@]}" python3 -m bench.moe_layer \
-                   --tokens $((8192 / n)) --top-k 2 --json "$RES/shared_gpu_moe_layer_$n.json" ;;
+            moebench) if [ $n = 2 ] || [ $n = 4 ]; then  # (then the agreed equal blocks beside, in the same call)
+                   step "shared_moe_layer_$n" $L "${M[@]}" python3 -m bench.moe_layer \
+                     --tokens $((8192 / n)) --top-k 2 --json "$RES/shared_gpu_moe_layer_$n.json"
+                   step "shared_moe_layer_${n}_agreed" $L "${M[@]}" python3 -m bench.moe_layer --peer-agree-equal \
+                     --tokens $((8192 / n)) --top-k 2 --json "$RES/shared_gpu_moe_layer_${n}_agreed.json"
+                 fi ;;
           esac
         done
       done

@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
     p.add_argument("--host-profile", action="store_true",
                    help="print a cProfile of the host work of 10 steps at the first k and degree (rank 0)")
+    p.add_argument("--peer-agree-equal", action="store_true",
+                   help="diagnostic, peer backend: the capacity exchanges (equal blocks) agree on the host first, "
+                        "as before they skipped it (to compare side by side)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
 
@@ -278,6 +281,8 @@ def main(argv: Optional[list] = None) -> list:
         torch.set_num_threads(1)
     comm = moecomm.init(backend=backend, timeout=args.timeout, max_ctas=args.max_ctas, p2p_bytes=args.p2p_bytes)
     _defaults(args, cuda, comm.size)
+    if args.peer_agree_equal and comm.backend == "peer":
+        comm.engine.backend.alltoall_equal = lambda *a, **kw: None  # (None: the backend's agreed path)
     if cuda:
         torch.cuda.set_device(comm.device)
     b = Bench(args, comm)
