@@ -321,7 +321,8 @@ class Communicator(OtherCollectives):
                 Equal blocks (no split sizes) on the peer backend with concurrent ranks (one GPU
                 each, or sharing one under MPS) are not agreed on first: what every rank passes
                 travels with the rows and is compared where they land, so a disagreement is
-                raised at completion (the watchdog's check, then the next call) and the
+                raised at completion (``Work.synchronize()``, or the next call once the watchdog has
+                seen it) and the
                 communicator is aborted, as NCCL reports asynchronous errors; ``validate=True``
                 agrees first.
             TimeoutError, PeerFailedError: as :meth:`all_to_all_v`.
