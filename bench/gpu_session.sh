@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -315,6 +315,32 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
         python3 -m bench.moe_layer --tokens 4096 --top-k 2 -n 5 --sync-report --host-profile
       mps_off ;;
+    sharedmoe)  # issue 26: the layer at 2 and 4 ranks sharing the GPU under MPS, equal blocks checked on the GPU (default)
+      # beside agreed on the host (--peer-agree-equal); at 4 ranks also one torch thread per rank, and a host profile
+      mps_on
+      for n in 2 4; do
+        local M=(mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
+                 -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
+        for run in 1 2; do
+          step "shared_moe_layer_${n}_run$run" 60 "${M[@]}" python3 -m bench.moe_layer --tokens $((8192 / n)) --top-k 2 \
+            --json "$RES/shared_gpu_moe_layer_${n}_run$run.json"
+          step "shared_moe_layer_${n}_agreed_run$run" 60 "${M[@]}" python3 -m bench.moe_layer --peer-agree-equal \
+            --tokens $((8192 / n)) --top-k 2 --json "$RES/shared_gpu_moe_layer_${n}_agreed_run$run.json"
+        done
+      done
+      step shared_moe_layer_4_omp1 60 env OMP_NUM_THREADS=1 "${M[@]}" python3 -m bench.moe_layer --tokens 2048 --top-k 2 \
+        --json "$RES/shared_gpu_moe_layer_4_omp1.json"
+      step shared_moe_prof_4 90 "${M[@]}" python3 -m bench.moe_layer --tokens 2048 --top-k 2 -n 5 --sync-report --host-profile
+      mps_off ;;
+    sharedmoegpu)  # issue 26: where the GPU time of a step goes, world size 1 and rank 0 of 4 ranks sharing the GPU (MPS)
+      step moe_gpuprof_1 90 python3 -m bench.moe_layer --top-k 2 -n 3 --profile /tmp/moe_gpuprof_1.json
+      step moe_gpusum_1 60 python3 -m bench.trace_summary --top 30 /tmp/moe_gpuprof_1.json
+      mps_on
+      step moe_gpuprof_4 90 mpirun --allow-run-as-root -n 4 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
+        -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+        python3 -m bench.moe_layer --tokens 2048 --top-k 2 -n 3 --profile /tmp/moe_gpuprof_4.json
+      mps_off
+      step moe_gpusum_4 60 python3 -m bench.trace_summary --top 30 /tmp/moe_gpuprof_4.json ;;
     moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
     peercosts) mps_on
       for rows in 64 2048; do
