@@ -23,12 +23,18 @@ _GROUPED_MM_OK: dict = {}
 
 
 def _gmm_shapes_ok(*dims: int, esize: int = 2) -> bool:
-    return all(d > 0 and (d * esize) % 16 == 0 for d in dims)
+    for d in dims:
+        if d <= 0 or (d * esize) % 16:
+            return False
+    return True
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs here for this dtype: bf16 on a GPU; float32, bf16
     and float16 on the CPU where this torch has the CPU kernel (tried once, then cached)."""
+    known = _GROUPED_MM_OK.get((device.type, device.index, dtype))
+    if known is not None:  # (the common case: asked before every grouped GEMM)
+        return known
     if not hasattr(torch, "_grouped_mm"):
         return False
     if device.type == "cuda":
@@ -60,6 +66,8 @@ def _grouped(t: Tensor, *dims: int) -> bool:
 
 
 def _block_views(t: Tensor, seg: Segments) -> list[Tensor]:
+    if seg.num_blocks == 1 and t.shape[0] == seg.rows:  # (one rank: the whole tensor)
+        return [t]
     out, start = [], 0
     for n in seg.block_rows():
         out.append(t[start:start + n])
