@@ -78,6 +78,8 @@ def _block_views(t: Tensor, seg: Segments) -> list[Tensor]:
 def _offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tensor:
     """int32 ends of block ``b``'s expert segments (of all blocks' segments, in row order,
     for ``b=None``), on ``device`` without a host sync (kept on ``seg`` for its next GEMM)."""
+    if b is None and seg.num_blocks == 1:  # the same ends: one cumsum serves both
+        b = 0
     key = (b, device)
     t = seg.offsets_cache.get(key)
     if t is None:
