@@ -567,3 +567,35 @@ def test_equal_blocks_move_every_row_once_in_rounds_with_no_host_agreement(world
     for me in range(world):
         want = np.concatenate([data[q][me * rows:(me + 1) * rows] for q in range(world)])
         assert np.array_equal(out[me], want)
+
+
+@pytest.mark.parametrize("status, words", [
+    ([0, 0, 0, 3, 1, 77], "all_to_all_single (peer memory): rank 1 passes another dtype than rank 0 (torch.bfloat16)"),
+    ([0, 0, 0, 3, 4, 6], "rank 1 passes another block size (rows per rank) than rank 0 (5)"),
+    ([0, 0, 0, 2, 6, 5], "rank 0 expected 5 rows from rank 1, but rank 1 sent 6"),
+])
+def test_copy_engine_round_problems_name_the_peer_and_what_differs(status, words, monkeypatch):
+    """What the copy-engine round's wait kernel reports (``status``: code, then two words, per
+    source), as the error the request raises: another meta word (equal blocks: dtype, block
+    size, ...) or another count, naming the peer; nothing reported: None."""
+    import importlib
+    import sys
+    from types import SimpleNamespace
+
+    import moecomm.backends
+    from moecomm.errors import CountMismatchError
+
+    # the transport's module needs cuda-bindings only to run exchanges: a stand-in lets it import here
+    monkeypatch.setitem(sys.modules, "moecomm.backends._cudart", SimpleNamespace())
+    monkeypatch.delitem(sys.modules, "moecomm.backends.p2p", raising=False)
+    monkeypatch.setattr(moecomm.backends, "p2p", None, raising=False)
+    t = object.__new__(importlib.import_module("moecomm.backends.p2p").PeerTransport)
+    t.rank, t._backend = 0, SimpleNamespace(timeout_s=5.0)
+    t._status = np.zeros(6, dtype=np.int64)
+    assert t.problem() is None
+    t._status[:] = status
+    mine = ("all_to_all_single", "torch.bfloat16", "(16,)", "None", "5")
+    err = t.problem("all_to_all_single (peer memory)", mine)
+    assert isinstance(err, CountMismatchError) and words in str(err) and "aborted" in str(err)
+    t._status[:] = [0, 0, 0, 1, 0, 5]
+    assert isinstance(t.problem(), TimeoutError)
