@@ -321,10 +321,11 @@ class Communicator(OtherCollectives):
                 Equal blocks (no split sizes) on the peer backend with concurrent ranks (one GPU
                 each, or sharing one under MPS) are not agreed on first: what every rank passes
                 travels with the rows and is compared where they land, so a disagreement is
-                raised at completion (``Work.synchronize()``, or the next call once the watchdog has
-                seen it) and the
-                communicator is aborted, as NCCL reports asynchronous errors; ``validate=True``
-                agrees first.
+                raised at completion (``Work.synchronize()``, or the next call once the watchdog
+                has seen it) and the communicator is aborted, as NCCL reports asynchronous
+                errors; ``validate=True`` agrees first. Every rank must then pass no split
+                sizes: a rank that passes them (even equal ones) while its peers do not is in
+                another kind of exchange, and both sides time out.
             TimeoutError, PeerFailedError: as :meth:`all_to_all_v`.
         """
         op = "all_to_all_single"

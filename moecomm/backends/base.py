@@ -143,6 +143,14 @@ class Backend(abc.ABC):
         ``recv_displs[p]`` where the backend :attr:`supports_displacements`.
         """
 
+    def alltoall_equal(self, send: torch.Tensor, recv: torch.Tensor, rows: int, row_bytes: int, meta: Any = None,
+                       op: str = "all_to_all_single") -> Optional[Request]:
+        """An all-to-all of ``rows`` rows of ``row_bytes`` to and from every rank, every rank
+        passing the same ``rows`` (torch's equal split), issued with no agreement first where
+        the backend checks it where the rows land; None where it has no such path (the
+        caller then takes :meth:`alltoallv` with its usual checks)."""
+        return None
+
     def exchange_tagged(self, send: torch.Tensor, send_counts: Sequence[int], send_displs: Sequence[int],
                         recv: torch.Tensor, recv_counts: Sequence[int], recv_displs: Sequence[int], row_bytes: int,
                         tags: Sequence[int]) -> Request:

@@ -132,16 +132,14 @@ def start_all_to_all_single(engine: Engine, op: str, x: torch.Tensor, send: list
     so with ``validate`` they are cross-checked first, and their records travel beside the
     rows (:func:`start_records`) to be compared at completion. ``equal``: no split sizes were
     given (equal blocks on every rank, by torch's contract): a backend that checks such an
-    exchange where it lands takes it with no agreement first (the peer backend's
-    ``alltoall_equal``), unless ``validate``."""
+    exchange where it lands takes it with no agreement first (``Backend.alltoall_equal``),
+    unless ``validate``."""
     row_shape = (math.prod(x.shape[1:]),)
-    if equal and not engine.validate and engine.size > 1 and hasattr(engine.backend, "alltoall_equal"):
-        row_bytes = row_shape[0] * x.element_size()
-        if row_bytes:
-            meta = engine.meta_kwargs(x).get("meta")
-            request = engine.backend.alltoall_equal(x, out, send[0], row_bytes, meta, op)
-            if request is not None:
-                return request
+    row_bytes = row_shape[0] * x.element_size()
+    if equal and row_bytes and not engine.validate and engine.size > 1:
+        request = engine.backend.alltoall_equal(x, out, send[0], row_bytes, engine.meta_kwargs(x).get("meta"), op)
+        if request is not None:
+            return request
     check = PeerCheck(op, engine.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
     records = start_records(engine, check)
     try:

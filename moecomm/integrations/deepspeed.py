@@ -2,9 +2,9 @@
 
 ``enable()`` (the default, ``layer="moecomm"``) runs every DeepSpeed ``MOELayer`` on moecomm's
 dispatch, grouped experts and combine, and its exchanges on moecomm (both described below):
-on one H200 this took 0.77x (top-2) and 0.79x (top-3) of DeepSpeed's own step, on one H100
-(a slower host, where DeepSpeed's own step was faster) 0.98x and 0.91x (issue 28,
-``bench.frameworks``, world size 1; ``bench/results/README.md``). ``enable(layer="deepspeed")``
+on one H200 this took 0.79x (top-2) and 0.70x (top-3) of DeepSpeed's own step, on one H100
+(a slower host, where DeepSpeed's own step was faster) 0.92x and 0.88x (issue 28,
+``bench.frameworks``, world size 1, sessions 75-76; ``bench/results/README.md``). ``enable(layer="deepspeed")``
 keeps DeepSpeed's forward and changes only the exchange (and, with ``tutel_kernels=True``, the
 Tutel path's kernels): its results are DeepSpeed's bit for bit.
 

@@ -180,8 +180,9 @@ class StepCall:
         if self.capacity is not None and self.algorithm == "flat":
             # equal blocks on every rank (the capacity is agreed): torch's equal split, which a
             # backend can check where the rows land instead of agreeing first (the peer backend)
+            rows = rows.contiguous()
             out = torch.empty_like(rows)
-            self.comm.all_to_all_single(out, rows.contiguous())
+            self.comm.all_to_all_single(out, rows)
             return out
         send, recv = (self.send_splits, self.recv_splits) if to_experts else (self.recv_splits, self.send_splits)
         return self.comm.all_to_all_v(rows.contiguous(), send, recv, algorithm=self.algorithm)[0]
