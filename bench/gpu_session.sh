@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -231,6 +231,10 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       for router in modern modern-routing softmax-shared; do
         step "layer27_$router" 120 python3 -m bench.moe_layer --top-k 2 --router $router --json "$RES/layer27_$router.json"
       done ;;
+    dropless27)  # issue 27 (world size 1): the dropless steps alone, ReLU and SwiGLU (against torch's grouped-GEMM layer)
+      step layer27_relu_dropless 120 python3 -m bench.moe_layer --top-k 2 --dropless --json "$RES/layer27_relu_dropless.json"
+      step layer27_swiglu_dropless 180 python3 -m bench.moe_layer --top-k 2 --activation swiglu --dropless --reference \
+        --json "$RES/layer27_swiglu_dropless.json" ;;
     hostdiag)  # issue 27: where the host time of a step goes (torch profiler's host calls), capacity, dropless, modern router
       for cfg in "relu_cap:" "relu_dl:--dropless" "swiglu_dl:--activation swiglu --dropless" "modern:--router modern"; do
         local name=${cfg%%:*} opts=${cfg#*:}
@@ -341,6 +345,24 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         python3 -m bench.moe_layer --tokens 2048 --top-k 2 -n 3 --profile /tmp/moe_gpuprof_4.json
       mps_off
       step moe_gpusum_4 60 python3 -m bench.trace_summary --top 30 /tmp/moe_gpuprof_4.json ;;
+    launchcost)  # issue 26: what issuing GPU work costs each process when 1-8 share the GPU (MPS or not, bound to
+      # cores or not), and the 4-rank layer bound to cores beside the default binding
+      step cpus 10 bash -c "nproc; lscpu | grep -E '^(Model name|Socket|Core|Thread|NUMA node\(s\)|CPU\(s\))'"
+      local L=(mpirun --allow-run-as-root -x PYTHONPATH -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0)
+      step launch_1 60 "${L[@]}" -n 1 python3 -m bench.launch_cost
+      step launch_4_nomps 60 "${L[@]}" -n 4 python3 -m bench.launch_cost
+      mps_on
+      L+=(-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
+      for n in 1 2 4 8; do step "launch_${n}_mps" 60 "${L[@]}" -n $n python3 -m bench.launch_cost; done
+      step launch_4_mps_core 60 "${L[@]}" -n 4 --bind-to core --map-by core --report-bindings python3 -m bench.launch_cost
+      step launch_4_mps_none 60 "${L[@]}" -n 4 --bind-to none python3 -m bench.launch_cost
+      for b in core none; do
+        step "shared_moe_layer_4_bind_$b" 60 "${L[@]}" -n 4 -x MOECOMM_TIMEOUT --bind-to $b --map-by core \
+          python3 -m bench.moe_layer --tokens 2048 --top-k 2 --json "$RES/shared_gpu_moe_layer_4_bind_$b.json"
+      done
+      step shared_moe_layer_4_default 60 "${L[@]}" -n 4 -x MOECOMM_TIMEOUT python3 -m bench.moe_layer --tokens 2048 \
+        --top-k 2 --json "$RES/shared_gpu_moe_layer_4_default.json"
+      mps_off ;;
     moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
     peercosts) mps_on
       for rows in 64 2048; do
