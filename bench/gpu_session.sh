@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, sharedtimeline, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -363,6 +363,27 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       step shared_moe_layer_4_default 60 "${L[@]}" -n 4 -x MOECOMM_TIMEOUT python3 -m bench.moe_layer --tokens 2048 \
         --top-k 2 --json "$RES/shared_gpu_moe_layer_4_default.json"
       mps_off ;;
+    sharedtimeline)  # issue 26: is the 4-rank layer bound by sharing the GPU or by its exchanges? The same work
+      # per process without exchanges (4 independent world-size-1 layers of 4 experts, 2048 tokens, at once), the
+      # 4-rank layer captured (no host), and every rank's GPU trace on one time line
+      step alone_1x4 60 python3 -m bench.moe_layer --tokens 2048 --experts 4 --top-k 2 -n 40
+      mps_on
+      step independent_4x4 120 bash -c 'for i in 0 1 2 3; do python3 -m bench.moe_layer --tokens 2048 --experts 4 \
+        --top-k 2 -n 40 > /tmp/indep_$i.log 2>&1 & done; wait; grep -h -E "^ 2 " /tmp/indep_*.log'
+      step independent_2x8 120 bash -c 'for i in 0 1; do python3 -m bench.moe_layer --tokens 4096 --experts 8 \
+        --top-k 2 -n 40 > /tmp/indep2_$i.log 2>&1 & done; wait; grep -h -E "^ 2 " /tmp/indep2_*.log'
+      local T=(mpirun --allow-run-as-root -x PYTHONPATH -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x MOECOMM_TIMEOUT
+               -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY --bind-to core --map-by core)
+      step shared_moe_layer_4_graph 90 "${T[@]}" -n 4 python3 -m bench.moe_layer --tokens 2048 --top-k 2 --cuda-graph
+      step shared_moe_timeline_4 90 "${T[@]}" -n 4 python3 -m bench.moe_layer --tokens 2048 --top-k 2 -n 3 \
+        --profile "/tmp/tl4_{rank}.json"
+      step shared_moe_timeline_2 90 "${T[@]}" -n 2 python3 -m bench.moe_layer --tokens 4096 --top-k 2 -n 3 \
+        --profile "/tmp/tl2_{rank}.json"
+      mps_off
+      step timeline_4 60 python3 -m bench.trace_summary --merge /tmp/tl4_0.json /tmp/tl4_1.json /tmp/tl4_2.json \
+        /tmp/tl4_3.json
+      step timeline_2 60 python3 -m bench.trace_summary --merge /tmp/tl2_0.json /tmp/tl2_1.json
+      step timeline_4_rank0 60 python3 -m bench.trace_summary --top 12 /tmp/tl4_0.json ;;
     moe1) step moe_layer_1 120 python3 -m bench.moe_layer --top-k 2 --json "$RES/shared_gpu_moe_layer_1.json" ;;
     peercosts) mps_on
       for rows in 64 2048; do

@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(rows say fused_step: false)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU: time every configuration also as a captured CUDA graph (mode 'graph')")
-    p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0)")
+    p.add_argument("--profile", metavar="PATH", help="write a torch profiler trace of a few steps (rank 0; every rank where PATH "
+                   "has {rank}, formatted with the rank)")
     p.add_argument("--sync-report", action="store_true",
                    help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
     p.add_argument("--host-profile", action="store_true",
@@ -371,14 +372,18 @@ def main(argv: Optional[list] = None) -> list:
         run = graph.replay if graph is not None else (lambda: b.step(**kw))
         run()
         b.sync()
-        # with_stack only for the host's view: it slows the host enough to change the GPU's timeline
-        with profile(activities=acts, with_stack=graph is None) as prof:
+        # with_stack only for the host's view (not for every rank's GPU time line): it slows the host
+        # enough to change the GPU's timeline
+        with profile(activities=acts, with_stack=graph is None and "{rank}" not in args.profile) as prof:
             for _ in range(3):
                 run()
             b.sync()
         del run, graph  # a graph holding NCCL kernels must go before its communicator closes
+        if "{rank}" in args.profile:
+            prof.export_chrome_trace(args.profile.format(rank=comm.rank))
         if rank0:
-            prof.export_chrome_trace(args.profile)
+            if "{rank}" not in args.profile:
+                prof.export_chrome_trace(args.profile)
             print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                             row_limit=30), flush=True)
     if args.sync_report and cuda:

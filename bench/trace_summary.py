@@ -7,6 +7,12 @@ of it overlaps work on other streams. For the device: the span from the first ke
 the last, the time some stream was busy, and the idle time (a GPU idle inside the span
 waits on the host or on a peer). Then the kernels with the largest total time.
 
+With ``--merge``: the traces are processes that shared one GPU (ranks under MPS): their
+kernels on one time line (each trace's ``baseTimeNanoseconds`` added), over the span every
+trace covers: the time some process ran real work, the time only exchange waits
+(``--wait-kernel``, a name fragment) ran, the idle time; and each process's waits in order
+(start and end against the span's start), which show who reached each exchange last.
+
 With ``--host``: the host side too. Per thread (the caller's, and the autograd engine's
 for CUDA backward passes), the time inside profiled calls; then the calls with the largest
 *self* time (their time minus the calls nested in them), over all threads. Python
@@ -22,7 +28,7 @@ from typing import Iterable, Optional
 
 from ._common import prog
 
-__all__ = ["main", "summarize", "summarize_host", "union_length", "intersection_length"]
+__all__ = ["main", "summarize", "summarize_host", "summarize_shared", "union_length", "intersection_length"]
 
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_CATS = ("cpu_op", "python_function", "cuda_runtime", "cuda_driver", "user_annotation")
@@ -125,12 +131,62 @@ def summarize_host(trace: dict, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def _gpu_intervals(trace: dict, wait: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(work, waits): the trace's GPU intervals in microseconds on the machine's clock."""
+    base = float(trace.get("baseTimeNanoseconds", 0)) / 1e3
+    work, waits = [], []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in _GPU_CATS:
+            a = float(e["ts"]) + base
+            (waits if wait in e.get("name", "") else work).append((a, a + float(e.get("dur", 0.0))))
+    return work, waits
+
+
+def _clip(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def summarize_shared(traces: list[dict], wait: str = "signal_wait", show: int = 16) -> str:
+    """The processes' GPU work on one time line (see the module's docstring, ``--merge``)."""
+    per = [_gpu_intervals(t, wait) for t in traces]
+    if any(not (w or x) for w, x in per):
+        return "a trace without GPU events"
+    lo = max(min(a for a, _ in w + x) for w, x in per)
+    hi = min(max(b for _, b in w + x) for w, x in per)
+    if hi <= lo:
+        return "the traces do not overlap in time"
+    span = hi - lo
+    work = [iv for w, _ in per for iv in _clip(w, lo, hi)]
+    waits = [iv for _, x in per for iv in _clip(x, lo, hi)]
+    busy = union_length(work)
+    only_wait = union_length(work + waits) - busy
+    lines = [f"{len(traces)} processes, common span {span / 1e3:.3f} ms: some process's work running "
+             f"{busy / 1e3:.3f} ms ({100 * busy / span:.1f}%), only waits {only_wait / 1e3:.3f} ms, idle "
+             f"{(span - busy - only_wait) / 1e3:.3f} ms",
+             f"{'process':>8} {'work_ms':>8} {'wait_ms':>8} {'waits':>6}  first waits: start-end (us from the span's start)"]
+    for i, (w, x) in enumerate(per):
+        cw, cx = _clip(w, lo, hi), sorted(_clip(x, lo, hi))
+        first = " ".join(f"{a - lo:.0f}-{b - lo:.0f}" for a, b in cx[:show])
+        lines.append(f"{i:>8} {union_length(cw) / 1e3:>8.3f} {union_length(cx) / 1e3:>8.3f} {len(cx):>6}  {first}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog=prog(__spec__.name), description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+", help="chrome trace JSON files (torch.profiler export_chrome_trace)")
     p.add_argument("--top", type=int, default=25, help="kernels (and host calls) to list (25)")
     p.add_argument("--host", action="store_true", help="also summarise the host threads' calls")
+    p.add_argument("--merge", action="store_true", help="the traces are processes sharing one GPU: one time line")
+    p.add_argument("--wait-kernel", default="signal_wait", help="with --merge: the exchange's wait kernel (a name "
+                   "fragment; default signal_wait)")
     args = p.parse_args(argv)
+    if args.merge:
+        traces = []
+        for path in args.traces:
+            with open(path) as fh:
+                traces.append(json.load(fh))
+        print(f"# {' '.join(args.traces)}\n{summarize_shared(traces, args.wait_kernel)}", flush=True)
+        return
     for path in args.traces:
         with open(path) as fh:
             trace = json.load(fh)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.trace_summary import intersection_length, summarize, summarize_host, union_length
+from bench.trace_summary import intersection_length, summarize, summarize_host, summarize_shared, union_length
 
 intervals = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20)).map(lambda t: (t[0], t[0] + t[1])), max_size=12)
 
@@ -33,6 +33,25 @@ def test_summary_reports_streams_overlap_and_idle():
     assert any(line.split()[:4] == ["7", "2", "0.200", "25.0%"] for line in lines)
     assert any(line.split()[:4] == ["13", "2", "0.200", "25.0%"] for line in lines)
     assert summarize({"traceEvents": []}) == "no GPU events in the trace"
+
+
+def test_shared_summary_puts_processes_on_one_time_line():
+    def k(ts, dur, name="gemm"):
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "name": name, "args": {"stream": 7}}
+
+    # process 0 (base 1000 us): work 1000-1100, waits 1100-1300, work 1300-1400;
+    # process 1 (base 1050 us): work 1050-1250, wait 1250-1300, work 1300-1350.
+    # Common span 1050-1350: work 1050-1100 (p0) + 1050-1250 (p1) + 1300-1350 -> 250 us; waits only: none
+    # left (p0's wait 1100-1300 lies under p1's work until 1250, then 1250-1300 both wait) -> 50 us; idle 0.
+    p0 = {"baseTimeNanoseconds": 1_000_000, "traceEvents": [k(0, 100), k(100, 200, "signal_wait_kernel"), k(300, 100)]}
+    p1 = {"baseTimeNanoseconds": 1_050_000, "traceEvents": [k(0, 200), k(200, 50, "signal_wait_kernel"), k(250, 50)]}
+    text = summarize_shared([p0, p1])
+    assert "2 processes, common span 0.300 ms: some process's work running 0.250 ms (83.3%), only waits 0.050 ms, " \
+           "idle 0.000 ms" in text
+    rows = [line.split() for line in text.splitlines()[2:]]
+    assert rows[0][:5] == ["0", "0.100", "0.200", "1", "50-250"]
+    assert rows[1][:5] == ["1", "0.250", "0.050", "1", "200-250"]
+    assert summarize_shared([p0, {"traceEvents": []}]) == "a trace without GPU events"
 
 
 def test_host_summary_charges_each_call_its_self_time():
