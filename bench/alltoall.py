@@ -27,6 +27,10 @@ Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCC
                  peer backend: the agreement record without what the exchange is), to time what
                  the check costs; ``moecomm-known-again`` (the same as ``moecomm-known``) beside
                  them gives the method's own noise
+  moecomm-known-ce  ``--peer-copy-engines`` (peer backend): as ``moecomm-known`` with the rows
+                 moved by copy engines (a copy per block) instead of SM kernels (the default);
+                 with uniform splits also ``moecomm-equal`` (``all_to_all_single`` without
+                 split sizes: equal blocks) and ``moecomm-equal-ce``
   copy           one device copy of the same bytes (``torch.empty_like(x).copy_(x)``): the
                  floor where the ranks share one device's memory (ranks sharing a GPU)
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
@@ -169,6 +173,14 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def _copy_engines(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        transport = self.comm.engine.backend.transport
+        transport.copy_kernels = False
+        try:
+            return fn()
+        finally:
+            transport.copy_kernels = True
+
     def time_methods(self, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, tuple[list[float], torch.Tensor]]:
         """Time every method round-robin (one exchange of each in turn), so that a noisy
         moment on a shared machine hits them all alike; per exchange, the slowest rank.
@@ -241,6 +253,13 @@ class Bench:
             methods["moecomm-known-unchecked"] = lambda: self._unchecked(x, send, recv)
             # the same as moecomm-known under another name: the method's own noise (an A/A pair)
             methods["moecomm-known-again"] = lambda: self.comm.all_to_all_v(x, send, recv)[0]
+        if self.args.peer_copy_engines and self.shared_gpu:
+            methods["moecomm-known-ce"] = lambda: self._copy_engines(lambda: self.comm.all_to_all_v(x, send, recv)[0])
+            if len(set(send)) == 1 and len(set(recv)) == 1 and send[0] == recv[0]:
+                equal = torch.empty_like(x)
+                methods["moecomm-equal"] = lambda: self.comm.all_to_all_single(equal, x) or equal
+                methods["moecomm-equal-ce"] = lambda: self._copy_engines(
+                    lambda: self.comm.all_to_all_single(equal, x) or equal)
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
             methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]
@@ -377,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (4)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed exchanges per size (20)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed exchanges first (3)")
+    p.add_argument("--peer-copy-engines", action="store_true",
+                   help="peer backend: add moecomm-known-ce and moecomm-equal(-ce) (see Methods)")
     p.add_argument("--batch", type=int, default=1,
                    help="exchanges issued back to back per timed run, one synchronize at the end (1; "
                         "nccl-tests' way: 10 or more)")

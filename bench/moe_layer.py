@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
     p.add_argument("--host-profile", action="store_true",
                    help="print a cProfile of the host work of 10 steps at the first k and degree (rank 0)")
+    p.add_argument("--peer-copy-engines", action="store_true",
+                   help="peer backend: move the exchanges' rows with copy engines (as before), not SM kernels")
     p.add_argument("--peer-agree-equal", action="store_true",
                    help="diagnostic, peer backend: the capacity exchanges (equal blocks) agree on the host first, "
                         "as before they skipped it (to compare side by side)")
@@ -284,6 +286,8 @@ def main(argv: Optional[list] = None) -> list:
     _defaults(args, cuda, comm.size)
     if args.peer_agree_equal and comm.backend == "peer":
         comm.engine.backend.alltoall_equal = lambda *a, **kw: None  # (None: the backend's agreed path)
+    if args.peer_copy_engines and comm.backend == "peer":
+        comm.engine.backend.transport.copy_kernels = False
     if cuda:
         torch.cuda.set_device(comm.device)
     b = Bench(args, comm)

@@ -116,6 +116,10 @@ class PeerTransport:
         self.collective = backend.name == "peer"
         self.size, self.rank = backend.size, backend.rank
         self.rows_blocks = _ROWS_BLOCKS  # (bench.low_latency --rows-blocks sets another, to compare)
+        # the peer backend's known-counts rounds move their rows with SM kernels (one launch for the
+        # sends, one for the copies out) where addresses and rows are 16-byte aligned, else with copy
+        # engines (a copy per block); bench.alltoall and bench.moe_layer --peer-copy-engines set False
+        self.copy_kernels = self.collective
         self._device = backend.device.index
         W = self.size
         dev = backend.device
@@ -291,7 +295,8 @@ class PeerTransport:
                               self._base_list,
                               self._ptrs[0], self.rank, self._ce_state.data_ptr(), self._ce_half, ready_slot,
                               self.region_bytes, self.ce_data_off, self.ce_header_off, self.ce_ack_off,
-                              self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out, meta)
+                              self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out, meta,
+                              self.copy_kernels)
 
     def launch_rows_exchange(self, src: int, in_block: int, row_bytes: int, counts: int, scale: int, tables: int,
                              my_sync: int, state: int, done: int, recv_rows: int, status: int,

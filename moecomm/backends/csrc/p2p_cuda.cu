@@ -235,6 +235,44 @@ __global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parit
   copy_vectors(dst, src, vectors, int64_t(b) * blockDim.x + threadIdx.x, int64_t(blocks_per_source) * blockDim.x);
 }
 
+// Up to kMaxSegments (source, destination, bytes) copies of one known-counts round done by SMs
+// (ce_exchange with `kernels`): group i of `blocks_per_segment` thread blocks copies segment i.
+// Every address and size is a multiple of 16 bytes (the host checks it).
+constexpr int kMaxSegments = 33;
+struct Segments {
+  const char* src[kMaxSegments];
+  char* dst[kMaxSegments];
+  int64_t bytes[kMaxSegments];
+};
+
+__global__ void copy_segments_kernel(Segments seg, int blocks_per_segment) {
+  const int i = blockIdx.x / blocks_per_segment;
+  const int b = blockIdx.x % blocks_per_segment;
+  copy_vectors(reinterpret_cast<uint4*>(seg.dst[i]), reinterpret_cast<const uint4*>(seg.src[i]), seg.bytes[i] / 16,
+               int64_t(b) * blockDim.x + threadIdx.x, int64_t(blocks_per_segment) * blockDim.x);
+}
+
+// One kernel for the non-empty ones of these copies (at most kMaxSegments: the caller checks).
+void launch_segments(const std::vector<const char*>& src, const std::vector<char*>& dst,
+                     const std::vector<int64_t>& bytes, cudaStream_t stream) {
+  Segments seg{};
+  int n = 0;
+  int64_t most = 0;
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (bytes[i] <= 0) continue;
+    seg.src[n] = src[i];
+    seg.dst[n] = dst[i];
+    seg.bytes[n] = bytes[i];
+    most = std::max(most, bytes[i]);
+    ++n;
+  }
+  if (n == 0) return;
+  // one block of 512 threads per 128 KiB of the largest segment, 1 to 32 per segment
+  const int per = static_cast<int>(std::min<int64_t>(32, std::max<int64_t>(1, most >> 17)));
+  copy_segments_kernel<<<n * per, 512, 0, stream>>>(seg, per);
+  check(cudaGetLastError(), "copy kernel launch");
+}
+
 constexpr int kMaxCopyEngineRanks = 128;
 constexpr int64_t kOwnCopyInLineBytes = 4 << 20;
 
@@ -564,6 +602,65 @@ std::vector<int64_t> back_to_back(const std::vector<int64_t>& counts) {
   return out;
 }
 
+bool aligned16(uint64_t x, uint64_t out, int64_t row_bytes, int64_t region_bytes, int64_t data_off,
+               const std::vector<uint64_t>& peer_dst) {
+  bool ok = (x | out) % 16 == 0 && row_bytes % 16 == 0 && region_bytes % 16 == 0 && data_off % 16 == 0;
+  for (uint64_t d : peer_dst) ok = ok && d % 16 == 0;
+  return ok;
+}
+
+// ce_exchange's round with its copies done by SMs: one kernel copies the own block and every
+// peer's block into that peer's region (or output), the signal/wait kernel as with copy
+// engines, then one kernel copies out of this rank's regions (three launches in place of a
+// copy per block and peer; the blocks move at once, at the memory's speed).
+void ce_exchange_kernels(cudaStream_t stream, const char* src, char* dst, int64_t row_bytes,
+                         const std::vector<int64_t>& send_counts, const std::vector<int64_t>& send_at,
+                         const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_at,
+                         const std::vector<uint64_t>& bases, uint64_t bases_device, int me, uint64_t state, int parity,
+                         int ready_slot, int64_t region_bytes, int64_t data_off, int64_t hdr_off, int64_t ack_off,
+                         uint64_t status, uint64_t timeout_ns, const std::vector<uint64_t>& peer_dst, bool copy_out,
+                         const std::vector<int64_t>& meta) {
+  const int world = static_cast<int>(bases.size());
+  const int64_t cap = region_bytes / row_bytes;
+  const int threads = 32 * ((world + 31) / 32);
+  if (ready_slot >= 0) {
+    ce_ready_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device),
+                                              reinterpret_cast<const char*>(bases[me]), me, world, ready_slot, ack_off,
+                                              reinterpret_cast<const int64_t*>(state),
+                                              reinterpret_cast<volatile int64_t*>(status), timeout_ns);
+    check(cudaGetLastError(), "ready kernel launch");
+  }
+  std::vector<const char*> from;
+  std::vector<char*> to;
+  std::vector<int64_t> bytes;
+  for (int p = 0; p < world; ++p) {
+    const bool direct = !peer_dst.empty() && peer_dst[p] != 0;
+    const int64_t rows = p == me || direct ? send_counts[p] : std::min(send_counts[p], cap);
+    from.push_back(src + send_at[p] * row_bytes);
+    to.push_back(p == me ? dst + recv_at[me] * row_bytes
+                 : direct ? reinterpret_cast<char*>(peer_dst[p])
+                          : reinterpret_cast<char*>(bases[p]) + data_off + (int64_t(parity) * world + me) * region_bytes);
+    bytes.push_back(rows * row_bytes);
+  }
+  launch_segments(from, to, bytes, stream);
+  signal_wait_kernel<<<1, threads, 0, stream>>>(
+      reinterpret_cast<const uint64_t*>(bases_device), reinterpret_cast<const char*>(bases[me]), me, world, parity,
+      hdr_off, reinterpret_cast<int64_t*>(state), pack_counts(send_counts), pack_counts(recv_counts), pack_meta(meta),
+      reinterpret_cast<volatile int64_t*>(status), timeout_ns);
+  check(cudaGetLastError(), "signal/wait kernel launch");
+  if (!copy_out) return;
+  from.clear();
+  to.clear();
+  bytes.clear();
+  for (int p = 0; p < world; ++p) {
+    if (p == me) continue;
+    from.push_back(reinterpret_cast<const char*>(bases[me]) + data_off + (int64_t(parity) * world + p) * region_bytes);
+    to.push_back(dst + recv_at[p] * row_bytes);
+    bytes.push_back(std::min(recv_counts[p], cap) * row_bytes);
+  }
+  launch_segments(from, to, bytes, stream);
+}
+
 // The known-counts exchange (see the top of this file). Counts and displacements are in
 // rows (displacements empty: blocks back to back); the headers carry the whole counts (the
 // receiver checks them), but rows beyond a region's capacity per pair are left to the
@@ -581,7 +678,8 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
                  const std::vector<int64_t>& recv_displs, const std::vector<uint64_t>& bases, uint64_t bases_device,
                  int me, uint64_t state, int parity, int ready_slot, int64_t region_bytes, int64_t data_off,
                  int64_t hdr_off, int64_t ack_off, uint64_t status, uint64_t timeout_ns,
-                 const std::vector<uint64_t>& peer_dst, bool copy_out, const std::vector<int64_t>& meta) {
+                 const std::vector<uint64_t>& peer_dst, bool copy_out, const std::vector<int64_t>& meta,
+                 bool kernels) {
   const int world = static_cast<int>(bases.size());
   if (world > kMaxCopyEngineRanks || send_counts.size() != size_t(world) || recv_counts.size() != size_t(world) ||
       (!send_displs.empty() && send_displs.size() != size_t(world)) ||
@@ -598,6 +696,12 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
   const char* src = reinterpret_cast<const char*>(x);
   char* dst = reinterpret_cast<char*>(out);
   const int64_t own = send_counts[me] * row_bytes;
+  if (kernels && world + 1 <= kMaxSegments && aligned16(x, out, row_bytes, region_bytes, data_off, peer_dst)) {
+    ce_exchange_kernels(stream, src, dst, row_bytes, send_counts, send_at, recv_counts, recv_at, bases, bases_device,
+                        me, state, parity, ready_slot, region_bytes, data_off, hdr_off, ack_off, status, timeout_ns,
+                        peer_dst, copy_out, meta);
+    return;
+  }
   // a small own block is copied in line (four fewer runtime calls); a large one beside the peers' copies
   const bool beside = own > kOwnCopyInLineBytes;
   if (own > 0) {
