@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, copyab, sharedtimeline, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, copyab, sharedown, sharedtimeline, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -369,7 +369,7 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
       for n in 2 4; do
         local M=(mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
                  -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY)
-        for run in 1 2; do
+        for run in $([ -z "${COPYAB_NO_MOE:-}" ] && echo 1 2); do
           step "copyab_moe_${n}_kernels_run$run" 60 "${M[@]}" python3 -m bench.moe_layer --tokens $((8192 / n)) --top-k 2 \
             --json "$RES/shared_gpu_moe_layer_${n}_kernels_run$run.json"
           step "copyab_moe_${n}_ce_run$run" 60 "${M[@]}" python3 -m bench.moe_layer --peer-copy-engines \
@@ -377,6 +377,15 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         done
         step "copyab_a2a_$n" 120 "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 64M -f 4 \
           -p uniform,random --peer-copy-engines -n 20 --batch 10 --no-progress --json "$RES/shared_gpu_copyab_$n.json"
+      done
+      mps_off ;;
+    sharedown)  # issue 26: the layer at 2 and 4 ranks sharing the GPU, own rows first or not, overlap degree 1 or 2
+      mps_on
+      for n in 4 2; do
+        step "shared_moe_own_$n" 120 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
+          -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
+          python3 -m bench.moe_layer --tokens $((8192 / n)) --top-k 2 --own-first 0,1 --overlap-degree 1,2 \
+          --json "$RES/shared_gpu_moe_own_$n.json"
       done
       mps_off ;;
     sharedtimeline)  # issue 26: is the 4-rank layer bound by sharing the GPU or by its exchanges? The same work

@@ -55,8 +55,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..engine.engine import Engine
     from .nccl import NcclBackend
 
-__all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER", "OVERFLOWS", "BAD_COUNTS", "META_WORDS",
-           "META_WORD_NAMES"]
+__all__ = ["PeerTransport", "ROW_ALIGN", "INLINE_BYTES", "MAPPED_PER_PEER", "COPY_KERNELS_MAX_BYTES", "OVERFLOWS",
+           "BAD_COUNTS", "META_WORDS", "META_WORD_NAMES"]
 
 
 _HEADER_BYTES = 64
@@ -79,6 +79,11 @@ than a second crossing of a few MiB."""
 # 116-121 us (dispatch) against 218-238 us with 128; the copies are not what bounds the time.
 _ROWS_BLOCKS = 16
 _ROWS_MIN_BLOCKS_PER_PEER = 8
+
+COPY_KERNELS_MAX_BYTES = 32 << 20
+"""A known-counts round whose rank sends more than this (its own block included) moves its rows
+with copy engines, not SM kernels: there they were as fast or faster, and leave the SMs to
+compute (:attr:`PeerTransport.copy_kernels`)."""
 
 MAPPED_PER_PEER = 16
 """Peers' output allocations a direct exchange keeps mapped, per peer (:meth:`PeerTransport.map_output`)."""
@@ -117,8 +122,10 @@ class PeerTransport:
         self.size, self.rank = backend.size, backend.rank
         self.rows_blocks = _ROWS_BLOCKS  # (bench.low_latency --rows-blocks sets another, to compare)
         # the peer backend's known-counts rounds move their rows with SM kernels (one launch for the
-        # sends, one for the copies out) where addresses and rows are 16-byte aligned, else with copy
-        # engines (a copy per block); bench.alltoall and bench.moe_layer --peer-copy-engines set False
+        # sends, one for the copies out) where a rank sends at most COPY_KERNELS_MAX_BYTES in the round
+        # and addresses and rows are 16-byte aligned, else with copy engines (a copy per block):
+        # measured on ranks sharing an H100 (bench/results/README.md, session-79); bench.alltoall and
+        # bench.moe_layer --peer-copy-engines set False, to compare
         self.copy_kernels = self.collective
         self._device = backend.device.index
         W = self.size
@@ -296,7 +303,7 @@ class PeerTransport:
                               self._ptrs[0], self.rank, self._ce_state.data_ptr(), self._ce_half, ready_slot,
                               self.region_bytes, self.ce_data_off, self.ce_header_off, self.ce_ack_off,
                               self._status_t.data_ptr(), self._timeout_ns, peer_dst, copy_out, meta,
-                              self.copy_kernels)
+                              self.copy_kernels and sum(send) * row_bytes <= COPY_KERNELS_MAX_BYTES)
 
     def launch_rows_exchange(self, src: int, in_block: int, row_bytes: int, counts: int, scale: int, tables: int,
                              my_sync: int, state: int, done: int, recv_rows: int, status: int,
