@@ -599,3 +599,37 @@ def test_copy_engine_round_problems_name_the_peer_and_what_differs(status, words
     assert isinstance(err, CountMismatchError) and words in str(err) and "aborted" in str(err)
     t._status[:] = [0, 0, 0, 1, 0, 5]
     assert isinstance(t.problem(), TimeoutError)
+
+
+@pytest.mark.parametrize("copy_kernels, send, row_bytes, want", [
+    (True, [4, 0, 3], 4096, True),                      # 28 KiB: SM kernels
+    (True, [2048, 2048, 4096], 4096, True),             # 32 MiB exactly: still kernels
+    (True, [2048, 2048, 4097], 4096, False),            # one row more: copy engines
+    (False, [4, 0, 3], 4096, False),                    # copy engines asked for (the NCCL backend's default)
+])
+def test_copy_engine_round_moves_small_rounds_by_kernels(copy_kernels, send, row_bytes, want, monkeypatch):
+    """A known-counts round goes to SM kernels only where the transport allows them and the
+    rank sends at most COPY_KERNELS_MAX_BYTES in it (own block included)."""
+    import importlib
+    import sys
+    from types import SimpleNamespace
+
+    import moecomm.backends
+
+    monkeypatch.setitem(sys.modules, "moecomm.backends._cudart", SimpleNamespace())
+    monkeypatch.delitem(sys.modules, "moecomm.backends.p2p", raising=False)
+    monkeypatch.setattr(moecomm.backends, "p2p", None, raising=False)
+    p2p = importlib.import_module("moecomm.backends.p2p")
+    assert p2p.COPY_KERNELS_MAX_BYTES == 32 << 20
+    calls = []
+    t = object.__new__(p2p.PeerTransport)
+    t._ext = SimpleNamespace(ce_exchange=lambda *args: calls.append(args))
+    t._aux, t._fork, t._join = SimpleNamespace(cuda_stream=0), 0, 0
+    t._device, t.rank, t._base_list, t._ptrs, t._ce_half = 0, 0, [0, 0, 0], [0], 0
+    t._ce_state = t._status_t = SimpleNamespace(data_ptr=lambda: 0)
+    t.region_bytes = t.ce_data_off = t.ce_header_off = t.ce_ack_off = 0
+    t._backend = SimpleNamespace(timeout_s=5.0)
+    t.copy_kernels = copy_kernels
+    x = SimpleNamespace(data_ptr=lambda: 0)
+    t._ce_exchange(0, x, send, None, x, send, None, row_bytes, -1, (), True)
+    assert len(calls) == 1 and calls[0][-1] is want
