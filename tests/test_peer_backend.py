@@ -598,7 +598,9 @@ def test_copy_engine_round_problems_name_the_peer_and_what_differs(status, words
     err = t.problem("all_to_all_single (peer memory)", mine)
     assert isinstance(err, CountMismatchError) and words in str(err) and "aborted" in str(err)
     t._status[:] = [0, 0, 0, 1, 0, 5]
-    assert isinstance(t.problem(), TimeoutError)
+    assert isinstance(t.problem(), TimeoutError) and "split sizes" not in str(t.problem())
+    late = t.problem("all_to_all_single (peer memory)", mine)  # equal blocks: the mixed-call hint
+    assert isinstance(late, TimeoutError) and "rank 1 is gone or stuck, or passed split sizes" in str(late)
 
 
 @pytest.mark.parametrize("copy_kernels, send, row_bytes, want", [
@@ -633,3 +635,27 @@ def test_copy_engine_round_moves_small_rounds_by_kernels(copy_kernels, send, row
     x = SimpleNamespace(data_ptr=lambda: 0)
     t._ce_exchange(0, x, send, None, x, send, None, row_bytes, -1, (), True)
     assert len(calls) == 1 and calls[0][-1] is want
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_agreement_timeout_names_a_peer_that_passed_no_split_sizes(concurrent, monkeypatch):
+    """Concurrent ranks: a peer in all_to_all_single without split sizes (equal blocks) never
+    joins the known-counts agreement; its timeout says so (and aborts, as any host timeout)."""
+    from types import SimpleNamespace
+
+    from moecomm.backends import peer
+
+    monkeypatch.setattr(peer, "_cudart", SimpleNamespace(D2D=0, copy_async=lambda *args: None))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    b = _backend_with([])
+    b.concurrent = concurrent
+    b.abort = lambda: setattr(b, "_aborted", True)
+
+    def late(values, what=""):
+        raise TimeoutError(f"moecomm: {what} did not complete within 5 s on rank 0: some rank has not reached it")
+
+    b._host.allgather = late
+    x = torch.zeros(2, 4)
+    with pytest.raises(TimeoutError) as info:
+        b.alltoallv(x, [1, 1], x, [1, 1], 16, meta=_described())
+    assert ("without split sizes" in str(info.value)) is concurrent and b._aborted

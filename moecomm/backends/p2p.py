@@ -430,8 +430,11 @@ class PeerTransport:
         p = int(np.flatnonzero(codes)[0])
         code, sent, expected = (int(v) for v in self._status[3 * p: 3 * p + 3])
         if code == 1:
+            # equal blocks skip the host agreement: a peer that passed split sizes waits in it instead
+            why = (f" (rank {p} is gone or stuck, or passed split sizes where rank {self.rank} passed none: "
+                   f"every rank must pass none for equal blocks)") if meta_words else ""
             return TimeoutError(f"moecomm: {op} on rank {self.rank} received nothing from "
-                                f"rank {p} within {self._timeout_ns / 1e9:g} s; the communicator was aborted")
+                                f"rank {p} within {self._timeout_ns / 1e9:g} s{why}; the communicator was aborted")
         if code == 3:  # sent: which meta word differs
             name = META_WORD_NAMES[sent] if 0 <= sent < len(META_WORD_NAMES) else f"meta word {sent}"
             mine = f" ({meta_words[sent]})" if 0 <= sent < len(meta_words) else ""

@@ -223,7 +223,14 @@ class PeerBackend(StreamOrdered, Backend):
         flag, shared = self._share_output(recv, recv_counts, row_bytes)
         record = agreement_record(self._calls, row_bytes, rounds_needed(send_counts, recv_counts, me, cap), flag,
                                   shared, send_counts, recv_counts, rd, *(() if meta is None else (meta.codes,)))
-        table = self._agree(self._host.allgather, record, what="all_to_all_v (peer memory)")
+        try:
+            table = self._agree(self._host.allgather, record, what="all_to_all_v (peer memory)")
+        except TimeoutError as exc:
+            if not self.concurrent:
+                raise
+            # equal blocks (all_to_all_single without split sizes) skip this agreement on concurrent ranks
+            raise TimeoutError(f"{exc}; a rank that called all_to_all_single without split sizes (equal blocks) "
+                               f"while this one passed them never joins it") from exc
         found = disagreement(table, me, None if meta is None else meta.words)
         if found is not None:
             out_of_step, what = found
