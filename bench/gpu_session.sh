@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, copyab, sharedown, sharedtimeline, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, copyab, sharedown, stamps, sharedtimeline, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -386,6 +386,15 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
           python3 -m bench.moe_layer --tokens $((8192 / n)) --top-k 2 --own-first 0,1 --overlap-degree 1,2 \
           --json "$RES/shared_gpu_moe_own_$n.json"
+      done
+      mps_off ;;
+    stamps)  # issue 26: GPU time stamps around every exchange of the layer at 4 and 2 ranks sharing the GPU (no
+      # profiler): how far apart the ranks arrive, who is last, what an exchange takes after the last arrival
+      mps_on
+      for n in 4 2; do
+        step "shared_moe_stamps_$n" 180 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED \
+          -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY \
+          -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.moe_layer --tokens $((8192 / n)) --top-k 2 -n 5 --stamps 5
       done
       mps_off ;;
     sharedtimeline)  # issue 26: is the 4-rank layer bound by sharing the GPU or by its exchanges? The same work

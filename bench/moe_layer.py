@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU: list the host synchronisations of one step (torch.cuda.set_sync_debug_mode), rank 0")
     p.add_argument("--host-profile", action="store_true",
                    help="print a cProfile of the host work of 10 steps at the first k and degree (rank 0)")
+    p.add_argument("--stamps", type=int, default=0, metavar="N",
+                   help="then N steps with GPU time stamps around every exchange, every rank's on one time line "
+                        "(bench.exchange_stamps; rank 0 prints where the exchanges' time goes)")
     p.add_argument("--peer-copy-engines", action="store_true",
                    help="peer backend: move the exchanges' rows with copy engines (as before), not SM kernels")
     p.add_argument("--peer-agree-equal", action="store_true",
@@ -238,6 +241,28 @@ class Bench:
         return {"median_ms": float(np.median(s)) * 1e3, "p10_ms": float(np.percentile(s, 10)) * 1e3,
                 "p90_ms": float(np.percentile(s, 90)) * 1e3, "host_ms": float(np.median(h)) * 1e3,
                 "host_first_ms": float(np.median(h1)) * 1e3}
+
+
+def _report_stamps(b: "Bench", comm: Any, steps: int, kw: dict) -> None:
+    """``--stamps``: ``steps`` steps with every exchange stamped (:mod:`bench.exchange_stamps`)."""
+    from .exchange_stamps import ExchangeStamps, summarize
+
+    stamp = None if comm.device.type == "cuda" else (lambda buf, i: buf.__setitem__(i, time.perf_counter_ns()))
+    stamps = ExchangeStamps(comm, stamp=stamp)
+    b.step(**kw)
+    b.sync()
+    with stamps:
+        for _ in range(steps):
+            b.step(**kw)
+    rows = stamps.collect()
+    if comm.size > 1:
+        from mpi4py import MPI
+
+        every = MPI.COMM_WORLD.gather(rows, root=0)
+    else:
+        every = [rows]
+    if comm.rank == 0:
+        print(f"# exchange stamps, {steps} steps\n" + summarize(every, max(1, len(rows) // steps)), flush=True)
 
 
 def _time_reference(args: argparse.Namespace, b: Bench) -> list:
@@ -390,6 +415,8 @@ def main(argv: Optional[list] = None) -> list:
                 prof.export_chrome_trace(args.profile)
             print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                             row_limit=30), flush=True)
+    if args.stamps:
+        _report_stamps(b, comm, args.stamps, first)
     if args.sync_report and cuda:
         text = sync_report(lambda: b.step(**first), sync=b.sync)
         if rank0:

@@ -131,3 +131,38 @@ def test_torch_reference_layer_equals_moe_layer():
     y.square().sum().backward()
     want.square().sum().backward()
     torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)
+
+
+def test_exchange_stamps_wrap_the_exchange_and_report_who_came_last():
+    import numpy as np
+    import torch
+
+    from bench.exchange_stamps import ExchangeStamps, summarize
+
+    class Comm:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.calls = []
+
+        def all_to_all_single(self, out, x):
+            self.calls.append((out, x))
+
+    clock = iter(range(100, 10_000, 100))
+    comm = Comm()
+    stamps = ExchangeStamps(comm, capacity=4, stamp=lambda buf, i: buf.__setitem__(i, next(clock)))
+    with stamps:
+        comm.all_to_all_single("o", "x")
+        comm.all_to_all_single("o2", "x2")
+    assert comm.calls == [("o", "x"), ("o2", "x2")] and "all_to_all_single" not in vars(comm)
+    assert stamps.collect().tolist() == [[100, 200], [300, 400]]
+    # two ranks, two exchanges a step, one step: rank 1 arrives 5 us after rank 0 at the first exchange,
+    # rank 0 3 us before rank 1 at the second; the exchanges done 3 and 2 us after their last arrival
+    r0 = np.array([[0, 8_000], [10_000, 15_000]])
+    r1 = np.array([[5_000, 8_000], [13_000, 15_000]])
+    text = summarize([r0, r1], per_step=2)
+    rows = [line.split() for line in text.splitlines()[2:4]]
+    assert rows[0][:4] == ["0", "5.0", "1", "3.0"] and rows[1][:6] == ["1", "3.0", "1", "2.0", "2", "5"]
+    assert "15.0 us from the first arrival" in text and "after their last arrival 5.0 us" in text
+    assert "arrivals apart 8.0 us" in text and "ranks last (count): [0, 2]" in text
+    assert summarize([np.zeros((0, 2))], 1) == "no exchange was stamped"
