@@ -395,6 +395,12 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         step "shared_moe_stamps_$n" 180 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED \
           -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY \
           -x CUDA_MPS_LOG_DIRECTORY python3 -m bench.moe_layer --tokens $((8192 / n)) --top-k 2 -n 5 --stamps 5
+        # each client limited to its share of the SMs (MPS's own setting, per client): the ranks' GEMMs then
+        # run side by side instead of taking turns on the whole GPU
+        step "shared_moe_share_$n" 120 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED \
+          -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY \
+          -x CUDA_MPS_LOG_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) python3 -m bench.moe_layer \
+          --tokens $((8192 / n)) --top-k 2 -n 5 --stamps 5
       done
       mps_off ;;
     sharedtimeline)  # issue 26: is the 4-rank layer bound by sharing the GPU or by its exchanges? The same work
