@@ -3,7 +3,9 @@
 Run under MPI with the peer backend (``mpirun -n 2 python -m bench.peer_costs``): rank 0
 prints the median host time per call of each piece, synchronised like ``bench.alltoall``
 (a device synchronisation and an MPI barrier around every call), and back to back (neither:
-what the host spends issuing it, and waiting where the call itself waits).
+what the host spends issuing it, and waiting where the call itself waits). The equal-blocks
+exchange (``all_to_all_single`` without split sizes) is also timed replayed from a CUDA graph:
+its GPU time without the host's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ def _median_us(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> fl
         if i >= 5:
             times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1e6
+
+
+def _graph_of(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (after a warm-up call on a side stream): its replay,
+    the GPU work of the call without the host's."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def main() -> None:
@@ -93,6 +109,9 @@ def main() -> None:
         "GPU round (counts on GPU)": gpu_round,
         "GPU round + copy out": gpu_round_copy_out,
         "all_to_all_v counts on GPU": lambda: comm.all_to_all_v(x, counts),
+        "all_to_all_single equal": lambda: comm.all_to_all_single(out, x),
+        "the same, graph replay": _graph_of(lambda: comm.all_to_all_single(out, x), dev) if backend.concurrent
+        else none,
         "copy": lambda: out.copy_(x),
     }
     rows = []
@@ -109,7 +128,8 @@ def main() -> None:
         import cProfile
         import pstats
 
-        for what, fn in (("known counts", lambda: comm.all_to_all_v(x, send, send)),
+        for what, fn in (("equal blocks", lambda: comm.all_to_all_single(out, x)),
+                         ("known counts", lambda: comm.all_to_all_v(x, send, send)),
                          ("counts on the GPU", lambda: comm.all_to_all_v(x, counts))):
             prof = cProfile.Profile()
             for _ in range(args.profile):

@@ -19,8 +19,8 @@ rows are one device-local copy (on a second stream when large). No SM moves a by
 exchange beside the experts' GEMMs does not take their SMs as NCCL's kernels do (measured
 against NCCL: bench/results/README.md). On the peer backend (``init(backend="peer")``) a
 round in which a rank sends at most :data:`COPY_KERNELS_MAX_BYTES` moves its rows with SM
-kernels instead, one launch for the sends and the own block and one for the copies out:
-fewer launches, every block at once (ranks sharing a GPU: equal blocks 0.66-0.9x the time of
+kernels instead (up to 32 ranks, every address 16-byte aligned), one launch for the sends and
+the own block and one for the copies out: fewer launches, every block at once (ranks sharing a GPU: equal blocks 0.66-0.9x the time of
 copy engines up to 16 MiB per rank, session-79/80). A failure the wait reports (a peer silent past the
 timeout, a peer sending another count than expected) aborts the communicator; the next
 call raises it, as after an NCCL timeout.

@@ -238,7 +238,7 @@ __global__ void copy_out_kernel(const char* my_base, int64_t data_off, int parit
 // Up to kMaxSegments (source, destination, bytes) copies of one known-counts round done by SMs
 // (ce_exchange with `kernels`): group i of `blocks_per_segment` thread blocks copies segment i.
 // Every address and size is a multiple of 16 bytes (the host checks it).
-constexpr int kMaxSegments = 33;
+constexpr int kMaxSegments = 32;  // ranks whose known-counts rounds SM kernels may move
 struct Segments {
   const char* src[kMaxSegments];
   char* dst[kMaxSegments];
@@ -252,9 +252,10 @@ __global__ void copy_segments_kernel(Segments seg, int blocks_per_segment) {
                int64_t(b) * blockDim.x + threadIdx.x, int64_t(blocks_per_segment) * blockDim.x);
 }
 
-// One kernel for the non-empty ones of these copies (at most kMaxSegments: the caller checks).
+// One kernel for the non-empty ones of these copies (at most kMaxSegments).
 void launch_segments(const std::vector<const char*>& src, const std::vector<char*>& dst,
                      const std::vector<int64_t>& bytes, cudaStream_t stream) {
+  if (src.size() > size_t(kMaxSegments)) throw std::invalid_argument("moecomm p2p: more copies than kMaxSegments");
   Segments seg{};
   int n = 0;
   int64_t most = 0;
@@ -609,58 +610,6 @@ bool aligned16(uint64_t x, uint64_t out, int64_t row_bytes, int64_t region_bytes
   return ok;
 }
 
-// ce_exchange's round with its copies done by SMs: one kernel copies the own block and every
-// peer's block into that peer's region (or output), the signal/wait kernel as with copy
-// engines, then one kernel copies out of this rank's regions (three launches in place of a
-// copy per block and peer; the blocks move at once, at the memory's speed).
-void ce_exchange_kernels(cudaStream_t stream, const char* src, char* dst, int64_t row_bytes,
-                         const std::vector<int64_t>& send_counts, const std::vector<int64_t>& send_at,
-                         const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_at,
-                         const std::vector<uint64_t>& bases, uint64_t bases_device, int me, uint64_t state, int parity,
-                         int ready_slot, int64_t region_bytes, int64_t data_off, int64_t hdr_off, int64_t ack_off,
-                         uint64_t status, uint64_t timeout_ns, const std::vector<uint64_t>& peer_dst, bool copy_out,
-                         const std::vector<int64_t>& meta) {
-  const int world = static_cast<int>(bases.size());
-  const int64_t cap = region_bytes / row_bytes;
-  const int threads = 32 * ((world + 31) / 32);
-  if (ready_slot >= 0) {
-    ce_ready_kernel<<<1, threads, 0, stream>>>(reinterpret_cast<const uint64_t*>(bases_device),
-                                              reinterpret_cast<const char*>(bases[me]), me, world, ready_slot, ack_off,
-                                              reinterpret_cast<const int64_t*>(state),
-                                              reinterpret_cast<volatile int64_t*>(status), timeout_ns);
-    check(cudaGetLastError(), "ready kernel launch");
-  }
-  std::vector<const char*> from;
-  std::vector<char*> to;
-  std::vector<int64_t> bytes;
-  for (int p = 0; p < world; ++p) {
-    const bool direct = !peer_dst.empty() && peer_dst[p] != 0;
-    const int64_t rows = p == me || direct ? send_counts[p] : std::min(send_counts[p], cap);
-    from.push_back(src + send_at[p] * row_bytes);
-    to.push_back(p == me ? dst + recv_at[me] * row_bytes
-                 : direct ? reinterpret_cast<char*>(peer_dst[p])
-                          : reinterpret_cast<char*>(bases[p]) + data_off + (int64_t(parity) * world + me) * region_bytes);
-    bytes.push_back(rows * row_bytes);
-  }
-  launch_segments(from, to, bytes, stream);
-  signal_wait_kernel<<<1, threads, 0, stream>>>(
-      reinterpret_cast<const uint64_t*>(bases_device), reinterpret_cast<const char*>(bases[me]), me, world, parity,
-      hdr_off, reinterpret_cast<int64_t*>(state), pack_counts(send_counts), pack_counts(recv_counts), pack_meta(meta),
-      reinterpret_cast<volatile int64_t*>(status), timeout_ns);
-  check(cudaGetLastError(), "signal/wait kernel launch");
-  if (!copy_out) return;
-  from.clear();
-  to.clear();
-  bytes.clear();
-  for (int p = 0; p < world; ++p) {
-    if (p == me) continue;
-    from.push_back(reinterpret_cast<const char*>(bases[me]) + data_off + (int64_t(parity) * world + p) * region_bytes);
-    to.push_back(dst + recv_at[p] * row_bytes);
-    bytes.push_back(std::min(recv_counts[p], cap) * row_bytes);
-  }
-  launch_segments(from, to, bytes, stream);
-}
-
 // The known-counts exchange (see the top of this file). Counts and displacements are in
 // rows (displacements empty: blocks back to back); the headers carry the whole counts (the
 // receiver checks them), but rows beyond a region's capacity per pair are left to the
@@ -696,15 +645,16 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
   const char* src = reinterpret_cast<const char*>(x);
   char* dst = reinterpret_cast<char*>(out);
   const int64_t own = send_counts[me] * row_bytes;
-  if (kernels && world + 1 <= kMaxSegments && aligned16(x, out, row_bytes, region_bytes, data_off, peer_dst)) {
-    ce_exchange_kernels(stream, src, dst, row_bytes, send_counts, send_at, recv_counts, recv_at, bases, bases_device,
-                        me, state, parity, ready_slot, region_bytes, data_off, hdr_off, ack_off, status, timeout_ns,
-                        peer_dst, copy_out, meta);
-    return;
-  }
+  // SM kernels (one launch for the sends, own block included, one for the copies out) or a copy-engine copy per
+  // block; the caller chooses, and SM kernels need every segment 16-byte aligned
+  const bool by_kernels = kernels && world <= kMaxSegments && aligned16(x, out, row_bytes, region_bytes, data_off,
+                                                                        peer_dst);
+  const auto region_of = [&](int owner, int sender) {
+    return reinterpret_cast<char*>(bases[owner]) + data_off + (int64_t(parity) * world + sender) * region_bytes;
+  };
   // a small own block is copied in line (four fewer runtime calls); a large one beside the peers' copies
-  const bool beside = own > kOwnCopyInLineBytes;
-  if (own > 0) {
+  const bool beside = !by_kernels && own > kOwnCopyInLineBytes;
+  if (!by_kernels && own > 0) {
     if (beside) {
       check(cudaEventRecord(reinterpret_cast<cudaEvent_t>(fork_event), stream), "cudaEventRecord");
       check(cudaStreamWaitEvent(aux, reinterpret_cast<cudaEvent_t>(fork_event), 0), "cudaStreamWaitEvent");
@@ -722,17 +672,37 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
                                               reinterpret_cast<volatile int64_t*>(status), timeout_ns);
     check(cudaGetLastError(), "ready kernel launch");
   }
+  std::vector<const char*> from;
+  std::vector<char*> to;
+  std::vector<int64_t> bytes;
   for (int p = 0; p < world; ++p) {
     const bool direct = !peer_dst.empty() && peer_dst[p] != 0;  // straight into rank p's output, whole
     const int64_t rows = direct ? send_counts[p] : std::min(send_counts[p], cap);
-    if (p != me && rows > 0) {
-      char* region = direct ? reinterpret_cast<char*>(peer_dst[p])
-                            : reinterpret_cast<char*>(bases[p]) + data_off + (int64_t(parity) * world + me) * region_bytes;
-      check(cudaMemcpyAsync(region, src + send_at[p] * row_bytes, size_t(rows * row_bytes),
-                            cudaMemcpyDeviceToDevice, stream),
-            "cudaMemcpyAsync (to a peer)");
+    if (p == me) {
+      if (by_kernels) {
+        from.push_back(src + send_at[me] * row_bytes);
+        to.push_back(dst + recv_at[me] * row_bytes);
+        bytes.push_back(own);
+      }
+    } else if (rows > 0) {
+      from.push_back(src + send_at[p] * row_bytes);
+      to.push_back(direct ? reinterpret_cast<char*>(peer_dst[p]) : region_of(p, me));
+      bytes.push_back(rows * row_bytes);
     }
   }
+  const auto move = [&](const char* what) {
+    if (by_kernels) {
+      launch_segments(from, to, bytes, stream);
+    } else {
+      for (size_t i = 0; i < from.size(); ++i) {
+        check(cudaMemcpyAsync(to[i], from[i], size_t(bytes[i]), cudaMemcpyDeviceToDevice, stream), what);
+      }
+    }
+    from.clear();
+    to.clear();
+    bytes.clear();
+  };
+  move("cudaMemcpyAsync (to a peer)");
   signal_wait_kernel<<<1, threads, 0, stream>>>(
       reinterpret_cast<const uint64_t*>(bases_device), reinterpret_cast<const char*>(bases[me]), me, world, parity,
       hdr_off, reinterpret_cast<int64_t*>(state), pack_counts(send_counts), pack_counts(recv_counts), pack_meta(meta),
@@ -741,12 +711,11 @@ void ce_exchange(int device, uint64_t stream_handle, uint64_t aux_handle, uint64
   for (int p = 0; p < world && copy_out; ++p) {
     const int64_t rows = std::min(recv_counts[p], cap);
     if (p == me || rows <= 0) continue;
-    const char* region =
-        reinterpret_cast<const char*>(bases[me]) + data_off + (int64_t(parity) * world + p) * region_bytes;
-    check(cudaMemcpyAsync(dst + recv_at[p] * row_bytes, region, size_t(rows * row_bytes),
-                          cudaMemcpyDeviceToDevice, stream),
-          "cudaMemcpyAsync (out of the arena)");
+    from.push_back(region_of(me, p));
+    to.push_back(dst + recv_at[p] * row_bytes);
+    bytes.push_back(rows * row_bytes);
   }
+  move("cudaMemcpyAsync (out of the arena)");
   if (beside) check(cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(join_event), 0), "cudaStreamWaitEvent");
 }
 
