@@ -19,7 +19,8 @@ also times each configuration captured once into a CUDA graph and replayed (mode
 ``graph``, beside ``eager``): the step's GPU work without the host's cost of issuing it.
 ``--activation swiglu --dropless --reference`` (one rank) also times a plain-torch layer
 written like torchtitan's (:mod:`bench.torch_moe`) on the same tokens and shapes and prints
-the layer's step time over the reference's.
+the layer's step time over the reference's, and the expert GEMMs alone (the reference's grouped
+GEMMs forward and backward with the routes spread evenly: what any layer on them spends at least).
 ``--layer-cuda-graph`` builds the layer with ``cuda_graph=True`` (rows ``"cuda_graph": true``,
 mode ``eager``): the layer replays its own per-shape graphs inside each eager step.
 
@@ -291,6 +292,8 @@ def _time_reference(args: argparse.Namespace, b: Bench) -> list:
         t = b.time(step)
         out.append({"impl": "torch_reference", "activation": args.activation, "k": k, "mode": "eager",
                     "dropless": True, **t, "tokens_per_s": args.tokens / (t["median_ms"] / 1e3)})
+        t = b.time(ref.gemm_floor_step(args.tokens))
+        out.append({"impl": "gemm_floor", "activation": args.activation, "k": k, "mode": "eager", **t})
     return out
 
 
@@ -383,6 +386,9 @@ def main(argv: Optional[list] = None) -> list:
                 lines.append(f"# torch reference ({args.activation}, dropless) k={r['k']}: {r['median_ms']:.3f} ms "
                              f"(host {r['host_ms']:.3f} ms); moecomm / reference = "
                              f"{min(mine) / r['median_ms']:.3f}" if mine else "")
+            if r["impl"] == "gemm_floor":
+                lines.append(f"# the expert GEMMs alone (grouped, routes spread evenly, forward + backward) k={r['k']}: "
+                             f"{r['median_ms']:.3f} ms")
         transport = getattr(comm.engine.backend, "transport", None)
         if transport is not None and hasattr(transport, "output_maps"):  # the peer backend (ranks sharing a GPU)
             lines.append(f"# peer backend (rank 0): {transport.output_maps} peers' output allocations mapped through "

@@ -14,13 +14,13 @@ their tokens with ``index_add_``. Dropless (no capacity); no auxiliary loss.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TorchMoE", "REFERENCE_ACTIVATIONS"]
+__all__ = ["TorchMoE", "REFERENCE_ACTIVATIONS", "gemm_floor_step"]
 
 # name -> (the activation, gated)
 REFERENCE_ACTIVATIONS = {"swiglu": (F.silu, True), "geglu": (F.gelu, True), "relu": (F.relu, False),
@@ -99,6 +99,33 @@ class TorchMoE(nn.Module):
         out = self._mm(h, self.w2, offs, counts)
         out = out * top_scores.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros(T, out.shape[1], dtype=out.dtype, device=out.device).index_add_(0, token, out)
+
+    def gemm_floor_step(self, tokens: int, grad_rows: bool = True) -> Callable[[], None]:
+        """One training step of this layer's expert GEMMs alone, at its shapes with ``tokens *
+        k`` routes spread evenly over the experts: the forward's grouped GEMMs (x W1^T, x W3^T
+        when gated, then W2^T applied to the first's output) and their backward (autograd: the
+        input and weight gradients), no router, permutation, activation or combine. What any
+        layer built on these GEMMs spends at least (``bench.moe_layer --reference``)."""
+        E, dev, dt = self.num_experts, self.w1.device, self.w1.dtype
+        rows = tokens * self.k
+        counts = [rows // E + (e < rows % E) for e in range(E)]
+        offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+        x = torch.randn(rows, self.w1.shape[2], device=dev, dtype=dt, requires_grad=grad_rows)
+        gy = torch.randn(rows, self.w2.shape[1], device=dev, dtype=dt)
+        gh = torch.randn(rows, self.w1.shape[1], device=dev, dtype=dt)
+        params = [q for q in (self.w1, self.w3, self.w2, x) if q is not None and q.requires_grad]
+
+        def step() -> None:
+            for q in params:
+                q.grad = None
+            h = self._mm(x, self.w1, offs, counts)
+            outs, grads = [self._mm(h, self.w2, offs, counts)], [gy]
+            if self.gated:
+                outs.append(self._mm(x, self.w3, offs, counts))
+                grads.append(gh)
+            torch.autograd.backward(outs, grads)
+
+        return step
 
     @torch.no_grad()
     def load_from(self, layer: nn.Module) -> "TorchMoE":

@@ -108,8 +108,27 @@ def test_moe_layer_bench_swiglu_beside_the_torch_reference(tmp_path, capsys):
                     "-w", "1", "--json", str(path)])
     assert "moecomm / reference" in capsys.readouterr().out
     rows = json.loads(path.read_text())["results"]
-    assert sorted(r["impl"] for r in rows) == ["moecomm", "torch_reference"]
+    assert sorted(r["impl"] for r in rows) == ["gemm_floor", "moecomm", "torch_reference"]
     assert all(r["activation"] == "swiglu" and r["median_ms"] > 0 for r in rows)
+
+
+def test_gemm_floor_step_runs_every_expert_gemm_forward_and_backward():
+    """TorchMoE.gemm_floor_step: each step gives every expert weight (gated: W1, W3 and W2) a
+    finite, non-zero gradient of its shape, the same at every step (reset, not accumulated)."""
+    import torch
+
+    from bench.torch_moe import TorchMoE
+
+    torch.manual_seed(0)
+    ref = TorchMoE(8, 12, 4, k=2, activation="swiglu")
+    step = ref.gemm_floor_step(tokens=7)  # 14 routes over 4 experts: 4, 4, 3, 3
+    step()
+    grads = [ref.w1.grad, ref.w3.grad, ref.w2.grad]
+    assert all(g is not None and g.shape == w.shape and torch.isfinite(g).all() and g.abs().sum() > 0
+               for g, w in zip(grads, (ref.w1, ref.w3, ref.w2)))
+    first = [g.clone() for g in grads]
+    step()  # the gradients are reset, not accumulated, between steps
+    assert all(torch.equal(a, g) for a, g in zip(first, (ref.w1.grad, ref.w3.grad, ref.w2.grad)))
 
 
 def test_torch_reference_layer_equals_moe_layer():
