@@ -6,7 +6,7 @@
 # steps latency, copies, overlaptrace, moeprofile, overlapctas, moectas, p2ptests, ceprobe, overlapce,
 # moece, a2ace, syncs, final, ceauto, hostprof, graphtests, moegraph,
 # moegraphprofile, overlapgraph, fused, fusedonce, moeown, overlapown, overlapownnccl, overlapsplit, overlapsplitnccl,
-# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, copyab, sharedown, stamps, sharedtimeline, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
+# perpeer, perpeerx3, deadlines, fp8, fp8kernels, build, faults, shared, sharedbatch, sharedmoeprof, sharedmoe, sharedmoegpu, launchcost, copyab, sharedown, stamps, stampsref, sharedtimeline, dropless27, moe1, peercosts, sobuild, lltests, layer27, hostdiag, checkcost, decodeab, dlsyncs,
 # frameworks and decode run when named)
 set -u
 cd "$(dirname "$0")/.."
@@ -296,7 +296,7 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         step "checkcost_$n" 180 mpirun --allow-run-as-root -n $n -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT \
           -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY \
           python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 1M -e 64M -f 4 -p uniform,random --check-cost \
-          -n 30 --batch 10 --no-progress --json "$RES/shared_gpu_checkcost_$n.json"
+          -n ${CHECK_ITERS:-30} --batch 10 --no-progress --json "$RES/shared_gpu_checkcost_$n.json"
       done
       mps_off ;;
     decodeab)  # issue 30: the used-rows exchange's copy blocks (AB_BLOCKS) and gathering on the way (or not), 2 ranks, MPS
@@ -402,6 +402,15 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           -x CUDA_MPS_LOG_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n)) python3 -m bench.moe_layer \
           --tokens $((8192 / n)) --top-k 2 -n 5 --stamps 5
       done
+      mps_off ;;
+    stampsref)  # issue 26: the same stamps at world size 1 (all 8192 tokens in one process: the compute between the
+      # exchanges without sharing the GPU) and at 4 ranks bound to cores (hosts kept off each other's cores)
+      step moe_stamps_1 90 python3 -m bench.moe_layer --tokens 8192 --top-k 2 -n 5 --stamps 5
+      mps_on
+      step shared_moe_stamps_4_bound 120 mpirun --allow-run-as-root -n 4 -x PYTHONPATH -x PYTHONUNBUFFERED \
+        -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0 -x CUDA_MPS_PIPE_DIRECTORY \
+        -x CUDA_MPS_LOG_DIRECTORY --bind-to core --map-by core python3 -m bench.moe_layer --tokens 2048 --top-k 2 \
+        -n 5 --stamps 5
       mps_off ;;
     sharedtimeline)  # issue 26: is the 4-rank layer bound by sharing the GPU or by its exchanges? The same work
       # per process without exchanges (4 independent world-size-1 layers of 4 experts, 2048 tokens, at once), the

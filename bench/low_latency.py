@@ -4,9 +4,15 @@ Run under MPI (CPU ranks: small shapes; GPUs: one rank per GPU, or ranks sharing
 
     mpiexec -n 8 python -m bench.low_latency -t 128 -H 7168 -E 256 -k 8 --fp8
 
-Per mode (``eager``; ``captured`` on GPUs: each phase replayed from a CUDA graph) and phase
-(``dispatch``, ``combine``): the slowest rank's time per call over ``--iters`` calls with new
-routing each call (uniform top-k), median and p99, beside the *floor*: the bytes the phase
+Per mode and phase (``dispatch``, ``combine``), with new routing each call (uniform top-k),
+median and p99 over ``--iters`` calls, beside the *floor*. Modes: ``eager`` and ``captured``
+(each phase replayed from a CUDA graph; GPUs only) time one call at a time on the host, the
+slowest rank's, from a barrier to a device synchronisation: that includes the launch, the
+synchronisation and how far apart the ranks leave the barrier (about 10-20 us on a GPU).
+``queued`` (GPUs) replays the captured phases back to back, ``--iters`` steps enqueued behind a
+GPU sleep so that the host never starves the GPU, and times each phase with CUDA events on the
+stream: its GPU time as a decode step replayed from one graph sees it (the ranks meet at
+every phase, so waiting for the slowest is in it), the slowest rank's median. The *floor*: the bytes the phase
 must move, read and written (each routed (token, expert) row read once and written once:
 ``2 * T * k * row``, ``row`` the token's bytes on the wire, FP8 and scales with ``--fp8``,
 or one expert output), at the device-copy rate measured in the same run (``copy_`` of
@@ -120,6 +126,28 @@ def _time_calls(comm, fn: Callable[[], None], iters: int, device: torch.device) 
     return t.cpu().numpy()
 
 
+def _time_queued(comm, phases: Sequence[Callable[[], None]], before: Callable[[], None], iters: int,
+                 device: torch.device) -> list[np.ndarray]:
+    """Microseconds of each of ``phases`` per step (CUDA events), ``iters`` steps of ``before()``
+    then the phases, all enqueued behind a GPU sleep; per phase, the slowest rank's per step."""
+    stream = torch.cuda.current_stream(device)
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)] for _ in range(iters)]
+    _sync(device)
+    comm.barrier()
+    torch.cuda._sleep(120_000 * iters)  # (cycles: about 60 us a step at 2 GHz, more than the host takes to enqueue one)
+    for step in marks:
+        before()
+        step[0].record(stream)
+        for i, phase in enumerate(phases):
+            phase()
+            step[i + 1].record(stream)
+    _sync(device)
+    per = torch.tensor([[step[i].elapsed_time(step[i + 1]) * 1e3 for step in marks] for i in range(len(phases))],
+                       dtype=torch.float64, device=device)
+    comm.allreduce(per, "max")
+    return list(per.cpu().numpy())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> list:
     args = build_parser().parse_args(argv)
     comm = moecomm.init(set_default=False)
@@ -170,6 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
         with torch.cuda.graph(gc):
             combine()
         modes.append(("captured", gd.replay, gc.replay))
+        modes.append(("queued", gd.replay, gc.replay))
 
     kernels = "native" if buf.uses_native else "torch ops"
     rate = copy_rate(dev, args.copy_bytes or ((256 << 20) if dev.type == "cuda" else (32 << 20)))
@@ -178,7 +207,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list:
     results = []
     for mode, d_fn, c_fn in modes:
         times = {"dispatch": [], "combine": []}
-        for it in range(args.warmup + args.iters):
+        if mode == "queued":
+            _time_queued(comm, [d_fn, c_fn], new_routing, args.warmup, dev)  # (warm-up)
+            td, tc = _time_queued(comm, [d_fn, c_fn], new_routing, args.iters, dev)
+            times = {"dispatch": list(td / 1e6), "combine": list(tc / 1e6)}
+        for it in range(0 if mode == "queued" else args.warmup + args.iters):
             new_routing()
             td = _time_calls(comm, d_fn, 1, dev)
             tc = _time_calls(comm, c_fn, 1, dev)

@@ -140,3 +140,16 @@ def test_native_kernels_match_torch_ops_one_process(device, M, H, E, k, fp8):
         ey = torch.randn(E, nat.max_rows, H, device=dev, generator=gen).to(torch.bfloat16)
         w = torch.rand(T, k, device=dev, generator=gen)
         torch.testing.assert_close(nat.combine(ey, w, a.handle), ops.combine(ey, w, b.handle), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_bench_on_the_gpu_times_every_mode(tmp_path):
+    """bench.low_latency on one GPU process: eager, captured and queued (CUDA events around the
+    captured phases replayed back to back), each phase's time positive and finite."""
+    from bench import low_latency
+
+    results = low_latency.main(["-t", "8", "-H", "256", "-E", "8", "-k", "2", "-n", "5", "-w", "2",
+                                "--copy-bytes", str(1 << 20)])
+    assert [(r["mode"], r["phase"]) for r in results] == [
+        (m, p) for m in ("eager", "captured", "queued") for p in ("dispatch", "combine")]
+    assert all(0 < r["median_us"] < 1e6 for r in results)
