@@ -143,6 +143,7 @@ def test_native_kernels_match_torch_ops_one_process(device, M, H, E, k, fp8):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_on_the_gpu_times_every_mode(tmp_path):
     """bench.low_latency on one GPU process: eager, captured and queued (CUDA events around the
     captured phases replayed back to back), each phase's time positive and finite."""
