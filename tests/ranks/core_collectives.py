@@ -501,6 +501,40 @@ def check_peer_equal_blocks() -> None:
         world_barrier()
 
 
+def check_peer_mixed_split_sizes() -> None:
+    """Concurrent ranks on the peer backend: rank 0 passes equal split sizes to
+    all_to_all_single while its peers pass none (equal blocks, no host agreement). Every rank
+    times out within the communicator's timeout with a message that names this case: rank 0 in
+    the host agreement its peers never join, the peers in the GPU wait for rank 0's headers
+    (raised at the first synchronising call after the watchdog saw it)."""
+    if BACKEND != "peer" or W == 1:
+        return
+    import faulthandler
+
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang here prints every thread's stack
+    c = make_comm(timeout=2.0, set_default=False)
+    if not c.engine.backend.concurrent:
+        c.close()
+        faulthandler.cancel_dump_traceback_later()
+        return
+    x = torch.zeros((4 * W, 16), dtype=torch.bfloat16, device=DEV)
+    out = torch.empty_like(x)
+    splits = [4] * W if R == 0 else None
+    got = _outcome(lambda: c.all_to_all_single(out, x, splits, splits))
+    for _ in range(3):  # the peers: the GPU wait gives up after the timeout, the watchdog reports it
+        if got is not None:
+            break
+        torch.cuda.synchronize(DEV)
+        time.sleep(0.3)  # the watchdog looks every 50 ms
+        got = _outcome(lambda: c.all_to_all_single(out, x))
+    faulthandler.cancel_dump_traceback_later()
+    words = "without split sizes" if R == 0 else "passed split sizes where rank"
+    ok = isinstance(got, (TimeoutError, moecomm.CommunicatorClosedError, RuntimeError)) and words in str(got)
+    collective_assert(ok, f"split sizes on rank 0 only: rank {R} got {got!r}")
+    c.abort()
+    world_barrier()
+
+
 def check_cuda_graph() -> None:
     """Known-counts exchanges captured into a CUDA graph: every replay moves the bytes the
     static input holds then (new data each replay, against the numpy reference), also with
@@ -604,7 +638,7 @@ if __name__ == "__main__":
     ALL = [check_layout, check_all_to_all_v, check_all_to_all_single, check_all_to_all_lists, check_all_gather_v,
                check_allreduce_broadcast_barrier, check_split, check_gradients, check_validate_mode, check_timeout,
                check_max_ctas, check_peer_memory, check_peer_gpu_counts, check_peer_issue32, check_peer_equal_blocks,
-               check_cuda_graph, check_torch_dropin]
+               check_peer_mixed_split_sizes, check_cuda_graph, check_torch_dropin]
     if ONLY and ONLY.startswith("-"):
         ALL = [c for c in ALL if c.__name__ != ONLY[1:]]
     elif ONLY:
