@@ -116,7 +116,7 @@ def main() -> None:
         "backend.alltoallv known": lambda: backend.alltoallv(x, send, out, send, 4096).join(),
         "all_to_all_v known": lambda: comm.all_to_all_v(x, send, send),
         "the same, unchecked": lambda: _unchecked(comm, lambda: comm.all_to_all_v(x, send, send)),
-        "the check's description": lambda: comm.engine.meta_kwargs(x),
+        "the check's description": lambda: comm.engine.meta_of(x),
         "GPU round (counts on GPU)": gpu_round,
         "GPU round + copy out": gpu_round_copy_out,
         "all_to_all_v counts on GPU": lambda: comm.all_to_all_v(x, counts),

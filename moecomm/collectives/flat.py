@@ -68,12 +68,12 @@ def _join_sending_nothing(engine: Engine, x: torch.Tensor, recv: list[int]) -> N
     peers, expecting some, refuse it in the agreement and raise)."""
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     if row_bytes == 0:  # as the peers' exchange of rows of no bytes (alltoallv below): empty, agreed
-        expect, row_bytes, meta = [0] * engine.size, 1, {}
+        expect, row_bytes, meta = [0] * engine.size, 1, None
     else:
-        expect, meta = (recv if min(recv) >= 0 else [0] * engine.size), engine.meta_kwargs(x)
+        expect, meta = (recv if min(recv) >= 0 else [0] * engine.size), engine.meta_of(x)
     out = engine.output(sum(expect), tuple(x.shape[1:]), x.dtype)
     try:
-        request = engine.backend.alltoallv(x[:0], [0] * engine.size, out, expect, row_bytes, **meta)
+        request = engine.backend.alltoallv(x[:0], [0] * engine.size, out, expect, row_bytes, meta=meta)  # (peer)
         engine.wait_host(request, "all_to_all_v (refused: bad send_splits)", None)
     except CountMismatchError:
         pass  # (the peers raise theirs, naming this rank: what it sends disagrees with their counts)
@@ -137,7 +137,7 @@ def start_all_to_all_single(engine: Engine, op: str, x: torch.Tensor, send: list
     row_shape = (math.prod(x.shape[1:]),)
     row_bytes = row_shape[0] * x.element_size()
     if equal and row_bytes and not engine.validate and engine.size > 1:
-        request = engine.backend.alltoall_equal(x, out, send[0], row_bytes, engine.meta_kwargs(x).get("meta"), op)
+        request = engine.backend.alltoall_equal(x, out, send[0], row_bytes, engine.meta_of(x), op)
         if request is not None:
             return request
     check = PeerCheck(op, engine.rank, [[c] for c in send], [[c] for c in recv], x.dtype, row_shape)
@@ -341,12 +341,14 @@ def alltoallv(engine: Engine, x: torch.Tensor, send: list[int], out: torch.Tenso
         else:
             request = engine.backend.barrier() if engine.size > 1 else DoneRequest()
     else:
-        meta = engine.meta_kwargs(x)  # what the exchange is, where the backend compares it (peer)
+        meta = engine.meta_of(x)  # what the exchange is, where the backend compares it (peer)
         try:
             if engine.peer is not None and max(sum(send), sum(recv)) * row_bytes >= engine.copy_engine_min_bytes:
-                request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes, **meta)
+                request = engine.peer.exchange(x, send, None, out, recv, None, row_bytes, meta)
+            elif meta is None:
+                request = engine.backend.alltoallv(x, send, out, recv, row_bytes)
             else:
-                request = engine.backend.alltoallv(x, send, out, recv, row_bytes, **meta)
+                request = engine.backend.alltoallv(x, send, out, recv, row_bytes, meta=meta)
         except CountMismatchError as exc:  # the backend's agreement refused it (the peer backend)
             if not issues:
                 raise

@@ -63,20 +63,21 @@ class Transport:
             request = DoneRequest()
         elif engine.peer is not None:  # copy engines through peer memory: every rank takes part, always
             request = engine.peer.exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, row_bytes,
-                                           **self._meta(send, label))
+                                           self._meta(send, label))
         elif b.stream_ordered and not b.collective_exchanges and not (any(send_counts) or any(recv_counts)):
             b.check_health()  # point to point: a peer expects nothing from a rank that sends nothing
             request = DoneRequest()
         else:
+            meta = self._meta(send, label)
             request = b.alltoallv(send, send_counts, recv, recv_counts, row_bytes, send_displs, recv_displs,
-                                  **self._meta(send, label))
+                                  **({} if meta is None else {"meta": meta}))
         return Work(engine, request, self.OP, (recv, None))
 
 
-    def _meta(self, send: torch.Tensor, label: str) -> dict:
-        """``meta=`` (what the exchange is) where the backend compares it between the ranks."""
+    def _meta(self, send: torch.Tensor, label: str) -> Optional[_tags.ExchangeMeta]:
+        """What the exchange is, where the backend compares it between the ranks (else None)."""
         with _tags.labelled(label):
-            return self.engine.meta_kwargs(send)
+            return self.engine.meta_of(send)
 
 
 class Run:

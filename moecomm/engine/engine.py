@@ -28,7 +28,7 @@ from ..splits import Splits, normalize_splits
 from .dtypes import DTYPE_CODES, SUPPORTED_DTYPES
 from .notices import Notice, Notices, cause, describe, failure_kind, peer_failed_error
 from .requests import TagChecked, ThenRequest, Work
-from .tags import TagPlan, exchange_meta
+from .tags import ExchangeMeta, TagPlan, exchange_meta
 
 __all__ = ["COPY_ENGINE_MIN_BYTES", "Engine", "warn_if_graph_lost"]
 
@@ -139,13 +139,14 @@ class Engine:
         """Whether row exchanges travel tagged (checked where they land, see :mod:`moecomm.engine.tags`)."""
         return self.row_tags and self.backend.tagged and self.size > 1
 
-    def meta_kwargs(self, rows: torch.Tensor) -> dict:
-        """``meta=`` for the backend's row exchange of ``rows`` (what the exchange is, under the
-        current :func:`moecomm.engine.tags.labelled`) where the backend compares it between the
-        ranks (:attr:`Backend.carries_meta`) and the default check is on; else no keyword."""
-        if not (self.backend.carries_meta and self.row_tags):
-            return {}
-        return {"meta": exchange_meta(rows.dtype, rows.shape[1:])}
+    def meta_of(self, rows: torch.Tensor) -> Optional[ExchangeMeta]:
+        """What the exchange of ``rows`` is (under the current :func:`moecomm.engine.tags.labelled`),
+        for a backend that compares it between the ranks (:attr:`Backend.carries_meta`) while
+        the default check is on; else None. On the hot path of every exchange: one cached
+        lookup."""
+        if not (self.row_tags and self.backend.carries_meta):
+            return None
+        return exchange_meta(rows.dtype, rows.shape[1:])
 
     def start_tagged(self, send: torch.Tensor, send_counts: Sequence[Sequence[int]], send_displs: Sequence[int],
                      recv: torch.Tensor, recv_counts: Sequence[Sequence[int]], recv_displs: Sequence[int],

@@ -102,8 +102,9 @@ class ExchangeMeta(NamedTuple):
 def exchange_meta(dtype: torch.dtype, row_shape: Sequence[int]) -> ExchangeMeta:
     """The exchange issued now: its label (:data:`LABELS`), dtype, row shape and wire dtype.
     For backends that carry this description in their own agreement (the peer backend's
-    records) rather than in message tags."""
-    ctx = current()
+    records) rather than in message tags. ``row_shape``: a tuple (``torch.Size`` included) or
+    any sequence of ints."""
+    ctx = _local.ctx  # (current(), inlined: this runs on every exchange of the peer backend)
     return _described(ctx.label, ctx.wire, dtype, row_shape if isinstance(row_shape, tuple) else tuple(row_shape))
 
 
