@@ -16,6 +16,8 @@ checkout used through ``PYTHONPATH``), the first use builds them just in time wi
   loss's), through the top-k selection and the softmax
 * :func:`glu_forward`        ``out = f(h[:, :H]) * h[:, H:]`` (SwiGLU, GeGLU, ReGLU)      ``[N, H]``;
   :func:`glu_backward` its gradient ``[N, 2H]`` and the output again, in one pass
+* :func:`seg_bias_act`       ``h[r] += bias[expert of r]`` (then ReLU) over dropless segments, in place;
+  :func:`seg_colsum` each expert's row sums ``[num_local, cols]``: from the segment ends on the device
 * :func:`select_experts`     the router's choice (sigmoid / sqrt-softplus / softmax scores, an
   expert bias, group-limited top-k) and its gates ``[T, k]``, differentiable; None where not covered
 
@@ -67,6 +69,7 @@ from ._ops import gather_reduce_rows, gather_rowdot, gather_rows
 from ._slots import invert_slots, slot_positions
 from ._route import CapacityRoutes, route_backward, route_capacity, route_dropless
 from ._glu import GLU_CODES, glu_backward, glu_forward
+from ._seg import seg_bias_act, seg_colsum
 from ._select import SELECT_SCORES, select_experts
 from . import unchecked
 
@@ -86,6 +89,8 @@ __all__ = [
     "glu_forward",
     "glu_backward",
     "GLU_CODES",
+    "seg_bias_act",
+    "seg_colsum",
     "select_experts",
     "SELECT_SCORES",
     "unchecked",

@@ -32,7 +32,7 @@ HASH_MACRO = "MOECOMM_EXT_SOURCE_HASH"
 _ROW_FUNCTIONS = ("gather_rows", "gather_reduce_rows", "gather_rowdot", "route_capacity", "route_backward",
                   "step_route", "step_ffn", "step_combine_backward", "step_ffn_backward", "step_route_backward",
                   "ll_dispatch_layout", "ll_dispatch_place", "glu_forward", "glu_backward",
-                  "select_experts", "select_experts_backward")
+                  "select_experts", "select_experts_backward", "seg_bias_act", "seg_colsum")
 _QUANT_FUNCTIONS = ("quantize_rows", "dequantize_rows", "quantize_pack", "unpack_dequantize",
                     "gather_quantize_pack")
 
@@ -96,7 +96,7 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
         # such as aarch64 would otherwise fuse them)
         return Spec(CPU, "moecomm_ext_rows_cpu", "moecomm_ext._rows_cpu",
                     ("rows_cpu.cpp", "route_cpu.cpp", "step.cpp", "lowlat_cpu.cpp", "glu_cpu.cpp",
-                     "select_cpu.cpp"),
+                     "select_cpu.cpp", "seg_cpu.cpp"),
                     ("-O3", "-DNDEBUG", "-ffp-contract=off", *omp), None, omp, "cpu", _ROW_FUNCTIONS,
                     build_seconds=40)
     if kind == QUANT_CPU:
@@ -114,7 +114,7 @@ def spec(kind: str, *, openmp: bool, device_capability: tuple[int, int] | None =
         # No --use_fast_math: the kernels accumulate in fp32 and must match the reference closely.
         return Spec(CUDA, "moecomm_ext_rows_cuda", "moecomm_ext._rows_cuda",
                     ("rows_cuda.cu", "route_cuda.cu", "lowlat_cuda.cu", "glu_cuda.cu", "select_cuda.cu",
-                     "rows_cuda_bind.cpp",
+                     "seg_cuda.cu", "rows_cuda_bind.cpp",
                      "step.cpp"), ("-O3", "-DNDEBUG"),
                     ("-O3", "-lineinfo", *arch_flags), (), tag, _ROW_FUNCTIONS, build_seconds=150)
     raise ValueError(f"unknown extension kind {kind!r}; expected one of {KINDS}")

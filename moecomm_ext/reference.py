@@ -32,6 +32,9 @@ __all__ = [
     "route_backward",
     "step_route",
     "step_ffn",
+    "seg_row_expert",
+    "seg_bias_act",
+    "seg_colsum",
     "step_combine_backward",
     "step_ffn_backward",
     "step_route_backward",
@@ -356,6 +359,40 @@ _GLU_GATES = {
     "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
     "relu": torch.relu,
 }
+
+
+def seg_row_expert(ends: Tensor, num_local: int, rows: int) -> Tensor:
+    """``[rows]`` int64: the local expert of every row of the segments ``ends`` (int32 segment
+    ends, segment ``s`` belonging to expert ``s % num_local``; each end clamped to ``[0, rows]``,
+    a segment empty where its ends are reversed), -1 for a row in no segment."""
+    e = ends.detach().to(device="cpu", dtype=torch.int64).clamp(0, rows)
+    starts = torch.cat([e.new_zeros(1), e[:-1]])
+    out = torch.full((rows,), -1, dtype=torch.int64)
+    for s in range(e.numel()):
+        if e[s] > starts[s]:
+            out[int(starts[s]):int(e[s])] = s % num_local
+    return out.to(ends.device)
+
+
+def seg_bias_act(h: Tensor, bias: Tensor, ends: Tensor, relu: bool) -> Tensor:
+    """``h`` with ``bias[e]`` added to each row of local expert ``e`` (:func:`seg_row_expert`;
+    rows in no segment unchanged), each element rounded once from the opmath sum, then ReLU
+    where ``relu``. A new tensor."""
+    rows_of = seg_row_expert(ends, bias.shape[0], h.shape[0])
+    keep = rows_of >= 0
+    out = h.clone()
+    sums = (h[keep].to(opmath_dtype(h.dtype)) + bias[rows_of[keep]].to(opmath_dtype(h.dtype))).to(h.dtype)
+    out[keep] = sums.relu() if relu else sums
+    return out
+
+
+def seg_colsum(g: Tensor, ends: Tensor, num_local: int) -> Tensor:
+    """``[num_local, cols]`` of ``g``'s dtype: the sum of the rows of each local expert's
+    segments (:func:`seg_row_expert`), in the opmath dtype, rounded once."""
+    rows_of = seg_row_expert(ends, num_local, g.shape[0])
+    keep = rows_of >= 0
+    acc = torch.zeros(num_local, g.shape[1], dtype=opmath_dtype(g.dtype), device=g.device)
+    return acc.index_add_(0, rows_of[keep], g[keep].to(acc.dtype)).to(g.dtype)
 
 
 def glu_forward(h: Tensor, act: str) -> Tensor:

@@ -20,6 +20,9 @@ path, undefined results. ``use_native`` as in the public functions (None: the de
   ``ll_dispatch_place`` and ``gather_reduce_rows(..., out=)`` run
   :class:`moecomm.LowLatencyBuffer`'s dispatch and combine (``csrc/lowlat.h``), or None where
   it is not to be had (the buffer then runs its torch ops)
+* ``seg_ops(device, use_native)``: the native module whose ``seg_bias_act(h, bias, ends, relu)``
+  and ``seg_colsum(g, ends, num_local)`` (contiguous inputs) run the dropless experts' biases
+  and bias gradients from the segment ends, or None
 * ``glu_ops(device, use_native)``: the native module whose ``glu_forward(h, code)`` and
   ``glu_backward(grad, h, code, need_out)`` (contiguous inputs; codes in
   ``moecomm_ext.GLU_CODES``) run the gated experts' activation, or None
@@ -34,10 +37,11 @@ from ._route import run_route_backward as route_backward
 from ._route import run_route_capacity as route_capacity
 from ._route import step_ops
 from ._glu import glu_module as glu_ops
+from ._seg import seg_module as seg_ops
 from ._loader import module_for
 
 __all__ = ["gather_rows", "gather_reduce_rows", "gather_rowdot", "route_capacity", "route_backward", "step_ops",
-           "low_latency_ops", "glu_ops"]
+           "low_latency_ops", "glu_ops", "seg_ops"]
 
 
 def low_latency_ops(device, use_native: bool | None):

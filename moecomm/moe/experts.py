@@ -189,12 +189,13 @@ def ffn_forward(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Opt
     and what :func:`ffn_backward` needs besides the inputs (ReLU's output, which its gradient
     needs alone, else the pre-activation, from which the activation is recomputed)."""
     w1, b1 = _flat(w1, b1)
-    h = seg_mm(x, w1, seg, b1)
-    glu = None if act is F.relu else _native_glu(act, h)
+    relu = act is F.relu
+    h = seg_mm(x, w1, seg, b1, relu=relu)  # (ReLU in place, with the bias where that is one kernel)
+    glu = None if relu else _native_glu(act, h)
     if glu is not None:
         a = glu[0].glu_forward(h.contiguous(), glu[1])
     else:
-        a = h.relu_() if act is F.relu else act(h)
+        a = h if relu else act(h)
     y = seg_mm(a, w2, seg, b2, b2_scale)
     if seg.wgrad_sum is not None:
         seg.wgrad_sum.join()

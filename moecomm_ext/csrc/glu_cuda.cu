@@ -1,5 +1,5 @@
 // Gated linear units on the GPU (glu.h): one thread per VEC adjacent columns of a row (16-byte
-// loads and stores where the rows allow), a grid-stride loop over the [N, H] outputs.
+// loads and stores where the rows allow, vec_cuda.h), a grid-stride loop over the [N, H] outputs.
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "glu.h"
+#include "vec_cuda.h"
 
 namespace moecomm_ext {
 
@@ -23,20 +24,11 @@ void cuda_ok(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), "glu: a contiguous tensor was expected, got strides ", t.strides());
 }
 
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
-
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, VEC>*>(p);
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store(T* p, const Pack<T, VEC>& v) {
-  *reinterpret_cast<Pack<T, VEC>*>(p) = v;
-}
+using vec::grid_for;
+using vec::load;
+using vec::Pack;
+using vec::pick_vec;
+using vec::store;
 
 template <typename T, int VEC>
 __global__ void glu_forward_kernel(const T* __restrict__ h, T* __restrict__ out, int64_t N, int64_t H, int64_t act) {
@@ -80,25 +72,6 @@ __global__ void glu_backward_kernel(const T* __restrict__ grad, const T* __restr
     store<T, VEC>(gh + r * 2 * H + H + c, gu);
     if (out != nullptr) store<T, VEC>(out + r * H + c, ov);
   }
-}
-
-bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-// the widest VEC (16 bytes at most) that H and every pointer allow
-template <typename T>
-int pick_vec(int64_t H, std::initializer_list<const void*> ptrs) {
-  for (int vec = static_cast<int>(16 / sizeof(T)); vec > 1; vec /= 2) {
-    bool ok = H % vec == 0;
-    for (const void* p : ptrs) ok = ok && (p == nullptr || aligned(p, vec * sizeof(T)));
-    if (ok) return vec;
-  }
-  return 1;
-}
-
-// enough blocks to fill any current GPU several times over; the grid-stride loop takes the rest
-dim3 grid_for(int64_t items, int threads) {
-  constexpr int64_t kMaxBlocks = 4096;
-  return dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((items + threads - 1) / threads, kMaxBlocks))));
 }
 
 }  // namespace

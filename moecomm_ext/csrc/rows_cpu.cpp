@@ -249,6 +249,7 @@ at::Tensor step_gather_rowdot(const at::Tensor& a, const at::Tensor& b, const at
 }  // namespace
 
 #include "glu.h"
+#include "seg.h"
 #include "select.h"
 #include "lowlat.h"
 #include "route.h"
@@ -269,6 +270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   MOECOMM_EXT_BIND_ROUTE(m, cpu);
   MOECOMM_EXT_BIND_LOW_LATENCY(m, cpu);
   MOECOMM_EXT_BIND_GLU(m, cpu);
+  MOECOMM_EXT_BIND_SEG(m, cpu);
   MOECOMM_EXT_BIND_SELECT(m, cpu);
   moecomm_ext::bind_step(m, {step_gather_rows, step_gather_reduce_rows, step_gather_rowdot,
                              moecomm_ext::route_capacity_cpu, moecomm_ext::route_backward_cpu});

@@ -18,6 +18,7 @@ at::Tensor gather_rowdot_cuda(const at::Tensor& a, const at::Tensor& b, const at
 }  // namespace moecomm_ext
 
 #include "glu.h"
+#include "seg.h"
 #include "select.h"
 #include "lowlat.h"
 #include "route.h"
@@ -39,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   MOECOMM_EXT_BIND_ROUTE(m, cuda);
   MOECOMM_EXT_BIND_LOW_LATENCY(m, cuda);
   MOECOMM_EXT_BIND_GLU(m, cuda);
+  MOECOMM_EXT_BIND_SEG(m, cuda);
   MOECOMM_EXT_BIND_SELECT(m, cuda);
   moecomm_ext::bind_step(m, {moecomm_ext::gather_rows_cuda, moecomm_ext::gather_reduce_rows_cuda,
                              moecomm_ext::gather_rowdot_cuda, moecomm_ext::route_capacity_cuda,

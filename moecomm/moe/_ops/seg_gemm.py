@@ -1,7 +1,9 @@
 """GEMMs over the expert segments of a :class:`~moecomm.moe._ops.segments.Segments` layout: the
 forward product, the weight gradient and the bias gradient, each as batched GEMMs for the
 padded (uniform) layout, ``torch._grouped_mm`` where it runs (bf16 on a GPU), else a loop
-over the segments; and :class:`WeightGradSum`, which sums weight gradients over the stages
+over the segments; the dropless layout's bias (and ReLU) and bias gradient by the native
+per-segment kernels (``moecomm_ext.seg_bias_act``, ``seg_colsum``) from the grouped GEMMs' segment
+ends; and :class:`WeightGradSum`, which sums weight gradients over the stages
 of one pipelined call inside those GEMMs."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import Tensor
 
 import moecomm_ext
+from moecomm_ext import unchecked
 
 from .segments import Segments
 from .wide_gemm import wide_gemm_available
@@ -100,10 +103,18 @@ def _make_offsets(seg: Segments, b: Optional[int], device: torch.device) -> Tens
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+def _seg_bias_ops(out: Tensor, bias: Tensor, bias_scale: float):
+    """The native per-segment bias (``moecomm_ext.seg_bias_act``) where it gives the bits of
+    a gather of the bias rows and an add: the bias unscaled and of the rows' dtype; else None."""
+    if bias_scale != 1.0 or bias.dtype != out.dtype or not out.is_contiguous():
+        return None
+    return unchecked.seg_ops(out.device, None)
+
+
 def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, bias_scale: float = 1.0,
-           transpose_w: bool = False) -> Tensor:
-    """``out[rows of expert e] = x[rows] @ w[e] (+ bias[e] * bias_scale)``; ``w``: ``[El, A, B]``
-    (``[El, B, A]`` used transposed with ``transpose_w``)."""
+           transpose_w: bool = False, relu: bool = False) -> Tensor:
+    """``out[rows of expert e] = x[rows] @ w[e] (+ bias[e] * bias_scale)``, then ReLU where
+    ``relu`` (in place); ``w``: ``[El, A, B]`` (``[El, B, A]`` used transposed with ``transpose_w``)."""
     wt = w.transpose(1, 2) if transpose_w else w
     R = x.shape[0]
     B = wt.shape[2]
@@ -119,7 +130,7 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
             ob = out.view(-1, El, C, B)
             for b in range(xb.shape[0]):
                 ob[b].baddbmm_(xb[b], wt)
-            return out
+            return out.relu_() if relu else out
         out = torch.empty(R, B, dtype=x.dtype, device=x.device)
         ob = out.view(-1, El, C, B)
         for b in range(xb.shape[0]):
@@ -128,7 +139,7 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
                               xb[b], wt, out=ob[b])
             else:
                 torch.bmm(xb[b], wt, out=ob[b])
-        return out
+        return out.relu_() if relu else out
     if _grouped(x, wt.shape[1], B):
         outs = []
         for b, xb in enumerate(_block_views(x, seg)):
@@ -136,16 +147,19 @@ def seg_mm(x: Tensor, w: Tensor, seg: Segments, bias: Optional[Tensor] = None, b
                 outs.append(torch._grouped_mm(xb, wt, offs=_offsets(seg, b, x.device)))
         out = x.new_empty(0, B) if not outs else (outs[0] if len(outs) == 1 else torch.cat(outs))
         if bias is not None:
+            ops = _seg_bias_ops(out, bias, bias_scale)
+            if ops is not None:  # the bias (and ReLU) in one pass, from the GEMMs' own segment ends
+                return ops.seg_bias_act(out, bias.contiguous(), _offsets(seg, None, x.device), relu)
             rows_bias = bias.index_select(0, seg.row_expert(x.device))
             out += rows_bias if bias_scale == 1.0 else rows_bias * bias_scale
-        return out
+        return out.relu_() if relu else out
     out = torch.empty(R, B, dtype=x.dtype, device=x.device)
     for e, s, n in seg.items():
         if bias is not None:
             torch.addmm(bias[e], x[s:s + n], wt[e], beta=bias_scale, out=out[s:s + n])
         else:
             torch.mm(x[s:s + n], wt[e], out=out[s:s + n])
-    return out
+    return out.relu_() if relu else out
 
 
 def seg_wgrad(a: Tensor, g: Tensor, seg: Segments, acc: Optional[Tensor] = None) -> Tensor:
@@ -249,6 +263,9 @@ def seg_sum(g: Tensor, seg: Segments) -> Tensor:
         return g.view(-1, El, C, B).sum(dim=(0, 2), dtype=acc).to(g.dtype)
     if g.shape[0] == 0:
         return torch.zeros(El, B, dtype=g.dtype, device=g.device)
+    ops = unchecked.seg_ops(g.device, None)
+    if ops is not None:  # one native pass from the segment ends (no host sync, deterministic)
+        return ops.seg_colsum(g.contiguous(), _offsets(seg, None, g.device), El)
     width = max(1, 16 // g.element_size())  # a ones block as wide as the GEMM's alignment asks
     if _grouped(g, width, B):
         # one grouped GEMM over every (block, expert) segment: ones[width, rows] @ g, as
