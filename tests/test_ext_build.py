@@ -149,7 +149,7 @@ class _FakeExtension(types.ModuleType):
     gather_reduce_rows = gather_rowdot = route_capacity = route_backward = gather_rows
     step_route = step_ffn = step_combine_backward = step_ffn_backward = step_route_backward = gather_rows
     ll_dispatch_layout = ll_dispatch_place = glu_forward = glu_backward = gather_rows
-    select_experts = select_experts_backward = gather_rows
+    select_experts = select_experts_backward = seg_bias_act = seg_colsum = gather_rows
 
 
 def test_installed_module_is_used_without_compiling(monkeypatch, capsys, tmp_path):
