@@ -37,6 +37,7 @@ import json
 import resource
 import sys
 import time
+import types
 from typing import Any, Optional
 
 import numpy as np
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-agree-equal", action="store_true",
                    help="diagnostic, peer backend: the capacity exchanges (equal blocks) agree on the host first, "
                         "as before they skipped it (to compare side by side)")
+    p.add_argument("--torch-bias", action="store_true",
+                   help="diagnostic: the dropless experts' biases by torch ops (a row gather and an add, a grouped "
+                        "GEMM with ones for the gradient) instead of moecomm_ext's segment kernels, to compare")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
 
@@ -316,6 +320,10 @@ def main(argv: Optional[list] = None) -> list:
         comm.engine.backend.alltoall_equal = lambda *a, **kw: None  # (None: the backend's agreed path)
     if args.peer_copy_engines and comm.backend == "peer":
         comm.engine.backend.transport.copy_kernels = False
+    if args.torch_bias:  # (this process only: the segment kernels' module reported absent)
+        from moecomm.moe._ops import seg_gemm
+
+        seg_gemm.unchecked = types.SimpleNamespace(seg_ops=lambda device, use_native: None)
     if cuda:
         torch.cuda.set_device(comm.device)
     b = Bench(args, comm)
