@@ -226,8 +226,8 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
           --json "$RES/layer27_${act/:/_}.json"
       done
       step layer27_relu_dropless 120 python3 -m bench.moe_layer --top-k 2 --dropless --json "$RES/layer27_relu_dropless.json"
-      step layer27_relu_dropless_torchbias 120 python3 -m bench.moe_layer --top-k 2 --dropless --torch-bias \
-        --json "$RES/layer27_relu_dropless_torchbias.json"
+      step layer27_relu_dropless_segkernels 120 python3 -m bench.moe_layer --top-k 2 --dropless --seg-kernels on \
+        --json "$RES/layer27_relu_dropless_segkernels.json"
       step layer27_gelu_dropless 120 python3 -m bench.moe_layer --top-k 2 --dropless --activation gelu \
         --json "$RES/layer27_gelu_dropless.json"
       step layer27_swiglu_dropless 180 python3 -m bench.moe_layer --top-k 2 --activation swiglu --dropless --reference \

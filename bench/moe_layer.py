@@ -37,7 +37,6 @@ import json
 import resource
 import sys
 import time
-import types
 from typing import Any, Optional
 
 import numpy as np
@@ -157,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-agree-equal", action="store_true",
                    help="diagnostic, peer backend: the capacity exchanges (equal blocks) agree on the host first, "
                         "as before they skipped it (to compare side by side)")
-    p.add_argument("--torch-bias", action="store_true",
-                   help="diagnostic: the dropless experts' biases by torch ops (a row gather and an add, a grouped "
-                        "GEMM with ones for the gradient) instead of moecomm_ext's segment kernels, to compare")
+    p.add_argument("--seg-kernels", choices=("default", "on", "off"), default="default",
+                   help="diagnostic: the dropless experts' biases (and ReLU) and bias gradients by moecomm_ext's "
+                        "segment kernels on every device (on; the library's default runs them on CPU tensors only "
+                        "until their CUDA tests have run on a GPU: moecomm_ext._seg.NATIVE_DEVICE_TYPES), or by the "
+                        "torch ops they replace (off: a row gather and an add, a grouped GEMM with ones), to compare")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     return p
 
@@ -320,10 +321,10 @@ def main(argv: Optional[list] = None) -> list:
         comm.engine.backend.alltoall_equal = lambda *a, **kw: None  # (None: the backend's agreed path)
     if args.peer_copy_engines and comm.backend == "peer":
         comm.engine.backend.transport.copy_kernels = False
-    if args.torch_bias:  # (this process only: the segment kernels' module reported absent)
-        from moecomm.moe._ops import seg_gemm
+    if args.seg_kernels != "default":  # (this process only)
+        from moecomm_ext import _seg
 
-        seg_gemm.unchecked = types.SimpleNamespace(seg_ops=lambda device, use_native: None)
+        _seg.NATIVE_DEVICE_TYPES = ("cpu", "cuda") if args.seg_kernels == "on" else ()
     if cuda:
         torch.cuda.set_device(comm.device)
     b = Bench(args, comm)

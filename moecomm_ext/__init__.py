@@ -18,6 +18,8 @@ checkout used through ``PYTHONPATH``), the first use builds them just in time wi
   :func:`glu_backward` its gradient ``[N, 2H]`` and the output again, in one pass
 * :func:`seg_bias_act`       ``h[r] += bias[expert of r]`` (then ReLU) over dropless segments, in place;
   :func:`seg_colsum` each expert's row sums ``[num_local, cols]``: from the segment ends on the device
+  (native on CPU tensors; CUDA tensors take the reference until the CUDA kernels' tests have run on
+  a GPU: ``moecomm_ext._seg.NATIVE_DEVICE_TYPES``)
 * :func:`select_experts`     the router's choice (sigmoid / sqrt-softplus / softmax scores, an
   expert bias, group-limited top-k) and its gates ``[T, k]``, differentiable; None where not covered
 

@@ -13,7 +13,7 @@ from torch import Tensor
 from . import reference
 from ._loader import module_for
 
-__all__ = ["seg_bias_act", "seg_colsum", "seg_module"]
+__all__ = ["seg_bias_act", "seg_colsum", "seg_module", "NATIVE_DEVICE_TYPES"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -33,9 +33,18 @@ def _check_rows(name: str, arg: str, rows: Tensor, ends: Tensor, num_local: int)
                          f"(num_local = {num_local}) segment ends, got {got}")
 
 
+NATIVE_DEVICE_TYPES = ("cpu",)
+"""Device types on which the library runs these kernels natively. The CUDA kernels
+(``csrc/seg_cuda.cu``) are built and compile for sm_90, but have not yet run on a GPU: until
+their tests (``tests/test_seg_kernels.py``, mark ``gpu``) have passed on a device, CUDA tensors
+take the reference here and the torch operations in the layer."""
+
+
 def seg_module(device: torch.device, use_native: Optional[bool] = None):
     """The native module whose ``seg_bias_act`` / ``seg_colsum`` run on ``device`` (contiguous
-    inputs, checked as below), or None (then the reference)."""
+    inputs, checked as below), or None (then the reference): see :data:`NATIVE_DEVICE_TYPES`."""
+    if device.type not in NATIVE_DEVICE_TYPES:
+        return None
     mod = module_for(device.type, use_native)
     return mod if mod is not None and hasattr(mod, "seg_colsum") else None
 
