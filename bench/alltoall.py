@@ -31,6 +31,10 @@ Methods (``--compare`` adds the last two; not where ranks share a GPU, which NCC
                  moved by copy engines (a copy per block) instead of SM kernels (the default);
                  with uniform splits also ``moecomm-equal`` (``all_to_all_single`` without
                  split sizes: equal blocks) and ``moecomm-equal-ce``
+  moecomm-oneround  ``--peer-one-host-round`` (peer backend, ranks sharing a GPU without MPS): as
+                 ``moecomm`` in one host round (the send kernel, one synchronize, one all-gather of
+                 the counts, the copy out: ``PeerBackend.counts_round``) instead of a count
+                 exchange and an agreed exchange (the default until it has run on a GPU)
   copy           one device copy of the same bytes (``torch.empty_like(x).copy_(x)``): the
                  floor where the ranks share one device's memory (ranks sharing a GPU)
   torch          torch.distributed's MoE pattern: counts all_to_all_single, ``.tolist()``,
@@ -260,6 +264,8 @@ class Bench:
                 methods["moecomm-equal"] = lambda: self.comm.all_to_all_single(equal, x) or equal
                 methods["moecomm-equal-ce"] = lambda: self._copy_engines(
                     lambda: self.comm.all_to_all_single(equal, x) or equal)
+        if self.args.peer_one_host_round and self.shared_gpu and not self.comm.engine.backend.concurrent:
+            methods["moecomm-oneround"] = lambda: self._one_host_round(lambda: self.comm.all_to_all_v(x, counts_dev)[0])
         if self.p2p is not None:
             methods["moecomm-p2p"] = lambda: self.p2p.all_to_all_v(x, counts_dev)[0]
             methods["moecomm-p2p-known"] = lambda: self.p2p.all_to_all_v(x, send, recv)[0]
@@ -297,6 +303,14 @@ class Bench:
             return self.comm.all_to_all_v(x, send, recv)[0]
         finally:
             self.comm.engine.row_tags = True
+
+    def _one_host_round(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        backend = self.comm.engine.backend
+        backend.one_host_round = True  # (PeerBackend's switch, on this instance for this call only)
+        try:
+            return fn()
+        finally:
+            backend.one_host_round = False
 
     def _torch_pattern(self, x: torch.Tensor, counts_dev: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -398,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed exchanges first (3)")
     p.add_argument("--peer-copy-engines", action="store_true",
                    help="peer backend: add moecomm-known-ce and moecomm-equal(-ce) (see Methods)")
+    p.add_argument("--peer-one-host-round", action="store_true",
+                   help="peer backend, ranks sharing a GPU without MPS: add moecomm-oneround (see Methods)")
     p.add_argument("--batch", type=int, default=1,
                    help="exchanges issued back to back per timed run, one synchronize at the end (1; "
                         "nccl-tests' way: 10 or more)")

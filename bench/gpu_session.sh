@@ -217,8 +217,11 @@ print({k: v.origin for k, v in L._LOADED.items()})" ;;
         local M=(mpirun --allow-run-as-root -n 2 -x PYTHONPATH -x PYTHONUNBUFFERED -x MOECOMM_TIMEOUT -x OMP_NUM_THREADS
                  -x CUDA_VISIBLE_DEVICES=0)
         step shared_core_2_nomps $L "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives peer
+        # counts on the GPU in one host round (PeerBackend.one_host_round, off by default until this passes)
+        step shared_core_2_nomps_oneround $L "${M[@]}" -x MOECOMM_TEST_VERBOSE=1 python3 -m tests.ranks.core_collectives \
+          peer-one-round
         step shared_a2a_2_nomps $L "${M[@]}" python3 -m bench.alltoall -d bfloat16 --row-elems 2048 -b 256K -e 256M -f 4 \
-          -p uniform,random,skewed -n 20 --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
+          -p uniform,random,skewed -n 20 --peer-one-host-round --no-progress --json "$RES/shared_gpu_alltoall_2_nomps.json"
       fi ;;
     layer27)  # issue 27 (world size 1): every activation against ReLU, SwiGLU against torch's grouped-GEMM layer, the modern router
       for act in relu swiglu geglu gelu silu lambda:relu; do  # (lambda:relu: Tutel's spelling, lambda x: F.relu(x))

@@ -659,3 +659,120 @@ def test_agreement_timeout_names_a_peer_that_passed_no_split_sizes(concurrent, m
     with pytest.raises(TimeoutError) as info:
         b.alltoallv(x, [1, 1], x, [1, 1], 16, meta=_described())
     assert ("without split sizes" in str(info.value)) is concurrent and b._aborted
+
+
+class _ThreadHost:
+    """A host channel for ``world`` threads, one per rank: allgather gathers every rank's values."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world, self.values, self.aborted = world, [None] * world, [False] * world
+        self.barrier = threading.Barrier(world, timeout=10)
+
+    def channel(self, rank: int):
+        from types import SimpleNamespace
+
+        def allgather(values, what=""):
+            self.values[rank] = list(values)
+            self.barrier.wait()
+            table = [list(v) for v in self.values]
+            self.barrier.wait()
+            return table
+
+        return SimpleNamespace(allgather=allgather, abort=lambda: self.aborted.__setitem__(rank, True))
+
+
+def _counts_round_ranks(world, counts, cap, codes, calls, monkeypatch):
+    """Every rank's PeerBackend.counts_round and finish_counts_round, one thread a rank, on
+    stand-ins of the transport (it records what it is asked to move) and of the host channel."""
+    import threading
+    from types import SimpleNamespace
+
+    from moecomm.backends import peer
+    from moecomm.backends.peer import PeerBackend
+
+    monkeypatch.setattr(peer, "_cudart", SimpleNamespace(current_stream=lambda index: 0))
+    host = _ThreadHost(world)
+    results, moved = [None] * world, [dict(copies=None, rest=None) for _ in range(world)]
+
+    def run(me):
+        sent = list(counts[me])
+        t = SimpleNamespace(inline_bytes=cap * 16, start=lambda x, c, rb, cd, wait=True: None,
+                            wait_stream=lambda stream, op: None, counts=lambda: (sent, None, False),
+                            copy_out_regions=lambda h, out, recv, rb: moved[me].update(copies=list(recv)),
+                            rest_whole=lambda x, out, s, r, rb: moved[me].update(rest=(list(s), list(r))) or "rest")
+        b = object.__new__(PeerBackend)
+        b.rank, b.size, b._calls, b._aborted, b._host_failure, b.concurrent = me, world, calls[me], False, None, False
+        b.one_host_round, b.transport, b._host = True, t, host.channel(me)
+        b.device = torch.device("cpu")
+        b._watchdog = SimpleNamespace(stop=lambda: None, failure=None)
+        b.begin = lambda *tensors: 0
+        b.end = lambda op, problem=None: "copied"
+        rows = sum(max(0, v) for v in sent) if me != 99 else 0
+        x = torch.zeros(rows, 8)
+        try:
+            rnd = b.counts_round(x, None, 16, codes[me], ("all_to_all_v", "torch.float32", "(8,)", "None"))
+            results[me] = (rnd, b.finish_counts_round(x, torch.zeros(sum(rnd.recv), 8), rnd, 16), b._aborted)
+        except Exception as exc:  # noqa: BLE001 - the test looks at what each rank raised
+            results[me] = (exc, None, b._aborted)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    return results, moved
+
+
+@settings(max_examples=30, deadline=None)
+@given(exchanges())
+def test_counts_round_gives_every_rank_its_column_and_the_whole_blocks_after(case):
+    """Ranks sharing a GPU without MPS, counts on the GPU, one host round: each rank receives
+    the counts its peers send it, copies out the blocks that fit the inline capacity, and
+    every rank joins the exchange of the whole blocks where any block anywhere exceeds it."""
+    world, C, cap, _ = case
+    with pytest.MonkeyPatch.context() as mp:
+        results, moved = _counts_round_ranks(world, C, cap, [(5, 7)] * world, [3] * world, mp)
+    overflows = any(v > cap for row in C for v in row)
+    for me in range(world):
+        rnd, request, aborted = results[me]
+        assert not isinstance(rnd, Exception), rnd
+        assert rnd.send == C[me] and rnd.recv == [C[s][me] for s in range(world)] and not aborted
+        assert rnd.overflows == overflows and moved[me]["copies"] == (rnd.recv if sum(rnd.recv) else None)
+        assert (moved[me]["rest"] is not None) == overflows and request == ("rest" if overflows else "copied")
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("counts", "rank 1's send_splits are negative or do not add up"),
+    ("dtype", "rank 1 sent rows of another dtype, wire dtype or kind of exchange than rank"),
+    ("shape", "rank 1 sent rows of another shape than rank"),
+    ("step", "different exchanges"),
+])
+def test_counts_round_names_a_disagreement_on_every_rank_before_any_row_is_copied(bad, words, monkeypatch):
+    from moecomm.errors import CountMismatchError
+
+    world = 3
+    C = [[1, 2, 0], [0, 1, 1], [2, 0, 3]]
+    codes = [(5, 7)] * world
+    calls = [3] * world
+    if bad == "counts":
+        C[1] = [1, -1, 2]
+    elif bad == "dtype":
+        codes[1] = (6, 7)
+    elif bad == "shape":
+        codes[1] = (5, 8)
+    else:
+        calls[1] = 4
+    results, moved = _counts_round_ranks(world, C, 4, codes, calls, monkeypatch)
+    for me in range(world):
+        exc, _, aborted = results[me]
+        assert moved[me]["copies"] is None  # nothing copied out anywhere
+        assert aborted is (bad == "step")  # out of step: aborted; else the communicator stays usable
+        if bad == "counts" and me == 1:
+            assert isinstance(exc, ValueError) and "send_splits must be >= 0" in str(exc)
+        elif bad == "step":
+            assert isinstance(exc, CountMismatchError) and words in str(exc)
+        else:  # each rank names a rank that differs from it: the odd one, or (on the odd one) rank 0
+            assert isinstance(exc, CountMismatchError), exc
+            assert words.replace("rank 1", "rank 0" if me == 1 else "rank 1") in str(exc), exc

@@ -121,6 +121,11 @@ class Backend(abc.ABC):
     """True where :meth:`alltoallv` takes ``meta=`` (a :class:`moecomm.engine.tags.ExchangeMeta`)
     and compares it between the ranks before any row moves (the peer backend's records)."""
 
+    counts_in_one_host_round: bool = False
+    """True where ``all_to_all_v`` with counts on the GPU takes the backend's one host round
+    (:meth:`moecomm.backends.peer.PeerBackend.counts_round`: ranks that share a GPU without MPS,
+    where it is switched on)."""
+
     timeout_s: float = 600.0
     """Seconds any wait of this backend may last: the communicator's ``timeout``, kept here
     only (the engine reads and sets it), so that the backend's own waits (NCCL's watchdog,

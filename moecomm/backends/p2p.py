@@ -215,7 +215,8 @@ class PeerTransport:
         """Rows of ``row_bytes`` one source can put in one region."""
         return self.region_bytes // row_bytes
 
-    def start(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int, codes: tuple[int, int] = (0, 0)) -> Request:
+    def start(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int, codes: tuple[int, int] = (0, 0),
+              wait: bool = True) -> Request:
         """Enqueue the exchange on the caller's current stream (ordered after the backend's
         stream): one kernel sends the rows and counts, waits for the peers' and writes the
         counts into host memory; one native call.
@@ -227,7 +228,11 @@ class PeerTransport:
         whole in :meth:`finish`'s exchange. When the request completes, :meth:`counts` holds
         (sent, received, timed out) and :meth:`senders` what each source said of itself.
         The wait kernel gives up after the communicator's timeout, so the request always
-        completes.
+        completes. ``wait=False`` (ranks whose kernels do not run at the same time): the kernel
+        only sends, reads no peer's header and spins on none; once the caller's stream has
+        passed it, :meth:`counts` holds this rank's own counts (and nothing received): the
+        ranks then agree on the host (:meth:`moecomm.backends.peer.PeerBackend.counts_round`)
+        and :meth:`copy_out_regions` takes the rows out.
         """
         b = self._backend
         self._seq += 1
@@ -239,7 +244,7 @@ class PeerTransport:
                                       self._base, self.rank,
                                       self.size, self._seq, self._seq % 2, self.inline_bytes, self.data_off,
                                       self.header_off, done, self._blocks(x.numel() * x.element_size()), result, host,
-                                      self._timeout_ns)
+                                      self._timeout_ns if wait else 0)
         return _HostFlagRequest(self._host_np, 2 * self.size + 1, self._seq)
 
     def exchange(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]], out: torch.Tensor,
@@ -460,6 +465,28 @@ class PeerTransport:
         W = self.size
         return self._host_np[2 * W + 2:6 * W + 2].reshape(W, 4).copy()
 
+    def copy_out_regions(self, stream: int, out: torch.Tensor, recv: Sequence[int], row_bytes: int) -> None:
+        """Enqueue on ``stream`` the copies of the rows that :meth:`start` (the last exchange) left in
+        this rank's regions into ``out`` (sources in rank order), the received counts ``recv``
+        known on the host: one copy per source; a block over the inline capacity is not in its
+        region (it follows whole, :meth:`finish`'s remainder)."""
+        cap = self.inline_bytes // row_bytes
+        parity, W = self._seq % 2, self.size
+        at = out.data_ptr()
+        for p, n in enumerate(recv):
+            if 0 < n <= cap:
+                region = self._base + self.data_off + (parity * W + p) * self.inline_bytes
+                _cudart.copy_async(at, region, n * row_bytes, _cudart.D2D, stream)
+            at += n * row_bytes
+
+    def rest_whole(self, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int],
+                   row_bytes: int) -> Optional[Request]:
+        """The blocks of the last exchange larger than :attr:`inline_bytes`, each sent whole
+        through the backend (on the peer backend a known-counts exchange every rank joins); None
+        where every pair fit and the backend needs no exchange to be joined (NCCL)."""
+        return self._overflow(x, send, None, out, recv, None, row_bytes, None, self.inline_bytes // row_bytes,
+                              whole=True)
+
     def finish(self, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], row_bytes: int,
                overflows: bool = True) -> Request:
         """Copy the rows out of this rank's arena into ``out`` (one kernel on the caller's
@@ -475,8 +502,7 @@ class PeerTransport:
                                       _cudart.current_stream(self._device))
         if self.collective and not overflows:
             return DoneRequest()
-        rest = self._overflow(x, send, None, out, recv, None, row_bytes, None, self.inline_bytes // row_bytes,
-                              whole=True)
+        rest = self.rest_whole(x, out, send, recv, row_bytes)
         return DoneRequest() if rest is None else rest
 
     def _overflow(self, x: torch.Tensor, send: Sequence[int], send_displs: Optional[Sequence[int]],

@@ -98,8 +98,11 @@ def start_all_to_all_v(engine: Engine, input: torch.Tensor, send_splits: Splits,
         recv_splits is None and isinstance(send_splits, torch.Tensor) and send_splits.device.type != "cpu"
     )
     row_bytes = math.prod(row_shape) * x.element_size()
-    if device_counts and engine.peer is not None and row_bytes > 0 and row_bytes % PEER_ROW_ALIGN == 0:
-        return _start_peer_exchange(engine, x, send_splits, row_bytes)
+    if device_counts and row_bytes > 0 and row_bytes % PEER_ROW_ALIGN == 0:
+        if engine.peer is not None:
+            return _start_peer_exchange(engine, x, send_splits, row_bytes)
+        if engine.backend.counts_in_one_host_round:
+            return _start_counts_round(engine, x, send_splits, row_bytes)
     if device_counts:
         engine.check_count_tensor(send_splits, "send_splits")
         check = PeerCheck(op, engine.rank, [[0]] * engine.size, None, x.dtype, row_shape)
@@ -254,6 +257,24 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
     out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     request.join()  # (the kernels ran on the caller's stream: nothing to order)
     return out, send, recv, engine.peer.finish(x, out, send, recv, row_bytes, any(h[3] & OVERFLOWS for h in heads))
+
+
+def _start_counts_round(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
+                        row_bytes: int) -> tuple[torch.Tensor, list[int], list[int], Request]:
+    """``all_to_all_v`` with the counts on the GPU on ranks that share a GPU without MPS: the
+    peer backend's one host round (:meth:`moecomm.backends.peer.PeerBackend.counts_round`)."""
+    op = "all_to_all_v"
+    engine.check_count_tensor(counts, "send_splits")
+    c = counts.to(device=engine.device, dtype=torch.int64).contiguous()  # the kernel reads them on this GPU
+    if x.data_ptr() % PEER_ROW_ALIGN:
+        x = x.clone()  # the kernel moves 16-byte vectors
+    meta = _tags.exchange_meta(x.dtype, x.shape[1:])
+    codes = (_kind_code(meta), meta.codes[2])
+    rnd = engine.backend.counts_round(x, c, row_bytes, codes, meta.words)
+    if engine.validate:
+        engine.cross_check(op, rnd.send, rnd.recv, x.dtype, tuple(x.shape[1:]), None)
+    out = torch.empty((sum(rnd.recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, rnd.send, rnd.recv, engine.backend.finish_counts_round(x, out, rnd, row_bytes)
 
 
 @functools.lru_cache(maxsize=256)  # an explicit cache: a training loop asks the same few each step

@@ -18,7 +18,14 @@ from tests.ranks.data import DTYPES, ROW_SHAPES, as_bytes, count_matrix, expecte
 # "nccl-p2p": the NCCL backend with peer memory (init(p2p_bytes=)), so that every known-counts
 # exchange of the suite moves by copy engines
 P2P_BYTES = (64 << 20) if len(sys.argv) > 1 and sys.argv[1] == "nccl-p2p" else None
-BACKEND = "nccl" if P2P_BYTES else (sys.argv[1] if len(sys.argv) > 1 else "mpi")
+# "peer-one-round": the peer backend with counts on the GPU in one host round where the ranks share
+# a GPU without MPS (PeerBackend.one_host_round, off by default until this suite has passed with it)
+ONE_ROUND = len(sys.argv) > 1 and sys.argv[1] == "peer-one-round"
+BACKEND = "nccl" if P2P_BYTES else "peer" if ONE_ROUND else (sys.argv[1] if len(sys.argv) > 1 else "mpi")
+if ONE_ROUND:
+    from moecomm.backends.peer import PeerBackend
+
+    PeerBackend.one_host_round = True  # (this process's every peer backend, sub-communicators' too)
 ONLY = sys.argv[2] if len(sys.argv) > 2 else None  # run one check (by name), or "-name" to skip one
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=25,
                     suppress_health_check=list(HealthCheck))
