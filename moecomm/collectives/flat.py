@@ -227,17 +227,24 @@ def exchange_records(engine: Engine, check: PeerCheck, counts: Optional[torch.Te
     return [s[0] for s in check.sent], [t[0] for t in theirs], issues, stuck
 
 
+def _gpu_counts_inputs(engine: Engine, x: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """What the counts-on-the-GPU kernel takes: ``(x, counts, meta, codes)``, the rows 16-byte
+    aligned (the kernel moves 16-byte vectors), the counts contiguous int64 on this GPU (it reads
+    them there), what the exchange is and its two header codes (the row shape apart)."""
+    engine.check_count_tensor(counts, "send_splits")
+    c = counts.to(device=engine.device, dtype=torch.int64).contiguous()
+    if x.data_ptr() % PEER_ROW_ALIGN:
+        x = x.clone()
+    meta = _tags.exchange_meta(x.dtype, x.shape[1:])
+    return x, c, meta, (_kind_code(meta), meta.codes[2])
+
+
 def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
                          row_bytes: int) -> tuple[torch.Tensor, list[int], list[int], Request]:
     """``all_to_all_v`` with the counts on the GPU through peer memory (``init(p2p_bytes=)``):
     the rows move with the counts, in one round (see :mod:`moecomm.backends.p2p`)."""
     op = "all_to_all_v"
-    engine.check_count_tensor(counts, "send_splits")
-    c = counts.to(device=engine.device, dtype=torch.int64).contiguous()  # the kernels read them on this GPU
-    if x.data_ptr() % PEER_ROW_ALIGN:
-        x = x.clone()  # the kernels move 16-byte vectors
-    meta = _tags.exchange_meta(x.dtype, x.shape[1:])
-    codes = (_kind_code(meta), meta.codes[2])  # the headers carry two codes: the row shape apart
+    x, c, meta, codes = _gpu_counts_inputs(engine, x, counts)
     request = engine.peer.start(x, c, row_bytes, codes)
     engine.wait_host(request, f"{op} (peer memory)", None)
     send, recv, timed_out = engine.peer.counts()
@@ -264,12 +271,7 @@ def _start_counts_round(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
     """``all_to_all_v`` with the counts on the GPU on ranks that share a GPU without MPS: the
     peer backend's one host round (:meth:`moecomm.backends.peer.PeerBackend.counts_round`)."""
     op = "all_to_all_v"
-    engine.check_count_tensor(counts, "send_splits")
-    c = counts.to(device=engine.device, dtype=torch.int64).contiguous()  # the kernel reads them on this GPU
-    if x.data_ptr() % PEER_ROW_ALIGN:
-        x = x.clone()  # the kernel moves 16-byte vectors
-    meta = _tags.exchange_meta(x.dtype, x.shape[1:])
-    codes = (_kind_code(meta), meta.codes[2])
+    x, c, meta, codes = _gpu_counts_inputs(engine, x, counts)
     rnd = engine.backend.counts_round(x, c, row_bytes, codes, meta.words)
     if engine.validate:
         engine.cross_check(op, rnd.send, rnd.recv, x.dtype, tuple(x.shape[1:]), None)

@@ -30,6 +30,7 @@ using vec::load;
 using vec::Pack;
 using vec::pick_vec;
 using vec::store;
+using vec::with_vec;
 
 constexpr int kSumThreads = 128;  // column vectors per block of seg_colsum's partial kernel
 
@@ -140,12 +141,10 @@ at::Tensor seg_bias_act_cuda(at::Tensor& h, const at::Tensor& bias, const at::Te
     const int* ep = ends.const_data_ptr<int>();
     const int v = pick_vec<scalar_t>(cols, {hp, bp});
     const dim3 grid = grid_for(rows * (cols / v), kThreads);
-    switch (v) {
-      case 8: seg_bias_act_kernel<scalar_t, 8><<<grid, kThreads, 0, stream>>>(hp, bp, ep, S, El, rows, cols, relu); break;
-      case 4: seg_bias_act_kernel<scalar_t, 4><<<grid, kThreads, 0, stream>>>(hp, bp, ep, S, El, rows, cols, relu); break;
-      case 2: seg_bias_act_kernel<scalar_t, 2><<<grid, kThreads, 0, stream>>>(hp, bp, ep, S, El, rows, cols, relu); break;
-      default: seg_bias_act_kernel<scalar_t, 1><<<grid, kThreads, 0, stream>>>(hp, bp, ep, S, El, rows, cols, relu);
-    }
+    with_vec(v, [&](auto vec) {
+      seg_bias_act_kernel<scalar_t, decltype(vec)::value><<<grid, kThreads, 0, stream>>>(hp, bp, ep, S, El, rows, cols,
+                                                                                        relu);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return h;
@@ -168,12 +167,10 @@ at::Tensor seg_colsum_cuda(const at::Tensor& g, const at::Tensor& ends, int64_t 
     const int v = pick_vec<scalar_t>(cols, {gp});
     const dim3 grid(static_cast<unsigned>((cols / v + kSumThreads - 1) / kSumThreads), static_cast<unsigned>(El),
                     static_cast<unsigned>(K));
-    switch (v) {
-      case 8: seg_colsum_partial_kernel<scalar_t, 8><<<grid, kSumThreads, 0, stream>>>(gp, ep, pp, S, El, rows, cols, K); break;
-      case 4: seg_colsum_partial_kernel<scalar_t, 4><<<grid, kSumThreads, 0, stream>>>(gp, ep, pp, S, El, rows, cols, K); break;
-      case 2: seg_colsum_partial_kernel<scalar_t, 2><<<grid, kSumThreads, 0, stream>>>(gp, ep, pp, S, El, rows, cols, K); break;
-      default: seg_colsum_partial_kernel<scalar_t, 1><<<grid, kSumThreads, 0, stream>>>(gp, ep, pp, S, El, rows, cols, K);
-    }
+    with_vec(v, [&](auto vec) {
+      seg_colsum_partial_kernel<scalar_t, decltype(vec)::value><<<grid, kSumThreads, 0, stream>>>(gp, ep, pp, S, El,
+                                                                                                 rows, cols, K);
+    });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     constexpr int kThreads = 256;
     seg_colsum_finish_kernel<scalar_t><<<grid_for(El * cols, kThreads), kThreads, 0, stream>>>(

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 namespace moecomm_ext {
 namespace vec {
@@ -36,6 +37,18 @@ int pick_vec(int64_t len, std::initializer_list<const void*> ptrs) {
     if (ok) return v;
   }
   return 1;
+}
+
+// f(std::integral_constant<int, v>{}) for v (8, 4, 2 or 1): a kernel launched with its vector width
+// as a template argument from a width picked at run time
+template <typename F>
+void with_vec(int v, F&& f) {
+  switch (v) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
 }
 
 // enough blocks to fill any current GPU several times over; the grid-stride loop takes the rest
