@@ -691,6 +691,7 @@ def _counts_round_ranks(world, counts, cap, codes, calls, monkeypatch):
 
     from moecomm.backends import peer
     from moecomm.backends.peer import PeerBackend
+    from moecomm.collectives import flat
 
     monkeypatch.setattr(peer, "_cudart", SimpleNamespace(current_stream=lambda index: 0))
     host = _ThreadHost(world)
@@ -711,8 +712,9 @@ def _counts_round_ranks(world, counts, cap, codes, calls, monkeypatch):
         b.end = lambda op, problem=None: "copied"
         rows = sum(max(0, v) for v in sent) if me != 99 else 0
         x = torch.zeros(rows, 8)
-        try:
-            rnd = b.counts_round(x, None, 16, codes[me], ("all_to_all_v", "torch.float32", "(8,)", "None"))
+        try:  # as moecomm.collectives.flat's counts-round path: the round, the heads checked, the copy out
+            rnd = b.counts_round(x, None, 16, codes[me])
+            flat._check_heads(me, rnd.heads, codes[me], 16, _described(shape=(8,)), rnd.send, rows)
             results[me] = (rnd, b.finish_counts_round(x, torch.zeros(sum(rnd.recv), 8), rnd, 16), b._aborted)
         except Exception as exc:  # noqa: BLE001 - the test looks at what each rank raised
             results[me] = (exc, None, b._aborted)
@@ -739,7 +741,8 @@ def test_counts_round_gives_every_rank_its_column_and_the_whole_blocks_after(cas
         rnd, request, aborted = results[me]
         assert not isinstance(rnd, Exception), rnd
         assert rnd.send == C[me] and rnd.recv == [C[s][me] for s in range(world)] and not aborted
-        assert rnd.overflows == overflows and moved[me]["copies"] == (rnd.recv if sum(rnd.recv) else None)
+        assert rnd.heads == [[5, 7, 16, int(max(C[s]) > cap)] for s in range(world)]  # (OVERFLOWS is flag 1)
+        assert moved[me]["copies"] == (rnd.recv if sum(rnd.recv) else None)
         assert (moved[me]["rest"] is not None) == overflows and request == ("rest" if overflows else "copied")
 
 

@@ -56,6 +56,7 @@ import torch
 
 from ..errors import CommunicatorClosedError, CountMismatchError
 from ..splits import split_offsets
+from ._p2p_limits import BAD_COUNTS, OVERFLOWS
 from ._stream import StreamOrdered
 from .base import Backend, DoneRequest, Request
 from .peer_rounds import (META_INTS, SHARED_INTS, agreement_record, direct_destinations, disagreement, is_direct,
@@ -211,45 +212,38 @@ class PeerBackend(StreamOrdered, Backend):
         """Whether ``all_to_all_v`` with counts on the GPU takes :meth:`counts_round`."""
         return self.one_host_round and not self.concurrent
 
-    def counts_round(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int, codes: tuple[int, int],
-                     meta_words: Sequence[str]) -> "CountsRound":
+    def counts_round(self, x: torch.Tensor, counts: torch.Tensor, row_bytes: int,
+                     codes: tuple[int, int]) -> "CountsRound":
         """``all_to_all_v`` of ``x`` (contiguous, 16-byte aligned rows grouped by destination)
         with ``counts`` (contiguous int64 on the device) on ranks whose kernels do not run at
         the same time: the counts-on-the-GPU kernel sends this rank's rows into the peers'
         regions without waiting for theirs; once it is done (one synchronisation) the ranks
-        all-gather on the host what each sent (call number, row bytes, the codes of what the
-        exchange is, its counts), which tells each rank its counts and that its peers' rows
-        have landed. A rank whose counts are bad (negative, or not adding up to ``x``'s rows;
-        its kernel moved none) or whose rows are of another kind or shape is named on every
-        rank (``ValueError`` on its own, ``CountMismatchError`` on the others) before any row
-        is copied out; the communicator stays usable. :meth:`finish_counts_round` copies out.
-        ``codes``: (kind, row-shape) codes, as the kernel's headers carry them;
-        ``meta_words``: this rank's exchange in words (:class:`moecomm.engine.tags.ExchangeMeta`).
+        all-gather on the host what each sent: its counts, and what the kernel's headers
+        carry (the ``codes`` of what the exchange is, row bytes, the flags ``BAD_COUNTS``,
+        where its kernel moved none of its rows, and ``OVERFLOWS``), which also tells each rank
+        that its peers' rows have landed. The caller checks the heads as those of the concurrent
+        path (every rank sees the same) before :meth:`finish_counts_round` copies out.
 
         Raises:
-            ValueError, CountMismatchError: as above (on every rank). TimeoutError: the kernel
-            or a peer did not reach the round within the timeout (the communicator is aborted).
+            CountMismatchError: the ranks are in different exchanges (the communicator is aborted).
+            TimeoutError: the kernel or a peer did not reach the round within the timeout (the
+                communicator is aborted).
         """
-        t, me, W = self.transport, self.rank, self.size
+        t, me = self.transport, self.rank
         op = "all_to_all_v (peer memory, counts on the GPU)"
         self._calls += 1
         t.start(x, counts, row_bytes, codes, wait=False)
         t.wait_stream(_cudart.current_stream(self.device.index), op)
         send = t.counts()[0]
-        rows = x.shape[0]
-        bad = min(send, default=0) < 0 or sum(send) != rows
-        cap = t.inline_bytes // row_bytes
-        flags = (_ROUND_BAD if bad else 0) | (_ROUND_OVERFLOWS if max(send, default=0) > cap else 0)
-        table = self._agree(self._host.allgather, [self._calls, row_bytes, codes[0], codes[1], flags, *send],
-                            what=op)
-        problem = _round_problem(table, me, codes, row_bytes, send, rows, meta_words)
-        if problem is not None:
-            if isinstance(problem, _OutOfStep):
-                self.abort()
-                raise CountMismatchError(f"moecomm: {op}: {problem}; the communicator was aborted")
-            raise problem
-        recv = [row[_ROUND_HEAD + me] for row in table]
-        return CountsRound(send, recv, any(row[4] & _ROUND_OVERFLOWS for row in table))
+        flags = (BAD_COUNTS if min(send, default=0) < 0 or sum(send) != x.shape[0] else 0) | (
+            OVERFLOWS if max(send, default=0) > t.inline_bytes // row_bytes else 0)
+        table = self._agree(self._host.allgather, [self._calls, codes[0], codes[1], row_bytes, flags, *send], what=op)
+        calls = [row[0] for row in table]
+        if min(calls) != max(calls):
+            self.abort()
+            raise CountMismatchError(f"moecomm: {op}: the ranks are in different exchanges (numbers {min(calls)} to "
+                                     f"{max(calls)}; rank {me} is in {self._calls}); the communicator was aborted")
+        return CountsRound(send, [row[5 + me] for row in table], [row[1:5] for row in table])
 
     def finish_counts_round(self, x: torch.Tensor, out: torch.Tensor, rnd: "CountsRound", row_bytes: int) -> Request:
         """The copy out of :meth:`counts_round`'s rows into ``out`` (on the backend's stream,
@@ -259,7 +253,7 @@ class PeerBackend(StreamOrdered, Backend):
         if out.numel():
             self.transport.copy_out_regions(h, out, rnd.recv, row_bytes)
         request = self.end("all_to_all_v (peer memory, copy out)")
-        if not rnd.overflows:
+        if not any(head[3] & OVERFLOWS for head in rnd.heads):
             return request
         rest = self.transport.rest_whole(x, out, rnd.send, rnd.recv, row_bytes)
         return request if rest is None else rest
@@ -549,59 +543,14 @@ class PeerBackend(StreamOrdered, Backend):
         self._host.abort()
 
 
-_ROUND_HEAD = 5  # a counts round's record: call number, row bytes, two codes, flags; then the counts
-_ROUND_BAD = 1  # the rank's counts are negative or do not add up to its rows (its kernel sent none)
-_ROUND_OVERFLOWS = 2  # some block of the rank's exceeds the inline capacity (it follows whole)
-
-
 class CountsRound(NamedTuple):
-    """What :meth:`PeerBackend.counts_round` agreed: this rank's counts sent and received, and
-    whether some rank's block exceeds the inline capacity (then every rank joins the exchange
-    of the whole blocks that follows)."""
+    """What :meth:`PeerBackend.counts_round` gathered: this rank's counts sent and received, and
+    every rank's head (``[size]`` rows of dtype code, row-shape code, row bytes, flags), as
+    :meth:`moecomm.backends.p2p.PeerTransport.senders` gives the concurrent path's."""
 
     send: list[int]
     recv: list[int]
-    overflows: bool
-
-
-class _OutOfStep(str):
-    """A counts round's records from different calls: the ranks are out of step."""
-
-
-def _round_problem(table: Sequence[Sequence[int]], me: int, codes: tuple[int, int], row_bytes: int,
-                   send: list[int], rows: int, meta_words: Sequence[str]) -> Optional[Any]:
-    """What a counts round's records (``table``, every rank's) show wrong, the same on every
-    rank: an :class:`_OutOfStep` description, an exception to raise, or None."""
-    first = table[0]
-    if all(row[0] == first[0] and row[1] == row_bytes and row[2] == codes[0] and row[3] == codes[1]
-           and not row[4] & _ROUND_BAD for row in table):
-        return None  # (the common case, at once)
-    calls = [row[0] for row in table]
-    if min(calls) != max(calls):
-        return _OutOfStep(f"the ranks are in different exchanges (numbers {min(calls)} to {max(calls)}; rank {me} is "
-                          f"in {table[me][0]})")
-    bad = [p for p, row in enumerate(table) if row[4] & _ROUND_BAD]
-    op = "all_to_all_v (peer memory)"
-    if me in bad:
-        if min(send, default=0) < 0:
-            return ValueError(f"send_splits must be >= 0, got {send}; nothing was sent")
-        return ValueError(f"send_splits must sum to the {rows} rows of input (dim 0), but sums to {sum(send)}: "
-                          f"{send}; nothing was sent")
-    if bad:
-        return CountMismatchError(f"moecomm: {op}: rank {bad[0]}'s send_splits are negative or do not add up to "
-                                  f"its input's rows; nothing was returned")
-    for p, row in enumerate(table):
-        if row[2] != codes[0]:
-            label, dtype, _, wire = meta_words
-            return CountMismatchError(
-                f"moecomm: {op}: rank {p} sent rows of another dtype, wire dtype or kind of exchange than rank {me}'s "
-                f"({dtype}, wire dtype {wire}, {label}; rows of {row[1]} bytes against {row_bytes}): every rank must "
-                f"pass the same; nothing was returned")
-        if row[3] != codes[1] or row[1] != row_bytes:
-            return CountMismatchError(
-                f"moecomm: {op}: rank {p} sent rows of another shape than rank {me} (rows of {row[1]} bytes against "
-                f"{row_bytes}): every rank must pass the same row shape; nothing was returned")
-    return None
+    heads: list[list[int]]
 
 
 def shared_gpus(devices: Sequence[str], hosts: Sequence[str]) -> dict[tuple[str, str], list[int]]:

@@ -252,12 +252,8 @@ def _start_peer_exchange(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
         engine.abort()
         raise TimeoutError(f"moecomm: {op} (peer memory) did not receive every rank's rows within "
                            f"{engine.timeout:g} s on rank {engine.rank}; the communicator was aborted")
-    senders = engine.peer.senders()
-    heads = senders.tolist()  # (W small rows: checked in Python, the common case in one pass)
-    if not all(h[0] == codes[0] and h[1] == codes[1] and not h[3] & BAD_COUNTS for h in heads):
-        error = _header_error(engine.rank, senders, codes, row_bytes, meta, send, x.shape[0])
-        if error is not None:  # every rank read every header: all raise, none is left waiting
-            raise error
+    heads = engine.peer.senders().tolist()
+    _check_heads(engine.rank, heads, codes, row_bytes, meta, send, x.shape[0])
     problem = check_exchanged_counts(engine, send, recv, x.shape[0], "the rows")
     if engine.validate:
         engine.cross_check(op, send, recv, x.dtype, tuple(x.shape[1:]), problem)
@@ -272,7 +268,8 @@ def _start_counts_round(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
     peer backend's one host round (:meth:`moecomm.backends.peer.PeerBackend.counts_round`)."""
     op = "all_to_all_v"
     x, c, meta, codes = _gpu_counts_inputs(engine, x, counts)
-    rnd = engine.backend.counts_round(x, c, row_bytes, codes, meta.words)
+    rnd = engine.backend.counts_round(x, c, row_bytes, codes)
+    _check_heads(engine.rank, rnd.heads, codes, row_bytes, meta, rnd.send, x.shape[0])
     if engine.validate:
         engine.cross_check(op, rnd.send, rnd.recv, x.dtype, tuple(x.shape[1:]), None)
     out = torch.empty((sum(rnd.recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -283,6 +280,18 @@ def _start_counts_round(engine: Engine, x: torch.Tensor, counts: torch.Tensor,
 def _kind_code(meta: _tags.ExchangeMeta) -> int:
     """One code of an exchange's dtype, wire dtype and kind (its label)."""
     return zlib.crc32("|".join((meta.words[1], meta.words[3], meta.words[0])).encode()) & 0x7FFFFFFF
+
+
+def _check_heads(me: int, heads: list[list[int]], codes: tuple[int, int], row_bytes: int, meta: _tags.ExchangeMeta,
+                 send: list[int], rows: int) -> None:
+    """Raise :func:`_header_error`'s error where the heads of a counts-on-the-GPU exchange (every
+    rank's: dtype code, row-shape code, row bytes, flags) show one: every rank has read every
+    head, so all raise and none is left waiting. The common case in one pass over the rows."""
+    if all(h[0] == codes[0] and h[1] == codes[1] and not h[3] & BAD_COUNTS for h in heads):
+        return
+    error = _header_error(me, np.asarray(heads, dtype=np.int64), codes, row_bytes, meta, send, rows)
+    if error is not None:
+        raise error
 
 
 def _header_error(me: int, senders: Any, codes: tuple[int, int], row_bytes: int, meta: _tags.ExchangeMeta,
