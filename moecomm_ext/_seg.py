@@ -60,19 +60,22 @@ def seg_bias_act(h: Tensor, bias: Tensor, ends: Tensor, *, relu: bool = False,
     Raises:
         ValueError: shapes, devices or ``ends`` as above. TypeError: ``h``'s dtype.
     """
-    _check_rows("seg_bias_act", "h", h, ends, bias.shape[0] if isinstance(bias, Tensor) and bias.dim() == 2 else 1)
+    if not isinstance(h, Tensor) or h.dim() != 2:
+        _check_rows("seg_bias_act", "h", h, ends, 1)  # (raises, naming h)
     if not isinstance(bias, Tensor) or bias.dim() != 2 or bias.shape[1] != h.shape[1] or bias.dtype != h.dtype \
             or bias.device != h.device:
         got = (tuple(bias.shape), bias.dtype, bias.device) if isinstance(bias, Tensor) else type(bias).__name__
         raise ValueError(f"seg_bias_act: argument 'bias' must be [num_local, {h.shape[1]}] {h.dtype} on {h.device}, "
                          f"got {got}")
+    _check_rows("seg_bias_act", "h", h, ends, bias.shape[0])
     mod = seg_module(h.device, use_native)
-    if mod is None or not h.is_contiguous():
-        out = reference.seg_bias_act(h.detach(), bias.detach(), ends, bool(relu)) if mod is None else \
-            mod.seg_bias_act(h.detach().contiguous(), bias.detach().contiguous(), ends.contiguous(), bool(relu))
-        h.detach().copy_(out)
-        return h
-    mod.seg_bias_act(h.detach(), bias.detach().contiguous(), ends.contiguous(), bool(relu))
+    if mod is None:
+        h.detach().copy_(reference.seg_bias_act(h.detach(), bias.detach(), ends, bool(relu)))
+    elif h.is_contiguous():
+        mod.seg_bias_act(h.detach(), bias.detach().contiguous(), ends.contiguous(), bool(relu))
+    else:  # (the kernel works in place on contiguous rows)
+        h.detach().copy_(mod.seg_bias_act(h.detach().contiguous(), bias.detach().contiguous(), ends.contiguous(),
+                                          bool(relu)))
     return h
 
 
