@@ -103,6 +103,13 @@ def test_ends_out_of_order_or_range_are_safe():
     torch.testing.assert_close(moecomm_ext.seg_colsum(h, e, 2), torch.stack([h[:2].sum(0), h[2:].sum(0)]))
 
 
+def test_bias_on_a_strided_view_is_in_place_with_the_same_bits():
+    h = torch.randn(4, 5).t()  # [5, 4], not contiguous
+    ends, bias = torch.tensor([2, 5], dtype=torch.int32), torch.randn(2, 4)
+    want = reference.seg_bias_act(h.contiguous(), bias, ends, True)
+    assert moecomm_ext.seg_bias_act(h, bias, ends, relu=True) is h and torch.equal(h, want)
+
+
 def test_bad_arguments_are_named():
     h, ends = torch.randn(5, 4), torch.tensor([2, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="argument 'h' must be a 2-D"):
@@ -111,6 +118,8 @@ def test_bad_arguments_are_named():
         moecomm_ext.seg_bias_act(h, torch.randn(2, 3), ends)
     with pytest.raises(ValueError, match="argument 'bias'"):
         moecomm_ext.seg_bias_act(h, torch.randn(2, 4, dtype=torch.float64), ends)
+    with pytest.raises(ValueError, match="argument 'ends'.*num_local = 3"):  # ends for 2 experts, bias for 3
+        moecomm_ext.seg_bias_act(h, torch.randn(3, 4), ends)
     with pytest.raises(ValueError, match="argument 'ends' must be 1-D int32"):
         moecomm_ext.seg_colsum(h, ends.long(), 2)
     with pytest.raises(ValueError, match="argument 'ends'.*num_local = 3"):
